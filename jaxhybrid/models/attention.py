@@ -1,0 +1,57 @@
+"""Full attention over the paged KV pool: Qwen3-Next gated attention and Nemotron-H plain GQA."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxhybrid.config import AttentionConfig
+from jaxhybrid.models.layers import RMSNorm, apply_rotary
+from pallas_kernels.attention import ragged_paged_attention
+
+
+class AttentionBatch(NamedTuple):
+    """Per-step metadata of the packed tokens, shared by every attention layer."""
+
+    positions: jax.Array  # [T] i32; absolute position of each token in its sequence
+    cu_seqlens: jax.Array  # [R+1] i32; row r owns tokens cu_seqlens[r]:cu_seqlens[r+1]
+    slot_mapping: jax.Array  # [T] i32; flat KV slot (block * block_size + offset); padding -> 0 (null block)
+    block_tables: jax.Array  # [R, max_blocks] i32; padding entries -> 0
+    context_lens: jax.Array  # [R] i32; tokens of the row in the KV cache after this step's write
+
+
+class KVPool(NamedTuple):
+    k: jax.Array  # [num_blocks, block_size, kv_heads, head_dim]; block 0 is the null block
+    v: jax.Array
+
+
+class Attention(nn.Module):
+    cfg: AttentionConfig
+    norm_eps: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array, batch: AttentionBatch, pool: KVPool) -> tuple[jax.Array, KVPool]:
+        cfg, num_tokens = self.cfg, x.shape[0]
+        dense = lambda n, name: nn.Dense(n, use_bias=cfg.bias, dtype=x.dtype, name=name)
+        q_width = cfg.num_heads * cfg.head_dim * (2 if cfg.output_gate else 1)
+        q = dense(q_width, "q_proj")(x).reshape(num_tokens, cfg.num_heads, -1)
+        k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj")(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = dense(cfg.num_kv_heads * cfg.head_dim, "v_proj")(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        # Qwen3-Next splits q_proj per head into [query | gate] (HF `torch.chunk(..., 2, dim=-1)`).
+        q, gate = (q[..., : cfg.head_dim], q[..., cfg.head_dim :]) if cfg.output_gate else (q, None)
+        if cfg.qk_norm:
+            q = RMSNorm(self.norm_eps, zero_centered=True, name="q_norm")(q)
+            k = RMSNorm(self.norm_eps, zero_centered=True, name="k_norm")(k)
+        q = apply_rotary(q, batch.positions, cfg.rotary_dim, cfg.rope_theta)
+        k = apply_rotary(k, batch.positions, cfg.rotary_dim, cfg.rope_theta)
+        out, k_pool, v_pool = ragged_paged_attention(
+            q, k, v, pool.k, pool.v, batch.slot_mapping, batch.block_tables, batch.cu_seqlens,
+            batch.context_lens, scale=cfg.head_dim**-0.5,
+        )
+        out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate.reshape(out.shape).astype(jnp.float32)).astype(out.dtype)
+        return dense(x.shape[-1], "o_proj")(out), KVPool(k_pool, v_pool)

@@ -1,0 +1,168 @@
+"""Small Flax building blocks shared by every family: norms, rotary embedding, MLP and MoE."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxhybrid.config import ModelConfig, MoEConfig
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32. Qwen's is zero-centred, `x̂ (1 + w)` with w initialised to 0; Nemotron-H's is `x̂ w`."""
+
+    eps: float
+    zero_centered: bool
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        init = nn.initializers.zeros if self.zero_centered else nn.initializers.ones
+        weight = self.param("weight", init, (x.shape[-1],), jnp.float32)
+        scale = 1.0 + weight if self.zero_centered else weight
+        return (rms_normalize(x, self.eps) * scale).astype(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Gated RMSNorm with a plain (ones-initialised) weight.
+
+    GDN normalises then gates, per value head (`norm_before_gate=True`); Mamba2 gates then normalises within
+    each of `n_groups` contiguous channel groups (mirrors HF `NemotronHRMSNormGated`).
+    """
+
+    eps: float
+    norm_before_gate: bool
+    group_size: int | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        silu_gate = jax.nn.silu(gate.astype(jnp.float32))
+        if self.norm_before_gate:
+            return (rms_normalize(x, self.eps) * weight * silu_gate).astype(x.dtype)
+        y = x.astype(jnp.float32) * silu_gate
+        group = self.group_size or x.shape[-1]
+        grouped = y.reshape(*y.shape[:-1], y.shape[-1] // group, group)
+        y = rms_normalize(grouped, self.eps).reshape(y.shape)
+        return (y * weight).astype(x.dtype)
+
+
+def apply_rotary(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
+    """NeoX rotate-half RoPE on the first `rotary_dim` dims of each head. x: [T, heads, D], positions: [T]."""
+    if rotary_dim == 0:
+        return x
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    cos = jnp.cos(jnp.concatenate([freqs, freqs], axis=-1))[:, None, :]
+    sin = jnp.sin(jnp.concatenate([freqs, freqs], axis=-1))[:, None, :]
+    rot, rest = x[..., :rotary_dim].astype(jnp.float32), x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    return jnp.concatenate([(rot * cos + rotated * sin).astype(x.dtype), rest], axis=-1)
+
+
+def _activation(name: str, x: jax.Array) -> jax.Array:
+    return jnp.square(jax.nn.relu(x)) if name == "relu2" else jax.nn.silu(x)
+
+
+class MLP(nn.Module):
+    """SwiGLU `down(silu(gate(x)) * up(x))` (Qwen) or non-gated `down(relu²(up(x)))` (Nemotron-H)."""
+
+    intermediate_size: int
+    activation: str
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dense = lambda n, name: nn.Dense(n, use_bias=self.use_bias, dtype=x.dtype, name=name)
+        up = dense(self.intermediate_size, "up_proj")(x)
+        if self.activation == "silu":
+            hidden = jax.nn.silu(dense(self.intermediate_size, "gate_proj")(x)) * up
+        else:
+            hidden = _activation(self.activation, up)
+        return dense(x.shape[-1], "down_proj")(hidden)
+
+
+def _softmax_router(logits: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
+    # Mirrors HF Qwen3NextTopKRouter: softmax over all experts in fp32, top-k, optional renormalisation.
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, cfg.top_k)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
+
+
+def _sigmoid_group_router(logits: jax.Array, bias: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
+    # Mirrors HF NemotronHTopkRouter (DeepSeek-V3): the bias only steers the choice, weights come from sigmoid.
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + bias
+    per_group = choice.reshape(-1, cfg.n_group, cfg.num_experts // cfg.n_group)
+    group_scores = jnp.sum(jax.lax.top_k(per_group, 2)[0], axis=-1)
+    _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
+    group_mask = jnp.zeros_like(group_scores).at[jnp.arange(group_scores.shape[0])[:, None], top_groups].set(1.0)
+    expert_mask = jnp.repeat(group_mask, cfg.num_experts // cfg.n_group, axis=-1) > 0
+    _, experts = jax.lax.top_k(jnp.where(expert_mask, choice, -jnp.inf), cfg.top_k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, experts
+
+
+class MoE(nn.Module):
+    """Routed experts plus a shared expert (Qwen3-Next: SwiGLU with a sigmoid gate; Nemotron-H: relu² MLP).
+
+    Experts are stacked `[E, in, out]` and every token is combined densely with zero weight for unrouted
+    experts: exact, simple, and fine for the model sizes the CPU path runs; the GPU path will group tokens.
+    """
+
+    cfg: MoEConfig
+    activation: str
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg, num_tokens = self.cfg, x.shape[0]
+        router = self.param("router", nn.initializers.normal(0.02), (x.shape[-1], cfg.num_experts), jnp.float32)
+        logits = x.astype(jnp.float32) @ router
+        if cfg.router == "softmax":
+            weights, experts = _softmax_router(logits, cfg)
+        else:
+            bias = self.param("e_score_correction_bias", nn.initializers.zeros, (cfg.num_experts,), jnp.float32)
+            weights, experts = _sigmoid_group_router(logits, bias, cfg)
+        combine = jnp.zeros((num_tokens, cfg.num_experts), jnp.float32)
+        combine = combine.at[jnp.arange(num_tokens)[:, None], experts].add(weights)
+        routed_in = x if cfg.latent_size is None else nn.Dense(
+            cfg.latent_size, use_bias=self.use_bias, dtype=x.dtype, name="fc1_latent_proj")(x)
+        routed = self._experts(routed_in, combine)
+        if cfg.latent_size is not None:
+            routed = nn.Dense(x.shape[-1], use_bias=self.use_bias, dtype=x.dtype, name="fc2_latent_proj")(routed)
+        shared = MLP(cfg.shared_intermediate_size, self.activation, self.use_bias, name="shared_expert")(x)
+        if cfg.shared_expert_gate:
+            gate = nn.Dense(1, use_bias=False, dtype=x.dtype, name="shared_expert_gate")(x)
+            shared = jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype) * shared
+        return routed + shared
+
+    def _experts(self, x: jax.Array, combine: jax.Array) -> jax.Array:
+        cfg, dim = self.cfg, x.shape[-1]
+        init = nn.initializers.normal(0.02)
+        up = self.param("up_proj", init, (cfg.num_experts, dim, cfg.intermediate_size), jnp.float32)
+        down = self.param("down_proj", init, (cfg.num_experts, cfg.intermediate_size, dim), jnp.float32)
+        hidden = jnp.einsum("td,edi->tei", x, up.astype(x.dtype))
+        if self.activation == "silu":
+            gate = self.param("gate_proj", init, (cfg.num_experts, dim, cfg.intermediate_size), jnp.float32)
+            hidden = jax.nn.silu(jnp.einsum("td,edi->tei", x, gate.astype(x.dtype))) * hidden
+        else:
+            hidden = _activation(self.activation, hidden)
+        out = jnp.einsum("tei,eid,te->td", hidden, down.astype(x.dtype), combine.astype(x.dtype))
+        return out
+
+
+def make_ffn(kind: str, cfg: ModelConfig, name: str) -> nn.Module:
+    if kind == "moe":
+        return MoE(cfg.moe, cfg.mlp_activation, cfg.mlp_bias, name=name)
+    return MLP(cfg.intermediate_size, cfg.mlp_activation, cfg.mlp_bias, name=name)
