@@ -113,6 +113,7 @@ def _init(config: ModelConfig, rng: jax.Array) -> Any:
     return HybridLM(config).init(rng, method=every_entry_point)["params"]
 
 
+@functools.cache
 def abstract_params(config: ModelConfig) -> Any:
     """The params pytree as `jax.ShapeDtypeStruct`s (float32), without allocating it."""
     return jax.eval_shape(functools.partial(_init, config), jax.random.key(0))

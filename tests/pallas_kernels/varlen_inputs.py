@@ -1,0 +1,52 @@
+"""Shared builders for packed varlen test inputs: row lengths inside one padded bucket, per-row loops."""
+
+import numpy as np
+from hypothesis import strategies as st
+
+
+def cu_seqlens(lengths: list[int], num_rows: int) -> np.ndarray:
+    """[R+1] i32 boundaries; missing rows are zero-length padding rows."""
+    padded = list(lengths) + [0] * (num_rows - len(lengths))
+    return np.concatenate([[0], np.cumsum(padded)]).astype(np.int32)
+
+
+@st.composite
+def row_lengths(draw, chunk_size: int, num_tokens: int, num_rows: int) -> list[int]:
+    """Row lengths hitting the chunk edge cases (0, 1, C-1, C, C+1, several chunks), total <= T."""
+    special = st.sampled_from([0, 1, chunk_size - 1, chunk_size, chunk_size + 1, 2 * chunk_size + 3])
+    length = st.one_of(special, st.integers(0, 2 * chunk_size))
+    lengths = draw(st.lists(length, min_size=1, max_size=num_rows))
+    while sum(lengths) > num_tokens:
+        lengths[int(np.argmax(lengths))] //= 2
+    return lengths
+
+
+def row_slice(x: np.ndarray, start: int, stop: int, num_tokens: int) -> np.ndarray:
+    """Tokens [start, stop) of packed x, moved to the front of a zero bucket of T tokens."""
+    out = np.zeros((num_tokens,) + x.shape[1:], x.dtype)
+    out[: stop - start] = x[start:stop]
+    return out
+
+
+def run_rows_separately(fn, token_args, row_states, cu, num_tokens, **kwargs):
+    """Call fn(*token_args, cu=[0, L], state[None]) once per row; returns packed outputs and stacked states.
+
+    Every call uses the same single-row bucket, so fn compiles once.
+    """
+    outputs, finals = [], []
+    for r in range(len(cu) - 1):
+        start, stop = int(cu[r]), int(cu[r + 1])
+        args = [row_slice(a, start, stop, num_tokens) for a in token_args]
+        o, final = fn(*args, np.array([0, stop - start], np.int32), row_states[r : r + 1], **kwargs)
+        outputs.append(np.asarray(o)[: stop - start])
+        finals.append(np.asarray(final)[0])
+    return np.concatenate(outputs), np.stack(finals)
+
+
+def split_row_twice(fn, token_args, state, length, split, num_tokens, **kwargs):
+    """Run one row as two consecutive single-row calls, carrying the state; returns (outputs, final)."""
+    first = [row_slice(a, 0, split, num_tokens) for a in token_args]
+    o1, mid = fn(*first, np.array([0, split], np.int32), state, **kwargs)
+    second = [row_slice(a, split, length, num_tokens) for a in token_args]
+    o2, final = fn(*second, np.array([0, length - split], np.int32), mid, **kwargs)
+    return np.concatenate([np.asarray(o1)[:split], np.asarray(o2)[: length - split]]), np.asarray(final)
