@@ -5,7 +5,7 @@ h // (HQ // HKV)), Dh head dim, NB pool blocks of BS tokens (block 0 is the null
 row in `block_tables`.
 """
 
-from pallas_kernels.attention import reference
+from pallas_kernels.attention import pallas, reference
 from pallas_kernels.common import resolve_backend
 
 __all__ = ["ragged_paged_attention"]
@@ -23,16 +23,17 @@ def ragged_paged_attention(
     Args:
       q: [T, HQ, Dh] packed queries; tokens at index >= cu_seqlens[-1] are padding.
       k, v: [T, HKV, Dh] new keys/values.
-      k_pool, v_pool: [NB, BS, HKV, Dh], donated and updated in place.
+      k_pool, v_pool: [NB, BS, HKV, Dh]; returned updated (donate them at the caller's jit).
       slot_mapping: [T] i32 flat slot (block * BS + offset) per token; padding tokens -> 0 (null block).
       block_tables: [R, MB] i32 block ids per row.  cu_seqlens: [R+1] i32.
       context_lens: [R] i32 tokens of each row in the cache after this write.
-      scale: softmax scale.  backend: "reference" (the only one so far); None picks it.
+      scale: softmax scale.  backend: "reference" | "pallas" | "interpret"; None = pallas on GPU.
 
     Returns:
       o: [T, HQ, Dh] in q.dtype (padding tokens zero), k_pool, v_pool.
     """
-    resolve_backend(backend, has_pallas=False)
-    return reference.ragged_paged_attention(
-        q, k, v, k_pool, v_pool, slot_mapping, block_tables, cu_seqlens, context_lens, scale=scale
-    )
+    args = (q, k, v, k_pool, v_pool, slot_mapping, block_tables, cu_seqlens, context_lens)
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return reference.ragged_paged_attention(*args, scale=scale)
+    return pallas.ragged_paged_attention(*args, scale=scale, interpret=backend == "interpret")

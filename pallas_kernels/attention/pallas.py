@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.attention.reference import write_kv
-from pallas_kernels.common import chunk_table, token_rows
+from pallas_kernels.common import chunk_table, zero_padding
 
 
 def _attention_kernel(
@@ -98,6 +98,4 @@ def ragged_paged_attention(
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
         name=f"ragged_paged_attention_{block_q=}_{block_size=}",
     )(table.rows, table.starts, table.lengths, cu_seqlens, context_lens, block_tables, padded_q, k_pool, v_pool)
-    # Padding tokens are never written by the kernel (uninitialised there): zero them like the reference.
-    valid = token_rows(cu_seqlens, num_tokens).valid
-    return jnp.where(valid[:, None, None], out[:num_tokens], 0).astype(q.dtype), k_pool, v_pool
+    return zero_padding(out[:num_tokens], cu_seqlens, q.dtype), k_pool, v_pool

@@ -29,7 +29,7 @@ def _online_softmax_step(carry, scores, values):
     return new_max, rescale * running_sum + probs.sum(-1), acc
 
 
-@functools.partial(jax.jit, static_argnames=("scale",), donate_argnames=("k_pool", "v_pool"))
+@functools.partial(jax.jit, static_argnames=("scale",))
 def ragged_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, block_tables, cu_seqlens, context_lens, *, scale):
     """Write the new K/V into the paged pool, then attend causally within each row.
 

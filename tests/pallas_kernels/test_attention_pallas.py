@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from lowering import TRITON_CALL, lower_for_cuda
 from test_attention_reference import SCALE, _make_case, rows
 
-from pallas_kernels.attention import pallas, reference
+from pallas_kernels.attention import pallas, ragged_paged_attention, reference
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -19,7 +19,7 @@ ON_GPU = jax.default_backend() == "gpu"
 def _compare(args, dtype, tolerance, interpret):
     args = {k: (jnp.asarray(a, dtype) if a.dtype == np.float32 else a) for k, a in args.items()}
     expected, k_ref, v_ref = reference.ragged_paged_attention(**args, scale=SCALE)
-    out, k_pool, v_pool = pallas.ragged_paged_attention(**args, scale=SCALE, interpret=interpret)
+    out, k_pool, v_pool = ragged_paged_attention(**args, scale=SCALE, backend="interpret" if interpret else "pallas")
     np.testing.assert_array_equal(np.asarray(k_pool), np.asarray(k_ref))
     np.testing.assert_array_equal(np.asarray(v_pool), np.asarray(v_ref))
     error = np.abs(np.asarray(out, np.float32) - np.asarray(expected, np.float32)).max()

@@ -3,7 +3,7 @@
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from varlen_inputs import cu_seqlens, row_lengths, run_rows_separately, split_row_twice
+from varlen_inputs import check_packed_equals_per_row_calls, check_split_row_carries_state, cu_seqlens, row_lengths
 
 from pallas_kernels.conv1d import causal_conv1d
 
@@ -51,11 +51,7 @@ def test_matches_numpy(lengths, seed):
 @given(lengths=row_lengths(KC, 32, 6), seed=st.integers(0, 2**16))
 def test_packed_equals_per_row_calls(lengths, seed):
     x, window = _make_inputs(32, 6, seed)
-    cu = cu_seqlens(lengths, 6)
-    y, final = _conv(x, cu, window)
-    y_rows, final_rows = run_rows_separately(_conv, [x], window, cu, 32)
-    np.testing.assert_allclose(y[: cu[-1]], y_rows, **TOL)
-    np.testing.assert_allclose(final, final_rows, **TOL)
+    check_packed_equals_per_row_calls([_conv], [x], window, cu_seqlens(lengths, 6), 32, TOL)
 
 
 @settings(max_examples=5, deadline=None)
@@ -63,10 +59,7 @@ def test_packed_equals_per_row_calls(lengths, seed):
 def test_split_row_carries_window(length, data):
     split = data.draw(st.integers(1, length - 1))
     x, window = _make_inputs(32, 1, length)
-    y, final = _conv(x, np.array([0, length], np.int32), window)
-    y_split, final_split = split_row_twice(_conv, [x], window, length, split, 32)
-    np.testing.assert_allclose(y[:length], y_split, **TOL)
-    np.testing.assert_allclose(final, final_split, **TOL)
+    check_split_row_carries_state([_conv], [x], window, length, split, 32, TOL)
 
 
 def test_no_activation_no_bias_bf16():

@@ -3,7 +3,13 @@
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from varlen_inputs import cu_seqlens, row_lengths, run_rows_separately, split_row_twice
+from varlen_inputs import (
+    check_chunked_matches_recurrent,
+    check_packed_equals_per_row_calls,
+    check_split_row_carries_state,
+    cu_seqlens,
+    row_lengths,
+)
 
 from pallas_kernels.mamba2 import ssd_chunked, ssd_recurrent
 
@@ -37,12 +43,7 @@ def _chunked(x, dt, B, C, cu, state, chunk_size=16):
 @given(lengths=row_lengths(16, 96, 5), seed=st.integers(0, 2**16))
 def test_chunked_matches_recurrent(lengths, seed):
     tokens, state = _make_inputs(96, 5, seed)
-    cu = cu_seqlens(lengths, 5)
-    y_ref, final_ref = _recurrent(*tokens.values(), cu, state)
-    y, final = _chunked(*tokens.values(), cu, state)
-    np.testing.assert_allclose(y[: cu[-1]], y_ref[: cu[-1]], **TOL)
-    np.testing.assert_allclose(final, final_ref, **TOL)
-    assert np.isfinite(y).all()
+    check_chunked_matches_recurrent(_recurrent, _chunked, list(tokens.values()), state, cu_seqlens(lengths, 5), TOL)
 
 
 def test_chunk128_edge_lengths():
@@ -60,12 +61,8 @@ def test_chunk128_edge_lengths():
 @given(lengths=row_lengths(16, 96, 5), seed=st.integers(0, 2**16))
 def test_packed_equals_per_row_calls(lengths, seed):
     tokens, state = _make_inputs(96, 5, seed)
-    cu = cu_seqlens(lengths, 5)
-    for fn in (_recurrent, _chunked):
-        y, final = fn(*tokens.values(), cu, state)
-        y_rows, final_rows = run_rows_separately(fn, list(tokens.values()), state, cu, 96)
-        np.testing.assert_allclose(y[: cu[-1]], y_rows, **TOL)
-        np.testing.assert_allclose(final, final_rows, **TOL)
+    fns = (_recurrent, _chunked)
+    check_packed_equals_per_row_calls(fns, list(tokens.values()), state, cu_seqlens(lengths, 5), 96, TOL)
 
 
 @settings(max_examples=5, deadline=None)
@@ -73,12 +70,8 @@ def test_packed_equals_per_row_calls(lengths, seed):
 def test_split_row_carries_state(length, data):
     split = data.draw(st.integers(1, length - 1))
     tokens, state = _make_inputs(96, 1, length)
-    cu = np.array([0, length], np.int32)
-    for fn in (_recurrent, _chunked):
-        y, final = fn(*tokens.values(), cu, state)
-        y_split, final_split = split_row_twice(fn, list(tokens.values()), state, length, split, 96)
-        np.testing.assert_allclose(y[:length], y_split, **TOL)
-        np.testing.assert_allclose(final, final_split, **TOL)
+    fns = (_recurrent, _chunked)
+    check_split_row_carries_state(fns, list(tokens.values()), state, length, split, 96, TOL)
 
 
 def test_groups_match_numpy_loop():

@@ -10,6 +10,29 @@ def cu_seqlens(lengths: list[int], num_rows: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(padded)]).astype(np.int32)
 
 
+def prefill_rows(rng, lengths, num_rows, slot_ids, initial_rate=0.5, checkpoint_past_end=False):
+    """cu_seqlens and the per-row prefill arguments of a (T, R) bucket, drawn from `rng`.
+
+    Real rows run in the distinct `slot_ids[:R]` (padding rows in the null slot), have an initial state
+    with probability `initial_rate`, and 70% of them checkpoint at a random length into `slot_ids[R:2R]`;
+    `checkpoint_past_end` also allows row length + 1 (past the row's end: skipped).
+    """
+    cu = cu_seqlens(lengths, num_rows)
+    real = np.arange(num_rows) < len(lengths)
+    extra = 2 if checkpoint_past_end else 1
+    # One rng draw after another in this order: callers' seeded cases depend on it.
+    has_initial = rng.uniform(size=num_rows) < initial_rate
+    checkpoint_lens = np.array([rng.integers(0, n + extra) for n in np.diff(cu)], np.int32)
+    checkpoint_slots = np.where(real & (rng.uniform(size=num_rows) < 0.7), slot_ids[num_rows : 2 * num_rows], 0)
+    return dict(
+        cu_seqlens=cu,
+        slots=np.where(real, slot_ids[:num_rows], 0).astype(np.int32),
+        has_initial=has_initial,
+        checkpoint_lens=checkpoint_lens,
+        checkpoint_slots=checkpoint_slots.astype(np.int32),
+    )
+
+
 @st.composite
 def row_lengths(draw, chunk_size: int, num_tokens: int, num_rows: int) -> list[int]:
     """Row lengths hitting the chunk edge cases (0, 1, C-1, C, C+1, several chunks), total <= T."""
@@ -50,3 +73,30 @@ def split_row_twice(fn, token_args, state, length, split, num_tokens, **kwargs):
     second = [row_slice(a, split, length, num_tokens) for a in token_args]
     o2, final = fn(*second, np.array([0, length - split], np.int32), mid, **kwargs)
     return np.concatenate([np.asarray(o1)[:split], np.asarray(o2)[: length - split]]), np.asarray(final)
+
+
+def check_packed_equals_per_row_calls(fns, token_args, states, cu, num_tokens, tol):
+    """Each fn(*token_args, cu, states) on the packed bucket equals one call per row (the FLA varlen check)."""
+    for fn in fns:
+        out, final = fn(*token_args, cu, states)
+        out_rows, final_rows = run_rows_separately(fn, token_args, states, cu, num_tokens)
+        np.testing.assert_allclose(out[: cu[-1]], out_rows, **tol)
+        np.testing.assert_allclose(final, final_rows, **tol)
+
+
+def check_split_row_carries_state(fns, token_args, state, length, split, num_tokens, tol):
+    """Each fn on one row of `length` tokens equals two calls split at `split`, carrying the state."""
+    for fn in fns:
+        out, final = fn(*token_args, np.array([0, length], np.int32), state)
+        out_split, final_split = split_row_twice(fn, token_args, state, length, split, num_tokens)
+        np.testing.assert_allclose(out[:length], out_split, **tol)
+        np.testing.assert_allclose(final, final_split, **tol)
+
+
+def check_chunked_matches_recurrent(recurrent, chunked, token_args, states, cu, tol):
+    """Real tokens' outputs and every row's final state agree; all outputs (padding too) are finite."""
+    out_ref, final_ref = recurrent(*token_args, cu, states)
+    out, final = chunked(*token_args, cu, states)
+    np.testing.assert_allclose(out[: cu[-1]], out_ref[: cu[-1]], **tol)
+    np.testing.assert_allclose(final, final_ref, **tol)
+    assert np.isfinite(out).all()

@@ -1,0 +1,248 @@
+"""Kernel timings at model-like layer shapes: every op of pallas_kernels, one table.
+
+Each case times the op through its public function on this machine's default backend (reference on
+CPU, Pallas on GPU; `--backend` overrides) and, in the same run, a plain-NumPy baseline of the same
+maths (token loops vectorised over heads, dense softmax attention). Shapes follow Qwen3-Next GDN
+(H 16, HV 32, dk = dv = 128, conv dim 8192), Nemotron-H Mamba2 (128 heads x 64, N 128, G 8) and a
+gated-attention layer (16 q heads, 2 kv heads, head dim 256, block 16); `--scale` shrinks heads and
+tokens for a quick run. Prints a table and writes benchmarks/results/kernels_<platform>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from pallas_kernels.attention import ragged_paged_attention
+from pallas_kernels.conv1d import conv1d_prefill
+from pallas_kernels.gdn import gdn_decode, gdn_prefill, gdn_verify
+from pallas_kernels.mamba2 import ssd_decode, ssd_prefill
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def _median_ms(fn, repeats):
+    jax.block_until_ready(fn())  # compile + warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))
+
+
+class Pools:
+    """Device-resident pools threaded through donating calls, as the engine's step does."""
+
+    def __init__(self, *pools):
+        self.pools = [jax.device_put(p) for p in pools]
+
+    def call(self, fn, *args, **kwargs):
+        """fn(*args, *pools, **kwargs) -> (out, *pools) or (out, pool); keeps the new pools, returns out."""
+        out, *self.pools = fn(*args, *self.pools, **kwargs)
+        return out
+
+
+def _rows(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def _l2(x):
+    return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+
+# ---- NumPy baselines -------------------------------------------------------------------------------
+
+
+def np_conv(x, weight, cu, windows):
+    out = np.empty_like(x)
+    for r in range(len(cu) - 1):
+        xx = np.concatenate([windows[r], x[cu[r] : cu[r + 1]]])
+        taps = np.stack([xx[i : i + cu[r + 1] - cu[r]] for i in range(weight.shape[1])])
+        y = np.einsum("ktd,dk->td", taps, weight)
+        out[cu[r] : cu[r + 1]] = y / (1 + np.exp(-y))
+    return out
+
+
+def np_gdn(q, k, v, g, beta, cu, states):
+    group = v.shape[1] // q.shape[1]
+    q, k = np.repeat(_l2(q) * q.shape[-1] ** -0.5, group, 1), np.repeat(_l2(k), group, 1)
+    out = np.empty_like(v)
+    for r in range(len(cu) - 1):
+        s = states[r].copy()
+        for t in range(cu[r], cu[r + 1]):
+            s *= np.exp(g[t])[:, None, None]
+            delta = beta[t][:, None] * (v[t] - np.einsum("hkv,hk->hv", s, k[t]))
+            s += k[t][:, :, None] * delta[:, None, :]
+            out[t] = np.einsum("hkv,hk->hv", s, q[t])
+    return out
+
+
+def np_ssd(x, dt, a, b, c, d, cu, states):
+    group = x.shape[1] // b.shape[1]
+    b, c = np.repeat(b, group, 1), np.repeat(c, group, 1)
+    out = np.empty_like(x)
+    for r in range(len(cu) - 1):
+        s = states[r].copy()
+        for t in range(cu[r], cu[r + 1]):
+            s = np.exp(dt[t] * a)[:, None, None] * s + (dt[t][:, None] * x[t])[:, :, None] * b[t][:, None, :]
+            out[t] = np.einsum("hpn,hn->hp", s, c[t]) + d[:, None] * x[t]
+    return out
+
+
+def np_attention(q, keys, values, cu, context, scale):
+    out = np.empty_like(q)
+    group = q.shape[1] // keys[0].shape[1]
+    for r in range(len(cu) - 1):
+        n = cu[r + 1] - cu[r]
+        kk, vv = np.repeat(keys[r], group, 1), np.repeat(values[r], group, 1)
+        s = np.einsum("thd,khd->htk", q[cu[r] : cu[r + 1]], kk) * scale
+        s = np.where(np.arange(context[r])[None, :] <= (context[r] - n + np.arange(n))[:, None], s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        out[cu[r] : cu[r + 1]] = np.einsum("htk,khd->thd", p / p.sum(-1, keepdims=True), vv)
+    return out
+
+
+# ---- cases: (op, shape, run, baseline) --------------------------------------------------------------
+
+
+def conv_case(rng, backend, tokens, rows, dim=8192, kc=4):
+    x, weight = rng.standard_normal((tokens, dim), np.float32), rng.standard_normal((dim, kc), np.float32)
+    cu, slots = _rows([tokens // rows] * rows), np.arange(1, rows + 1, dtype=np.int32)
+    pool = rng.standard_normal((rows + 1, kc - 1, dim), np.float32)
+    device = Pools(pool)
+    run = lambda: device.call(
+        lambda p: conv1d_prefill(x, weight, None, cu, p, slots, np.ones(rows, bool), backend=backend)
+    )
+    return "conv1d_prefill", f"T={tokens} R={rows} D={dim}", run, lambda: np_conv(x, weight, cu, pool[slots])
+
+
+def _gdn_tokens(rng, tokens, heads, value_heads, dim):
+    return (
+        rng.standard_normal((tokens, heads, dim), np.float32), rng.standard_normal((tokens, heads, dim), np.float32),
+        rng.standard_normal((tokens, value_heads, dim), np.float32),
+        -rng.exponential(0.1, (tokens, value_heads)).astype(np.float32),
+        rng.uniform(0, 1, (tokens, value_heads)).astype(np.float32),
+    )  # fmt: skip
+
+
+def gdn_cases(rng, backend, tokens, rows, heads, dim=128, width=8, drafts=3):
+    value_heads = 2 * heads
+    pool = rng.standard_normal((2 * rows + 1, value_heads, dim, dim), np.float32) * 0.1
+    slots, ones = np.arange(1, rows + 1, dtype=np.int32), np.ones(rows, bool)
+    device = Pools(pool)
+    prefill_tokens = _gdn_tokens(rng, tokens, heads, value_heads, dim)
+    cu = _rows([tokens // rows] * rows)
+    yield (
+        "gdn_prefill", f"T={tokens} R={rows} HV={value_heads} K=V={dim}",
+        lambda: device.call(lambda p: gdn_prefill(*prefill_tokens, cu, p, slots, ones, backend=backend)),
+        lambda: np_gdn(*prefill_tokens, cu, pool[slots]),
+    )  # fmt: skip
+    decode_tokens, cu1 = _gdn_tokens(rng, rows, heads, value_heads, dim), _rows([1] * rows)
+    yield (
+        "gdn_decode", f"R={rows} HV={value_heads}",
+        lambda: device.call(lambda p: gdn_decode(*decode_tokens, cu1, p, slots, backend=backend)),
+        lambda: np_gdn(*decode_tokens, cu1, pool[slots]),
+    )  # fmt: skip
+    verify_tokens, cuv = _gdn_tokens(rng, rows * (1 + drafts), heads, value_heads, dim), _rows([1 + drafts] * rows)
+    rings = (
+        rng.standard_normal((2 * rows + 1, heads, width, dim), np.float32),
+        rng.standard_normal((2 * rows + 1, value_heads, width, dim), np.float32),
+        -rng.exponential(0.1, (2 * rows + 1, value_heads, width)).astype(np.float32),
+    )
+    trackers = (slots, np.zeros(rows, np.int32), np.full(rows, 4, np.int32), np.ones(rows, bool))
+    with_rings = Pools(pool, *rings)
+    verify = lambda *pools: gdn_verify(*verify_tokens, cuv, *pools, *trackers, backend=backend)
+    yield (
+        "gdn_verify (flush)", f"R={rows} T/row={1 + drafts} W={width} committed=4",
+        lambda: with_rings.call(verify),
+        lambda: np_gdn(*verify_tokens, cuv, pool[slots]),  # sequential decoding of the same tokens
+    )  # fmt: skip
+
+
+def ssd_cases(rng, backend, tokens, rows, heads, head_dim=64, state=128, groups=8):
+    a = -np.exp(rng.uniform(-1, 1, heads)).astype(np.float32)
+    d = rng.standard_normal(heads).astype(np.float32)
+    pool = rng.standard_normal((rows + 1, heads, head_dim, state), np.float32) * 0.1
+    slots, ones = np.arange(1, rows + 1, dtype=np.int32), np.ones(rows, bool)
+    device = Pools(pool)
+
+    def tokens_of(n):
+        x, dt = rng.standard_normal((n, heads, head_dim), np.float32), rng.uniform(0.001, 0.1, (n, heads))
+        b, c = rng.standard_normal((2, n, groups, state), np.float32)
+        return x, dt.astype(np.float32), b, c
+
+    x, dt, b, c = tokens_of(tokens)
+    cu = _rows([tokens // rows] * rows)
+    yield (
+        "ssd_prefill", f"T={tokens} R={rows} NH={heads} P={head_dim} N={state}",
+        lambda: device.call(lambda p: ssd_prefill(x, dt, a, b, c, d, cu, p, slots, ones, backend=backend)),
+        lambda: np_ssd(x, dt, a, b, c, d, cu, pool[slots]),
+    )  # fmt: skip
+    x1, dt1, b1, c1 = tokens_of(rows)
+    cu1 = _rows([1] * rows)
+    yield (
+        "ssd_decode", f"R={rows} NH={heads}",
+        lambda: device.call(lambda p: ssd_decode(x1, dt1, a, b1, c1, d, cu1, p, slots, backend=backend)),
+        lambda: np_ssd(x1, dt1, a, b1, c1, d, cu1, pool[slots]),
+    )  # fmt: skip
+
+
+def attention_case(rng, backend, prefill, rows, context=1024, block=16, q_heads=16, kv_heads=2, dim=256):
+    lengths = [prefill] + [1] * (rows - 1)  # one prefill chunk + decode rows in one call
+    cu, tokens, per_row = _rows(lengths), sum(lengths), context // block
+    tables = (1 + np.arange(rows * per_row, dtype=np.int32)).reshape(rows, per_row)
+    k_pool, v_pool = rng.standard_normal((2, rows * per_row + 1, block, kv_heads, dim)).astype(np.float32)
+    positions = np.concatenate([np.arange(context - n, context) for n in lengths])
+    row_of = np.repeat(np.arange(rows), lengths)
+    slot_mapping = (tables[row_of, positions // block] * block + positions % block).astype(np.int32)
+    q = rng.standard_normal((tokens, q_heads, dim), np.float32)
+    k, v = rng.standard_normal((2, tokens, kv_heads, dim)).astype(np.float32)
+    context_lens = np.full(rows, context, np.int32)
+    scale = dim**-0.5
+    keys = [k_pool[tables[r]].reshape(context, kv_heads, dim) for r in range(rows)]
+    values = [v_pool[tables[r]].reshape(context, kv_heads, dim) for r in range(rows)]
+    device = Pools(k_pool, v_pool)
+    attend = lambda kp, vp: ragged_paged_attention(
+        q, k, v, kp, vp, slot_mapping, tables, cu, context_lens, scale=scale, backend=backend
+    )
+    run = lambda: device.call(attend)
+    shape = f"prefill {prefill} + {rows - 1} decode, ctx={context} HQ={q_heads} HKV={kv_heads} Dh={dim}"
+    return "ragged_paged_attention", shape, run, lambda: np_attention(q, keys, values, cu, context_lens, scale)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default=None, help="reference | pallas | interpret (default: per platform)")
+    parser.add_argument("--scale", type=int, default=1, help="divide heads and tokens by this (quick runs)")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    rng, s = np.random.default_rng(0), args.scale
+    cases = [
+        conv_case(rng, args.backend, 512 // s, 4),
+        *gdn_cases(rng, args.backend, 512 // s, 4, 16 // s),
+        *ssd_cases(rng, args.backend, 512 // s, 4, 128 // s),
+        attention_case(rng, args.backend, 256 // s, 16),
+    ]
+    backend = args.backend or ("pallas" if jax.default_backend() == "gpu" else "reference")
+    print(f"{'op':<24} {'shape':<58} {backend + ' ms':>14} {'numpy ms':>10} {'speed-up':>9}")
+    records = []
+    for op, shape, run, baseline in cases:
+        ms, np_ms = _median_ms(run, args.repeats), _median_ms(baseline, args.repeats)
+        print(f"{op:<24} {shape:<58} {ms:>14.2f} {np_ms:>10.2f} {np_ms / ms:>8.1f}x")
+        records.append(dict(op=op, shape=shape, backend=backend, ms=ms, numpy_ms=np_ms))
+    RESULTS.mkdir(exist_ok=True)
+    meta = dict(platform=platform.platform(), jax=jax.__version__, device=str(jax.devices()[0]), scale=s)
+    out = RESULTS / f"kernels_{jax.default_backend()}.json"
+    out.write_text(json.dumps(dict(meta=meta, results=records), indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

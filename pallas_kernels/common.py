@@ -1,0 +1,220 @@
+"""Index maths shared by every op: packed varlen tokens (`cu_seqlens`), chunk tables, slot pools, rings."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# fp32 references must not silently drop to TF32/bf16 passes on GPU.
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def check_rows(cu_seqlens: jax.Array, per_row: jax.Array, name: str) -> None:
+    """Raise unless `per_row` has one entry per row of `cu_seqlens: [R+1]`."""
+    if per_row.shape[0] != cu_seqlens.shape[0] - 1:
+        num_rows = cu_seqlens.shape[0] - 1
+        raise ValueError(f"{name} has {per_row.shape[0]} rows but cu_seqlens describes {num_rows}")
+
+
+class TokenRows(NamedTuple):
+    """Where each packed token lives.
+
+    Tokens outside [cu_seqlens[0], cu_seqlens[-1]) are padding: row R, valid False. cu_seqlens[0] is 0
+    except in the second phase of a grouped prefill, which skips the first rows' tokens.
+    """
+
+    rows: jax.Array  # [T] i32, in [0, R]
+    positions: jax.Array  # [T] i32, index of the token inside its row
+    valid: jax.Array  # [T] bool
+
+
+def token_rows(cu_seqlens: jax.Array, num_tokens: int) -> TokenRows:
+    """Row and in-row position of every packed token; `cu_seqlens: [R+1] i32`."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    # side="right" skips zero-length rows: the last row starting at or before t owns t.
+    rows = jnp.searchsorted(cu_seqlens, t, side="right").astype(jnp.int32) - 1
+    valid = (t >= cu_seqlens[0]) & (t < cu_seqlens[-1])
+    rows = jnp.where(valid, rows, cu_seqlens.shape[0] - 1)
+    return TokenRows(rows, t - cu_seqlens[rows], valid)
+
+
+class ChunkTable(NamedTuple):
+    """Per-row chunking of packed tokens: chunk j covers tokens [starts[j], starts[j] + lengths[j]).
+
+    Each row is cut into chunks from its own first token, so no chunk straddles two rows (FLA
+    `prepare_chunk_indices`). Surplus chunks beyond the real ones have length 0 and row R.
+    """
+
+    rows: jax.Array  # [NC] i32, in [0, R]
+    starts: jax.Array  # [NC] i32
+    offsets: jax.Array  # [NC] i32, index of the chunk's first token inside its row
+    lengths: jax.Array  # [NC] i32, in [0, C]
+    first: jax.Array  # [NC] bool, first chunk of its row
+    token_chunk: jax.Array  # [T] i32, chunk holding each token (clipped for padding tokens)
+    token_offset: jax.Array  # [T] i32, position of each token inside its chunk
+    token_valid: jax.Array  # [T] bool, False for padding tokens
+
+
+def max_num_chunks(num_tokens: int, num_rows: int, chunk_size: int) -> int:
+    # Each non-empty row wastes at most one partial chunk.
+    return num_tokens // chunk_size + min(num_rows, num_tokens)
+
+
+def chunk_table(cu_seqlens: jax.Array, num_tokens: int, chunk_size: int) -> ChunkTable:
+    """Static-size chunk table for `cu_seqlens: [R+1] i32` over a bucket of T tokens."""
+    num_rows = cu_seqlens.shape[0] - 1
+    num_chunks = max_num_chunks(num_tokens, num_rows, chunk_size)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    row_chunks = (lengths + chunk_size - 1) // chunk_size
+    chunk_offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(row_chunks).astype(jnp.int32)])
+    j = jnp.arange(num_chunks, dtype=jnp.int32)
+    rows = jnp.searchsorted(chunk_offsets, j, side="right").astype(jnp.int32) - 1
+    index_in_row = j - chunk_offsets[rows]
+    starts = cu_seqlens[rows] + index_in_row * chunk_size
+    ends = cu_seqlens[jnp.minimum(rows + 1, num_rows)]
+    chunk_lengths = jnp.where(rows < num_rows, jnp.clip(ends - starts, 0, chunk_size), 0)
+    tok = token_rows(cu_seqlens, num_tokens)
+    token_chunk = jnp.minimum(chunk_offsets[tok.rows] + tok.positions // chunk_size, num_chunks - 1)
+    return ChunkTable(
+        rows,
+        starts,
+        index_in_row * chunk_size,
+        chunk_lengths,
+        index_in_row == 0,
+        token_chunk,
+        tok.positions % chunk_size,
+        tok.valid,
+    )
+
+
+def gather_chunks(x: jax.Array, table: ChunkTable, chunk_size: int) -> jax.Array:
+    """[T, ...] -> [NC, C, ...]; positions past a chunk's length are zero."""
+    offsets = jnp.arange(chunk_size, dtype=jnp.int32)
+    index = jnp.minimum(table.starts[:, None] + offsets, x.shape[0] - 1)
+    mask = offsets < table.lengths[:, None]
+    gathered = x[index]
+    return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 1)), gathered, 0)
+
+
+def scatter_chunks(y: jax.Array, table: ChunkTable) -> jax.Array:
+    """[NC, C, ...] -> [T, ...]; padding tokens get zeros."""
+    out = y[table.token_chunk, table.token_offset]
+    valid = table.token_valid
+    return jnp.where(valid.reshape(valid.shape + (1,) * (out.ndim - 1)), out, 0)
+
+
+def repeat_heads(x: jax.Array, num_heads: int, axis: int) -> jax.Array:
+    """GVA/GQA expansion: head h reads source head h // (num_heads // x.shape[axis])."""
+    return jnp.repeat(x, num_heads // x.shape[axis], axis=axis)
+
+
+def gather_slots(pool: jax.Array, slots: jax.Array, has_initial: jax.Array | None = None) -> jax.Array:
+    """pool[slots] -> [R, ...]; rows without an initial state read zeros, whatever the slot holds."""
+    rows = pool[slots]
+    if has_initial is None:
+        return rows
+    return jnp.where(has_initial.reshape((-1,) + (1,) * (rows.ndim - 1)), rows, 0).astype(pool.dtype)
+
+
+def scatter_slots(pool: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
+    """pool[slots] = rows, except slot 0: the null slot is never written (padding rows aim there)."""
+    target = jnp.where(slots > 0, slots, pool.shape[0])
+    return pool.at[target].set(rows.astype(pool.dtype), mode="drop")
+
+
+def checkpoint_targets(cu_seqlens, slots, checkpoint_lens, checkpoint_slots):
+    """Slots receiving each row's checkpoint: 0 (skip) for rows aimed at the null slot or too short."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return jnp.where((slots > 0) & (checkpoint_lens <= lengths), checkpoint_slots, 0)
+
+
+def zero_padding(y: jax.Array, cu_seqlens: jax.Array, dtype) -> jax.Array:
+    """[T, ...] -> dtype with padding tokens zeroed: kernels never store them (uninitialised memory)."""
+    valid = token_rows(cu_seqlens, y.shape[0]).valid
+    return jnp.where(valid.reshape((-1,) + (1,) * (y.ndim - 1)), y, 0).astype(dtype)
+
+
+def int32(*arrays: jax.Array) -> list[jax.Array]:
+    """Kernel metadata operands: read as int32 scalars (bool flags become 0/1)."""
+    return [v.astype(jnp.int32) for v in arrays]
+
+
+def checkpoint_counts(table: ChunkTable, checkpoint_lens: jax.Array, num_rows: int) -> jax.Array:
+    """[NC] i32: tokens of each chunk before its row's checkpoint, 0 where the checkpoint is not in it."""
+    count = checkpoint_lens[jnp.minimum(table.rows, num_rows - 1)] - table.offsets
+    return jnp.where((count >= 1) & (count <= table.lengths), count, 0)
+
+
+def store_prefill_states(pool, cu_seqlens, slots, final, checkpoint_lens, checkpoint_slots, checkpoint):
+    """Scatter each row's final state to its slot and, when asked, its checkpoint state to its checkpoint slot."""
+    pool = scatter_slots(pool, slots, final)
+    if checkpoint_lens is None:
+        return pool
+    return scatter_slots(pool, checkpoint_targets(cu_seqlens, slots, checkpoint_lens, checkpoint_slots), checkpoint)
+
+
+def copy_slots(pool: jax.Array, src_slots: jax.Array, dst_slots: jax.Array) -> jax.Array:
+    """pool[dst] = pool[src] for each pair; pairs aimed at the null slot 0 are skipped."""
+    return scatter_slots(pool, dst_slots, pool[src_slots])
+
+
+def resolve_backend(backend: str | None, has_pallas: bool = True) -> str:
+    """None -> "pallas" on GPU (when the op has a kernel), else "reference"."""
+    if backend is None:
+        return "pallas" if has_pallas and jax.default_backend() == "gpu" else "reference"
+    allowed = ("reference", "pallas", "interpret") if has_pallas else ("reference",)
+    if backend not in allowed:
+        raise ValueError(f"backend must be one of {allowed}, got {backend!r}")
+    return backend
+
+
+def rows_to_dense(x: jax.Array, cu_seqlens: jax.Array, width: int) -> jax.Array:
+    """Packed [T, ...] -> [R, width, ...], row r's tokens first, zeros after (rows must be <= width long)."""
+    offsets = jnp.arange(width, dtype=jnp.int32)
+    index = jnp.minimum(cu_seqlens[:-1, None] + offsets, x.shape[0] - 1)
+    mask = offsets < (cu_seqlens[1:] - cu_seqlens[:-1])[:, None]
+    return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 1)), x[index], 0)
+
+
+def dense_to_rows(y: jax.Array, cu_seqlens: jax.Array, num_tokens: int) -> jax.Array:
+    """[R, width, ...] -> packed [T, ...]; padding tokens get zeros."""
+    tok = token_rows(cu_seqlens, num_tokens)
+    rows = jnp.minimum(tok.rows, y.shape[0] - 1)
+    out = y[rows, jnp.clip(tok.positions, 0, y.shape[1] - 1)]
+    return jnp.where(tok.valid.reshape((-1,) + (1,) * (out.ndim - 1)), out, 0)
+
+
+def append_ring(ring: jax.Array, new: jax.Array, ring_start, committed, lengths) -> jax.Array:
+    """Write new entries i < lengths[r] at ring index (ring_start + committed + i) % W, per row.
+
+    ring, new: [R, X, W, ...] (ring axis 2; `new` in logical order). Other ring entries are kept.
+    """
+    width = ring.shape[2]
+    logical = (jnp.arange(width)[None, :] - ring_start[:, None] - committed[:, None]) % width  # [R, W]
+    expand = (slice(None), None, slice(None)) + (None,) * (ring.ndim - 3)
+    index = jnp.broadcast_to(logical[expand], new.shape)
+    moved = jnp.take_along_axis(new, index, axis=2)
+    take = (logical < lengths[:, None])[expand]
+    return jnp.where(take, moved, ring)
+
+
+def append_dense_rows(rings, new_entries, slots, ring_start, committed, lengths) -> tuple:
+    """`append_ring` for each (ring pool [S, X, W, ...], row tokens [R, W, X, ...]) pair, on the rows' slots."""
+    return tuple(
+        scatter_slots(ring, slots, append_ring(ring[slots], jnp.moveaxis(new, 1, 2), ring_start, committed, lengths))
+        for ring, new in zip(rings, new_entries, strict=True)
+    )
+
+
+def append_tokens(ring: jax.Array, values: jax.Array, cu_seqlens, slots, ring_start, committed) -> jax.Array:
+    """Scatter each packed token's entry to ring index (ring_start + committed + i) % W of its row's slot.
+
+    ring: [S, X, W, ...]; values: [T, X, ...], token i of row r. Padding tokens and the null slot drop.
+    Same result as `append_ring` on gathered pages, without touching the other entries.
+    """
+    num_slots, width = ring.shape[0], ring.shape[2]
+    tok = token_rows(cu_seqlens, values.shape[0])
+    rows = jnp.minimum(tok.rows, slots.shape[0] - 1)
+    index = (ring_start[rows] + committed[rows] + tok.positions) % width
+    target = jnp.where(tok.valid & (slots[rows] > 0), slots[rows], num_slots)
+    return ring.at[target, :, index].set(values.astype(ring.dtype), mode="drop")

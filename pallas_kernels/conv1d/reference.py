@@ -1,0 +1,121 @@
+"""Pure-JAX causal depthwise conv1d over packed varlen tokens (kernels_models §1.3 (c), §2.2 step 2).
+
+Slot pool page: `window_pool[s] = [Kc-1 + E, D]`; columns [0, Kc-1) are the window (oldest first),
+columns [Kc-1, Kc-1+E) hold the pre-conv inputs of the last verify call (E >= verify tokens per row),
+from which `conv1d_rollback` rebuilds the window of the last accepted token (§1.9, §4.5 item 2).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.common import check_rows, checkpoint_targets, gather_slots, rows_to_dense, token_rows
+
+
+def _taps(xx, weight):
+    """Valid conv: xx [..., L + Kc-1, D] f32 -> [..., L, D]; elementwise multiply-adds (exact fp32 on GPU)."""
+    kernel_size = weight.shape[1]
+    length = xx.shape[-2] - (kernel_size - 1)
+    return sum(weight[:, i] * xx[..., i : i + length, :] for i in range(kernel_size))
+
+
+def _conv(x, weight, cu_seqlens, initial_window):
+    """Conv of every packed row continuing from its window: [T, D] f32 (padding tokens: garbage)."""
+    width = initial_window.shape[1]
+    xf, weight = x.astype(jnp.float32), weight.astype(jnp.float32)
+    # Sliding over the packed buffer is right except for each row's first Kc-1 tokens, which would read
+    # the previous row; those are recomputed from the row's own window and overwritten.
+    y = _taps(jnp.concatenate([jnp.zeros((width, x.shape[1]), jnp.float32), xf]), weight)
+    head = cu_seqlens[:-1, None] + jnp.arange(width)  # [R, Kc-1]
+    xx = jnp.concatenate([initial_window.astype(jnp.float32), xf[jnp.minimum(head, x.shape[0] - 1)]], axis=1)
+    in_row = jnp.arange(width) < (cu_seqlens[1:] - cu_seqlens[:-1])[:, None]
+    return y.at[jnp.where(in_row, head, x.shape[0])].set(_taps(xx, weight), mode="drop")
+
+
+def _window_after(x, cu_seqlens, initial_window, lengths):
+    """Last Kc-1 entries of (initial_window ++ first lengths[r] row tokens) per row: [R, Kc-1, D]."""
+    width = initial_window.shape[1]
+    extended = lengths[:, None] + jnp.arange(width)  # index into window ++ tokens
+    from_tokens = x[jnp.clip(cu_seqlens[:-1, None] + extended - width, 0, x.shape[0] - 1)]
+    from_window = jnp.take_along_axis(initial_window, jnp.minimum(extended, width - 1)[:, :, None], axis=1)
+    return jnp.where((extended >= width)[:, :, None], from_tokens.astype(initial_window.dtype), from_window)
+
+
+@functools.partial(jax.jit, static_argnames=("activation",))
+def causal_conv1d(x, weight, bias, cu_seqlens, initial_window, *, activation: bool = True):
+    """Causal depthwise conv1d over packed rows, each row continuing from its own window.
+
+    y[t, c] = sum_i weight[c, i] * xx[t - (Kc-1) + i, c] (+ bias[c]), then SiLU if `activation`, where xx
+    is the row's tokens preceded by its `initial_window` (oldest first). Computed in fp32.
+
+    Args:
+      x: [T, D] packed pre-conv inputs; tokens at index >= cu_seqlens[-1] are padding.
+      weight: [D, Kc] per-channel taps (HF `conv1d.weight[:, 0, :]`).
+      bias: [D] or None.
+      cu_seqlens: [R+1] i32 row boundaries.
+      initial_window: [R, Kc-1, D] last Kc-1 inputs before each row, oldest first.
+      activation: apply SiLU.
+
+    Returns:
+      y: [T, D] in x.dtype (padding tokens zero).
+      final_window: [R, Kc-1, D] last Kc-1 inputs of (initial_window ++ row tokens); zero-length rows
+        return their initial window.
+    """
+    y = _conv(x, weight, cu_seqlens, initial_window)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    if activation:
+        y = jax.nn.silu(y)
+    y = jnp.where(token_rows(cu_seqlens, x.shape[0]).valid[:, None], y, 0.0)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return y.astype(x.dtype), _window_after(x, cu_seqlens, initial_window, lengths)
+
+
+def _write_columns(pool, slots, start, rows):
+    """pool[slots, start:start+n] = rows; the null slot 0 is never written."""
+    target = jnp.where(slots > 0, slots, pool.shape[0])
+    return pool.at[target, start : start + rows.shape[1]].set(rows.astype(pool.dtype), mode="drop")
+
+
+@functools.partial(jax.jit, static_argnames=("activation",), donate_argnames="window_pool")
+def conv1d_prefill(
+    x, weight, bias, cu_seqlens, window_pool, slots, has_initial, checkpoint_lens=None, checkpoint_slots=None,
+    *, activation=True,
+):  # fmt: skip
+    """Conv over packed rows reading and writing each row's window in the pool; see __init__."""
+    check_rows(cu_seqlens, slots, "slots")
+    width = weight.shape[1] - 1
+    window = gather_slots(window_pool[:, :width], slots, has_initial)
+    y, final = causal_conv1d(x, weight, bias, cu_seqlens, window, activation=activation)
+    window_pool = _write_columns(window_pool, slots, 0, final)
+    if checkpoint_lens is not None:
+        targets = checkpoint_targets(cu_seqlens, slots, checkpoint_lens, checkpoint_slots)
+        checkpoint = _window_after(x, cu_seqlens, window, checkpoint_lens)
+        window_pool = _write_columns(window_pool, targets, 0, checkpoint)
+    return y, window_pool
+
+
+@functools.partial(jax.jit, static_argnames=("activation",), donate_argnames="window_pool")
+def conv1d_verify(x, weight, bias, cu_seqlens, window_pool, slots, *, activation=True):
+    """Conv of verify rows; the window stays, the rows' inputs go to the extension columns; see __init__."""
+    check_rows(cu_seqlens, slots, "slots")
+    width = weight.shape[1] - 1
+    y, _ = causal_conv1d(x, weight, bias, cu_seqlens, window_pool[slots, :width], activation=activation)
+    extra = window_pool.shape[1] - width
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1])[:, None, None]
+    # Columns past the row's tokens keep their (stale, never read) contents.
+    inputs = jnp.where(
+        jnp.arange(extra)[:, None] < lengths, rows_to_dense(x, cu_seqlens, extra), window_pool[slots, width:]
+    )
+    return y, _write_columns(window_pool, slots, width, inputs)
+
+
+@functools.partial(jax.jit, static_argnames=("kernel_size",), donate_argnames="window_pool")
+def conv1d_rollback(window_pool, slots, num_accepted, *, kernel_size):
+    """window <- last Kc-1 of (window ++ verify inputs[:num_accepted]) per row; see __init__."""
+    width = kernel_size - 1
+    # Window ++ inputs is the slot page itself, so the new window is page[n : n + Kc-1].
+    index = num_accepted[:, None] + jnp.arange(width)
+    window = jnp.take_along_axis(window_pool[slots], index[:, :, None], axis=1)
+    return _write_columns(window_pool, slots, 0, window)

@@ -1,0 +1,114 @@
+"""Gated DeltaNet (gated delta rule) over packed varlen tokens and a state-slot pool.
+
+Shapes (FLA letters): T packed tokens, R rows, H qk heads, HV value heads (HV % H == 0; value head h
+reads qk head h // (HV // H)), K/V head dims, S pool slots (slot 0 is the null slot: all zeros, never
+written; padding rows aim there), W ReplaySSM ring entries, C chunk.
+
+Slot page (one row of each pool, all fp32):
+  state_pool [S, HV, K, V]   checkpoint state S0, K-major
+  ring_k     [S, H, W, K]    l2-normalised keys k^ of recent tokens (per qk head, unscaled)
+  ring_u     [S, HV, W, V]   corrected updates u = beta (v - (e^g S)^T k^) (the delta of §1.3 (g))
+  ring_g     [S, HV, W]      log-decays g
+Ring entry j of a row lives at ring index (ring_start + j) % W; the first `committed` entries are live:
+the state after them is S0 advanced by each entry in turn (S <- e^g S + k^ (x) u). Trackers
+(`ring_start`, `committed`, `flush`) are owned by the scheduler and passed per row; the ops never move
+them (DESIGN "ReplaySSM and MTP", kernels_models §4.4).
+"""
+
+from pallas_kernels.common import resolve_backend
+from pallas_kernels.gdn import pallas, pallas_prefill, reference
+from pallas_kernels.gdn.reference import gdn_chunked, gdn_recurrent
+
+__all__ = ["gdn_chunked", "gdn_decode", "gdn_materialise", "gdn_prefill", "gdn_recurrent", "gdn_verify"]
+
+
+def gdn_prefill(
+    q, k, v, g, beta, cu_seqlens, state_pool, slots, has_initial, checkpoint_lens=None, checkpoint_slots=None,
+    *, scale=None, use_qk_l2norm=True, chunk_size=64, backend=None,
+):  # fmt: skip
+    """Chunked (WY/UT, §1.4) varlen prefill reading and writing row states in the slot pool.
+
+    Args:
+      q, k: [T, H, K]; v: [T, HV, V]; g, beta: [T, HV] f32 (see `gdn_recurrent`).
+      cu_seqlens: [R+1] i32; tokens outside [cu_seqlens[0], cu_seqlens[-1]) are padding.
+      state_pool: [S, HV, K, V] f32, donated and updated in place.
+      slots: [R] i32 running slot per row (padding rows: 0).
+      has_initial: [R] bool; False rows start from zeros whatever their slot holds.
+      checkpoint_lens: optional [R] i32 in [0, row length]: also store the state after that many of the
+        row's tokens ...
+      checkpoint_slots: ... into this slot ([R] i32, 0 = no checkpoint).
+      chunk_size: C (a power of two for the Pallas kernel); each row is chunked from its own first token.
+      backend: "reference", "pallas" or "interpret" (the Pallas kernel interpreted on CPU); None: pallas
+        on GPU, reference on CPU.
+
+    Returns:
+      o: [T, HV, V] in v.dtype, state_pool with each row's final state in its slot.
+    """
+    args = (q, k, v, g, beta, cu_seqlens, state_pool, slots, has_initial, checkpoint_lens, checkpoint_slots)
+    options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return reference.gdn_prefill(*args, **options)
+    return pallas_prefill.gdn_prefill(*args, **options, interpret=backend == "interpret")
+
+
+def gdn_decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, *, scale=None, use_qk_l2norm=True, backend=None):
+    """Plain decoding: rows of 0 or 1 token; each row's state is read from and written back to its slot.
+
+    Arguments as in `gdn_prefill` (no has_initial: decode rows always continue a state); backend:
+    "reference", "pallas" or "interpret" (the Pallas kernel interpreted on CPU); None: pallas on GPU.
+    """
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return reference.gdn_decode(
+            q, k, v, g, beta, cu_seqlens, state_pool, slots, scale=scale, use_qk_l2norm=use_qk_l2norm
+        )
+    return pallas.gdn_decode(
+        q, k, v, g, beta, cu_seqlens, state_pool, slots, scale=scale, use_qk_l2norm=use_qk_l2norm,
+        interpret=backend == "interpret",
+    )  # fmt: skip
+
+
+def gdn_verify(
+    q, k, v, g, beta, cu_seqlens, state_pool, ring_k, ring_u, ring_g, slots, ring_start, committed, flush,
+    *, scale=None, use_qk_l2norm=True, backend=None,
+):  # fmt: skip
+    """ReplaySSM verify/decode: each row has T_r = 1 + k tokens (1 for plain decode), T_r <= W.
+
+    Outputs equal sequential decoding from (S0 advanced by the `committed` live entries). The state
+    pool is written only for rows with `flush`: S0 <- S0 advanced by the committed entries. Every row
+    appends its T_r new entries (k^, u, g) at ring positions committed .. committed + T_r - 1 (mod W,
+    from ring_start); entries past the accepted ones are garbage that later calls overwrite. The caller
+    then commits: committed' = accepted if flush else committed + accepted; on flush
+    ring_start' = (ring_start + committed) % W. Needs committed + T_r <= W unless flushing.
+
+    Args:
+      q, k, v, g, beta, cu_seqlens, slots: as in `gdn_prefill`.
+      state_pool, ring_k, ring_u, ring_g: the slot page (module docstring), donated, updated in place.
+      ring_start, committed: [R] i32 trackers of each row's slot.  flush: [R] bool.
+      backend: "reference", "pallas" or "interpret"; None: pallas on GPU, reference on CPU.
+
+    Returns:
+      o: [T, HV, V] in v.dtype, state_pool, ring_k, ring_u, ring_g.
+    """
+    args = (q, k, v, g, beta, cu_seqlens, state_pool, ring_k, ring_u, ring_g, slots, ring_start, committed, flush)
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return reference.gdn_verify(*args, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    return pallas.gdn_verify(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=backend == "interpret")
+
+
+def gdn_materialise(state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ring_start, num_entries, *, backend=None):
+    """state_pool[dst] = S0 of src advanced by its first num_entries ring entries; src and rings untouched.
+
+    Args:
+      state_pool: [S, HV, K, V] f32, donated.  ring_k, ring_u, ring_g: the rings (module docstring).
+      src_slots, dst_slots: [M] i32 (dst 0 = skip; no dst may also be a src).
+      ring_start, num_entries: [M] i32 of the src slot.
+      backend: "reference", "pallas" or "interpret"; None: pallas on GPU, reference on CPU.
+    """
+    args = (state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ring_start, num_entries)
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return reference.gdn_materialise(*args)
+    return pallas.gdn_materialise(*args, interpret=backend == "interpret")

@@ -1,0 +1,194 @@
+"""Pallas (Triton backend) kernels for GDN decode, ReplaySSM verify and materialise.
+
+One program per (row, value head, V tile): the [K, BV] state tile stays in registers while the ring
+entries and the row's tokens are applied (columns of the K-major state evolve independently). Ring
+appends of (k^, u, g) happen in XLA around the kernel, so no program writes what another one reads.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import append_tokens, check_rows, zero_padding
+from pallas_kernels.gdn.reference import normalise_qk
+
+MAX_BLOCK_V = 32
+
+
+def _fold_ring(ring_k_ref, ring_u_ref, ring_g_ref, slot, i_k, i_h, cols, ring_start, count, state):
+    """Advance a [K, BV] state tile by ring entries (ring_start + j) % W, j < count."""
+    width = ring_g_ref.shape[2]
+
+    def fold(j, s):
+        i = (ring_start + j) % width
+        s = jnp.exp(ring_g_ref[slot, i_h, i]) * s
+        return s + ring_k_ref[slot, i_k, i][:, None] * ring_u_ref[slot, i_h, i, cols][None, :]
+
+    return jax.lax.fori_loop(0, count, fold, state)
+
+
+def _gdn_replay_kernel(
+    cu_ref,  # [R+1] i32
+    slots_ref,  # [R] i32
+    start_ref,  # [R] i32 ring_start
+    committed_ref,  # [R] i32
+    flush_ref,  # [R] i32
+    q_ref,  # [T, H, K] f32, normalised and scaled
+    k_ref,  # [T, H, K] f32, normalised
+    v_ref,  # [T, HV, V]
+    g_ref,  # [T, HV] f32
+    beta_ref,  # [T, HV] f32
+    ring_k_ref,  # [S, H, W, K] f32
+    ring_u_ref,  # [S, HV, W, V] f32
+    ring_g_ref,  # [S, HV, W] f32
+    state_ref,  # [S, HV, K, V] f32
+    o_ref,  # [T, HV, V] f32
+    delta_ref,  # [T, HV, V] f32, the corrected updates u of the row's tokens
+    state_out_ref,  # [S, HV, K, V] f32, aliases state_ref
+    *,
+    group: int,
+    block_v: int,
+    write_final: bool,
+):
+    i_r, i_h, i_v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i_k, cols = i_h // group, pl.ds(i_v * block_v, block_v)
+    slot = slots_ref[i_r]
+    state = state_ref[slot, i_h, :, cols]
+    state = _fold_ring(
+        ring_k_ref, ring_u_ref, ring_g_ref, slot, i_k, i_h, cols, start_ref[i_r], committed_ref[i_r], state
+    )
+
+    @pl.when((flush_ref[i_r] != 0) & (slot > 0))
+    def _():  # a flush makes S0 + committed entries the new checkpoint
+        state_out_ref[slot, i_h, :, cols] = state
+
+    def step(t, s):
+        k, q = k_ref[t, i_k], q_ref[t, i_k]
+        s = jnp.exp(g_ref[t, i_h]) * s  # decay before the read (§1.3 (g))
+        delta = beta_ref[t, i_h] * (v_ref[t, i_h, cols].astype(jnp.float32) - jnp.sum(s * k[:, None], axis=0))
+        s = s + k[:, None] * delta[None, :]
+        o_ref[t, i_h, cols] = jnp.sum(s * q[:, None], axis=0)
+        delta_ref[t, i_h, cols] = delta
+        return s
+
+    state = jax.lax.fori_loop(cu_ref[i_r], cu_ref[i_r + 1], step, state)
+    if write_final:
+
+        @pl.when(slot > 0)
+        def _():
+            state_out_ref[slot, i_h, :, cols] = state
+
+
+def _replay_call(q, k, v, g, beta, cu_seqlens, state_pool, rings, trackers, *, write_final, interpret):
+    """Launch `_gdn_replay_kernel`; returns (o f32, delta, state_pool)."""
+    num_tokens, num_heads, head_v = v.shape
+    block_v = min(head_v, MAX_BLOCK_V)
+    operands = dict(
+        cu_seqlens=cu_seqlens, **trackers, q=q, k=k, v=v, g=g.astype(jnp.float32),
+        beta=beta.astype(jnp.float32), **rings, state=state_pool,
+    )  # fmt: skip
+    kernel = functools.partial(
+        _gdn_replay_kernel, group=num_heads // q.shape[1], block_v=block_v, write_final=write_final
+    )
+    token_out = jax.ShapeDtypeStruct((num_tokens, num_heads, head_v), jnp.float32)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(token_out, token_out, jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)),
+        grid=(cu_seqlens.shape[0] - 1, num_heads, head_v // block_v),
+        input_output_aliases={list(operands).index("state"): 2},
+        interpret=interpret,
+        name=f"gdn_replay_{block_v=}_{write_final=}",
+    )(*operands.values())
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "use_qk_l2norm", "interpret"),
+    donate_argnames=("state_pool", "ring_k", "ring_u", "ring_g"),
+)
+def gdn_verify(
+    q, k, v, g, beta, cu_seqlens, state_pool, ring_k, ring_u, ring_g, slots, ring_start, committed, flush,
+    *, scale=None, use_qk_l2norm=True, interpret=False,
+):  # fmt: skip
+    """Pallas ReplaySSM verify/decode; contract in `pallas_kernels.gdn.gdn_verify`."""
+    check_rows(cu_seqlens, slots, "slots")
+    qn, kn = normalise_qk(q, k, scale, use_qk_l2norm)
+    trackers = dict(slots=slots, ring_start=ring_start, committed=committed, flush=flush.astype(jnp.int32))
+    rings = dict(ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
+    o, delta, state_pool = _replay_call(
+        qn, kn, v, g, beta, cu_seqlens, state_pool, rings, trackers, write_final=False, interpret=interpret
+    )
+    rings = (
+        append_tokens(ring, new, cu_seqlens, slots, ring_start, committed)
+        for ring, new in ((ring_k, kn), (ring_u, delta), (ring_g, g))
+    )
+    return (zero_padding(o, cu_seqlens, v.dtype), state_pool, *rings)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret"), donate_argnames="state_pool")
+def gdn_decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, *, scale=None, use_qk_l2norm=True, interpret=False):
+    """Pallas plain decoding; contract in `pallas_kernels.gdn.gdn_decode`."""
+    check_rows(cu_seqlens, slots, "slots")
+    qn, kn = normalise_qk(q, k, scale, use_qk_l2norm)
+    zeros = jnp.zeros_like(slots)
+    trackers = dict(slots=slots, ring_start=zeros, committed=zeros, flush=zeros)
+    # committed = 0, so no ring entry is read: one-entry dummy rings fill the operand list.
+    rings = dict(
+        ring_k=jnp.zeros((1, q.shape[1], 1, q.shape[2]), jnp.float32),
+        ring_u=jnp.zeros((1, v.shape[1], 1, v.shape[2]), jnp.float32),
+        ring_g=jnp.zeros((1, v.shape[1], 1), jnp.float32),
+    )
+    o, _, state_pool = _replay_call(
+        qn, kn, v, g, beta, cu_seqlens, state_pool, rings, trackers, write_final=True, interpret=interpret
+    )
+    return zero_padding(o, cu_seqlens, v.dtype), state_pool
+
+
+def _gdn_materialise_kernel(
+    src_ref,  # [M] i32
+    dst_ref,  # [M] i32
+    start_ref,  # [M] i32
+    count_ref,  # [M] i32
+    ring_k_ref,  # [S, H, W, K] f32
+    ring_u_ref,  # [S, HV, W, V] f32
+    ring_g_ref,  # [S, HV, W] f32
+    state_ref,  # [S, HV, K, V] f32
+    state_out_ref,  # [S, HV, K, V] f32, aliases state_ref
+    *,
+    group: int,
+    block_v: int,
+):
+    i_m, i_h, i_v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols, src, dst = pl.ds(i_v * block_v, block_v), src_ref[i_m], dst_ref[i_m]
+    state = _fold_ring(
+        ring_k_ref, ring_u_ref, ring_g_ref, src, i_h // group, i_h, cols, start_ref[i_m], count_ref[i_m],
+        state_ref[src, i_h, :, cols],
+    )  # fmt: skip
+
+    @pl.when(dst > 0)
+    def _():
+        state_out_ref[dst, i_h, :, cols] = state
+
+
+@functools.partial(jax.jit, static_argnames="interpret", donate_argnames="state_pool")
+def gdn_materialise(
+    state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ring_start, num_entries, *, interpret=False
+):
+    """Pallas materialise; contract in `pallas_kernels.gdn.gdn_materialise` (dst slots must not be src)."""
+    num_heads, head_v = state_pool.shape[1], state_pool.shape[3]
+    block_v = min(head_v, MAX_BLOCK_V)
+    operands = dict(
+        src=src_slots, dst=dst_slots, ring_start=ring_start, count=num_entries,
+        ring_k=ring_k, ring_u=ring_u, ring_g=ring_g, state=state_pool,
+    )  # fmt: skip
+    kernel = functools.partial(_gdn_materialise_kernel, group=num_heads // ring_k.shape[1], block_v=block_v)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype),
+        grid=(src_slots.shape[0], num_heads, head_v // block_v),
+        input_output_aliases={list(operands).index("state"): 0},
+        interpret=interpret,
+        name=f"gdn_materialise_{block_v=}",
+    )(*operands.values())

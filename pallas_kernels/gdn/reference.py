@@ -1,0 +1,307 @@
+"""Pure-JAX gated delta rule over packed varlen tokens: token recurrence and chunked WY/UT form.
+
+Maths: kernels_models §1.3 (e)-(g) (recurrence) and §1.4 (chunked, HF `torch_chunk_gated_delta_rule`).
+State layout is K-major: one [K, V] fp32 matrix per value head.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.common import (
+    HIGHEST,
+    append_dense_rows,
+    check_rows,
+    checkpoint_counts,
+    chunk_table,
+    dense_to_rows,
+    gather_chunks,
+    gather_slots,
+    repeat_heads,
+    rows_to_dense,
+    scatter_chunks,
+    scatter_slots,
+    store_prefill_states,
+    token_rows,
+)
+
+
+def l2norm(x: jax.Array) -> jax.Array:
+    # Mirrors fla `l2norm_fwd`: eps is added to the sum of squares, inside the rsqrt.
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def normalise_qk(q, k, scale, use_qk_l2norm):
+    """[T, H, K] q, k -> f32 (q normalised and scaled, k normalised); still per qk head."""
+    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return q * scale, k
+
+
+# The barriers pin the state update to separately rounded mul, mul, add: XLA may otherwise contract
+# them into FMAs differently in different programs, and ReplaySSM with W = 1 must reproduce plain
+# decoding bit for bit.
+_pin = jax.lax.optimization_barrier
+
+
+def decay(state, g):
+    """state [HV, K, V] * exp(g [HV])."""
+    return _pin(_pin(jnp.exp(g))[:, None, None] * state)
+
+
+def write(state, k, u):
+    """Rank-1 write state += k (x) u; k [HV, K], u [HV, V]."""
+    return _pin(state + _pin(k[:, :, None] * u[:, None, :]))
+
+
+def recurrent_step(state, q, k, v, g, beta):
+    """One token for all value heads (§1.3 (g)): decay, read, delta, write, read-out.
+
+    state [HV, K, V]; q, k [HV, K]; v [HV, V]; g, beta [HV]. Returns (state, o [HV, V], delta [HV, V]).
+    """
+    state = decay(state, g)  # decay before the read
+    memory = jnp.einsum("hkv,hk->hv", state, k, precision=HIGHEST)
+    delta = beta[:, None] * (v - memory)
+    state = write(state, k, delta)
+    return state, jnp.einsum("hkv,hk->hv", state, q, precision=HIGHEST), delta
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm"))
+def gdn_recurrent(q, k, v, g, beta, cu_seqlens, initial_state, *, scale=None, use_qk_l2norm=True):
+    """Gated delta rule, one token at a time (the oracle; `fused_recurrent_gated_delta_rule` semantics).
+
+    Args:
+      q, k: [T, H, K] packed tokens; tokens at index >= cu_seqlens[-1] are padding.
+      v: [T, HV, V], HV a multiple of H (value head h uses qk head h // (HV // H)).
+      g: [T, HV] f32 log-decay (<= 0).  beta: [T, HV] f32 write strength.
+      cu_seqlens: [R+1] i32 row boundaries (rows may be empty).
+      initial_state: [R, HV, K, V] f32 per-row start state.
+      scale: query scale, default K ** -0.5.  use_qk_l2norm: l2-normalise q and k first.
+
+    Returns:
+      o: [T, HV, V] in v.dtype (padding tokens zero), final_state: [R, HV, K, V] f32.
+    """
+    check_rows(cu_seqlens, initial_state, "initial_state")
+    num_rows, num_heads = initial_state.shape[:2]
+    qn, kn = normalise_qk(q, k, scale, use_qk_l2norm)
+    tok = token_rows(cu_seqlens, q.shape[0])
+    initial_state = initial_state.astype(jnp.float32)
+
+    def step(carry, xs):
+        state, final = carry
+        row, first, valid, q_t, k_t, v_t, g_t, beta_t = xs
+        state = jnp.where(first, initial_state[jnp.minimum(row, num_rows - 1)], state)
+        new_state, o_t, _ = recurrent_step(state, q_t, k_t, v_t, g_t, beta_t)
+        # Every token overwrites its row's final state, so the last one wins; padding (row R) drops.
+        final = final.at[row].set(new_state, mode="drop")
+        return (jnp.where(valid, new_state, state), final), jnp.where(valid, o_t, 0.0)
+
+    qn, kn = repeat_heads(qn, num_heads, 1), repeat_heads(kn, num_heads, 1)
+    xs = (tok.rows, tok.positions == 0, tok.valid, qn, kn, v.astype(jnp.float32), g, beta)
+    (_, final), o = jax.lax.scan(step, (initial_state[0], initial_state), xs)
+    return o.astype(v.dtype), final
+
+
+def _chunk_decays(g):
+    """g [NC, HV, C] -> (G inclusive cumsum, Gamma [NC, HV, C, C] = exp(G_i - G_j) on i >= j else 0)."""
+    cum = jnp.cumsum(g, axis=-1)
+    size = g.shape[-1]
+    lower = jnp.tril(jnp.ones((size, size), bool))
+    # Mask before exp: G_i - G_j > 0 above the diagonal and may overflow.
+    gamma = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    return cum, gamma
+
+
+def unit_lower_inverse(a):
+    """(I + a)^-1 for strictly lower triangular a [..., C, C], row by row (HF forward substitution).
+
+    Row i of the inverse is e_i - a_i X, where X's rows j < i are already final; a_ij = 0 for j >= i.
+    Only masks, products and sums: the same code runs batched in XLA and on one tile inside a Pallas
+    kernel. (Squaring-based products of (I + a^(2^j)) cancel catastrophically when keys are similar.)
+    """
+    size = a.shape[-1]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
+    eye = (rows == jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)).astype(jnp.float32)
+
+    def substitute(i, x):
+        a_i = jnp.sum(jnp.where(rows == i, a, 0.0), axis=-2)  # row i of a: [..., C]
+        return jnp.where(rows == i, eye - jnp.sum(a_i[..., :, None] * x, axis=-2)[..., None, :], x)
+
+    return jax.lax.fori_loop(1, size, substitute, jnp.broadcast_to(eye, a.shape))
+
+
+def _wy_transform(k, v, beta, cum, gamma):
+    """U = (I + A)^-1 (beta V), W = (I + A)^-1 (beta e^G K); A = StrictLower(beta K K^T . Gamma), §1.4."""
+    size = k.shape[-2]
+    strict = jnp.tril(jnp.ones((size, size), bool), -1)
+    kk = jnp.einsum("nhik,nhjk->nhij", k, k, precision=HIGHEST)
+    inverse = unit_lower_inverse(jnp.where(strict, beta[..., :, None] * kk * gamma, 0.0))
+    u = jnp.einsum("nhij,nhjv->nhiv", inverse, beta[..., None] * v, precision=HIGHEST)
+    w = jnp.einsum("nhij,nhjk->nhik", inverse, (beta * jnp.exp(cum))[..., None] * k, precision=HIGHEST)
+    return u, w
+
+
+def _state_at(state, k, v_new, cum, count):
+    """State after the first `count` (>= 1) tokens of a chunk: e^{G_p} S + sum_{j<count} e^{G_p-G_j} k_j u_j.
+
+    state [HV, K, V]; k [HV, C, K]; v_new [HV, C, V]; cum [HV, C]; p = count - 1.
+    """
+    positions = jnp.arange(cum.shape[-1])
+    cum_p = jnp.sum(jnp.where(positions == count - 1, cum, 0.0), axis=-1)  # [HV]
+    weights = jnp.where(positions < count, jnp.exp(cum_p[:, None] - cum), 0.0)
+    return decay(state, cum_p) + jnp.einsum("hck,hcv->hkv", k * weights[..., None], v_new, precision=HIGHEST)
+
+
+def _chunked(qn, kn, v, g, beta, cu_seqlens, initial_state, chunk_size, checkpoint_lens):
+    """Chunked core over f32 [T, HV, ...] inputs; returns (o [T, HV, V] f32, final, checkpoint or None)."""
+    num_rows = initial_state.shape[0]
+    table = chunk_table(cu_seqlens, qn.shape[0], chunk_size)
+
+    def chunks(x):  # [T, HV, ...] -> [NC, HV, C, ...]
+        return jnp.moveaxis(gather_chunks(x.astype(jnp.float32), table, chunk_size), 1, 2)
+
+    qc, kc, vc, gc, bc = chunks(qn), chunks(kn), chunks(v), chunks(g), chunks(beta)
+    cum, gamma = _chunk_decays(gc)
+    u, w = _wy_transform(kc, vc, bc, cum, gamma)
+    q_decayed = qc * jnp.exp(cum)[..., None]
+    qk = jnp.einsum("nhik,nhjk->nhij", qc, kc, precision=HIGHEST) * gamma
+    ckpt_count = jnp.zeros_like(table.rows)
+    if checkpoint_lens is not None:
+        ckpt_count = checkpoint_counts(table, checkpoint_lens, num_rows)
+
+    def step(carry, xs):
+        state, final, ckpt = carry
+        row, first, count, k_n, cum_n, u_n, w_n, qd_n, qk_n = xs
+        state = jnp.where(first, initial_state[jnp.minimum(row, num_rows - 1)], state)
+        v_new = u_n - jnp.einsum("hck,hkv->hcv", w_n, state, precision=HIGHEST)
+        o = jnp.einsum("hck,hkv->hcv", qd_n, state, precision=HIGHEST)
+        o = o + jnp.einsum("hij,hjv->hiv", qk_n, v_new, precision=HIGHEST)
+        if checkpoint_lens is not None:
+            at = _state_at(state, k_n, v_new, cum_n, count)
+            ckpt = ckpt.at[jnp.where(count > 0, row, num_rows)].set(at, mode="drop")
+        # Padded positions have g = 0, so the last entry of G is the chunk's total decay.
+        state = _state_at(state, k_n, v_new, cum_n, cum_n.shape[-1])
+        return (state, final.at[row].set(state, mode="drop"), ckpt), o
+
+    xs = (table.rows, table.first, ckpt_count, kc, cum, u, w, q_decayed, qk)
+    ckpt0 = initial_state if checkpoint_lens is not None else None  # checkpoint_lens == 0 -> start state
+    (_, final, ckpt), o = jax.lax.scan(step, (initial_state[0], initial_state, ckpt0), xs)
+    return scatter_chunks(jnp.moveaxis(o, 1, 2), table), final, ckpt
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "chunk_size"))
+def gdn_chunked(q, k, v, g, beta, cu_seqlens, initial_state, *, scale=None, use_qk_l2norm=True, chunk_size=64):
+    """Gated delta rule in chunked WY/UT form (§1.4); same arguments and results as `gdn_recurrent`.
+
+    Each row is chunked from its own first token (chunks never straddle rows), so a row's result does
+    not depend on what else is packed with it.
+    """
+    check_rows(cu_seqlens, initial_state, "initial_state")
+    num_heads = initial_state.shape[1]
+    qn, kn = normalise_qk(q, k, scale, use_qk_l2norm)
+    qn, kn = repeat_heads(qn, num_heads, 1), repeat_heads(kn, num_heads, 1)
+    o, final, _ = _chunked(qn, kn, v, g, beta, cu_seqlens, initial_state.astype(jnp.float32), chunk_size, None)
+    return o.astype(v.dtype), final
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "chunk_size"), donate_argnames="state_pool")
+def gdn_prefill(
+    q, k, v, g, beta, cu_seqlens, state_pool, slots, has_initial, checkpoint_lens=None, checkpoint_slots=None,
+    *, scale=None, use_qk_l2norm=True, chunk_size=64,
+):  # fmt: skip
+    """Chunked prefill on the state pool; see `pallas_kernels.gdn.gdn_prefill`."""
+    check_rows(cu_seqlens, slots, "slots")
+    num_heads = state_pool.shape[1]
+    qn, kn = normalise_qk(q, k, scale, use_qk_l2norm)
+    qn, kn = repeat_heads(qn, num_heads, 1), repeat_heads(kn, num_heads, 1)
+    initial = gather_slots(state_pool, slots, has_initial).astype(jnp.float32)
+    o, final, ckpt = _chunked(qn, kn, v, g, beta, cu_seqlens, initial, chunk_size, checkpoint_lens)
+    state_pool = store_prefill_states(state_pool, cu_seqlens, slots, final, checkpoint_lens, checkpoint_slots, ckpt)
+    return o.astype(v.dtype), state_pool
+
+
+def _decode_row(state, q, k, v, g, beta, length):
+    """Recurrent steps over the first `length` of a row's [W, ...] tokens (heads already expanded).
+
+    Returns (o [W, HV, V], delta [W, HV, V], final state); entries past `length` are don't-care.
+    """
+
+    def step(s, xs):
+        t, *token = xs
+        new, o, delta = recurrent_step(s, *token)
+        return jnp.where(t < length, new, s), (o, delta)
+
+    final, (o, delta) = jax.lax.scan(step, state, (jnp.arange(q.shape[0]), q, k, v, g, beta))
+    return o, delta, final
+
+
+def _fold_ring(state, ring_k, ring_u, ring_g, ring_start, count):
+    """Advance state by ring entries (ring_start + j) % W, j < count, with the recurrence's own ops.
+
+    state [HV, K, V]; ring_k [H, W, K]; ring_u [HV, W, V]; ring_g [HV, W].
+    """
+    width, num_heads = ring_g.shape[1], ring_g.shape[0]
+
+    def fold(j, s):
+        i = (ring_start + j) % width
+        k = repeat_heads(ring_k[:, i], num_heads, 0)
+        return jnp.where(j < count, write(decay(s, ring_g[:, i]), k, ring_u[:, i]), s)
+
+    return jax.lax.fori_loop(0, width, fold, state)
+
+
+def _dense_inputs(q, k, v, g, beta, cu_seqlens, width, num_heads, scale, use_qk_l2norm):
+    """Packed tokens -> per-row [R, W, ...] f32; returns (q, k expanded, k per qk head, v, g, beta)."""
+    qn, kn = normalise_qk(q, k, scale, use_qk_l2norm)
+    qd, kd = (rows_to_dense(x, cu_seqlens, width) for x in (qn, kn))
+    rest = (rows_to_dense(x.astype(jnp.float32), cu_seqlens, width) for x in (v, g, beta))
+    return (repeat_heads(qd, num_heads, 2), repeat_heads(kd, num_heads, 2), kd, *rest)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm"), donate_argnames="state_pool")
+def gdn_decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, *, scale=None, use_qk_l2norm=True):
+    """Plain decoding on the pool (rows of 0 or 1 token): state read, advanced and written every call."""
+    check_rows(cu_seqlens, slots, "slots")
+    qd, kd, _, vd, gd, bd = _dense_inputs(q, k, v, g, beta, cu_seqlens, 1, state_pool.shape[1], scale, use_qk_l2norm)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    # The same pinned ops as a ReplaySSM fold (`decay`, `write`), so W = 1 replay is bit-identical.
+    o, _, state = jax.vmap(_decode_row)(state_pool[slots].astype(jnp.float32), qd, kd, vd, gd, bd, lengths)
+    return dense_to_rows(o, cu_seqlens, q.shape[0]).astype(v.dtype), scatter_slots(state_pool, slots, state)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "use_qk_l2norm"),
+    donate_argnames=("state_pool", "ring_k", "ring_u", "ring_g"),
+)
+def gdn_verify(
+    q, k, v, g, beta, cu_seqlens, state_pool, ring_k, ring_u, ring_g, slots, ring_start, committed, flush,
+    *, scale=None, use_qk_l2norm=True,
+):  # fmt: skip
+    """ReplaySSM verify/decode; see `pallas_kernels.gdn.gdn_verify` for the contract."""
+    check_rows(cu_seqlens, slots, "slots")
+    width, num_heads = ring_g.shape[2], state_pool.shape[1]
+    qd, kd, k_heads, vd, gd, bd = _dense_inputs(q, k, v, g, beta, cu_seqlens, width, num_heads, scale, use_qk_l2norm)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    rk, ru, rg = ring_k[slots], ring_u[slots], ring_g[slots]
+    state0 = state_pool[slots].astype(jnp.float32)
+    checkpoint = jax.vmap(_fold_ring)(state0, rk, ru, rg, ring_start, committed)
+    o, delta, _ = jax.vmap(_decode_row)(checkpoint, qd, kd, vd, gd, bd, lengths)
+    # Only a flush writes the state: S0 <- S0 advanced by the committed entries.
+    state_pool = scatter_slots(state_pool, jnp.where(flush, slots, 0), checkpoint)
+    rings = append_dense_rows((ring_k, ring_u, ring_g), (k_heads, delta, gd), slots, ring_start, committed, lengths)
+    return dense_to_rows(o, cu_seqlens, q.shape[0]).astype(v.dtype), state_pool, *rings
+
+
+@functools.partial(jax.jit, donate_argnames="state_pool")
+def gdn_materialise(state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ring_start, num_entries):
+    """state_pool[dst] = state_pool[src] advanced by its first `num_entries` ring entries; see __init__."""
+    state = state_pool[src_slots].astype(jnp.float32)
+    state = jax.vmap(_fold_ring)(
+        state, ring_k[src_slots], ring_u[src_slots], ring_g[src_slots], ring_start, num_entries
+    )
+    return scatter_slots(state_pool, dst_slots, state)

@@ -1,0 +1,102 @@
+"""Mamba2 SSD (selective state space) over packed varlen tokens and a state-slot pool.
+
+Shapes: T packed tokens, R rows, NH heads of dim P, G groups of B/C (head h reads group h // (NH // G)),
+N state size, S pool slots (slot 0 is the null slot: zeros, never written; padding rows aim there),
+W ReplaySSM ring entries, C chunk.
+
+Slot page (one row of each pool, all fp32):
+  state_pool [S, NH, P, N]   checkpoint state S0
+  ring_x     [S, NH, W, P]   x of recent tokens
+  ring_dt    [S, NH, W]      processed dt (after softplus(dt + bias) and clamping)
+  ring_B     [S, G, W, N]    B per group
+Ring entry j of a row lives at ring index (ring_start + j) % W; the first `committed` entries are live:
+the state after them is S0 advanced by each entry in turn (h <- e^{dt A} h + dt x (x) B). Trackers are
+owned by the scheduler and passed per row (kernels_models §4.3, FlashInfer `checkpointing_ssu`).
+"""
+
+from pallas_kernels.common import resolve_backend
+from pallas_kernels.mamba2 import pallas, pallas_prefill, reference
+from pallas_kernels.mamba2.reference import ssd_chunked, ssd_recurrent
+
+__all__ = ["ssd_chunked", "ssd_decode", "ssd_materialise", "ssd_prefill", "ssd_recurrent", "ssd_verify"]
+
+
+def ssd_prefill(
+    x, dt, A, B, C, D, cu_seqlens, state_pool, slots, has_initial, checkpoint_lens=None, checkpoint_slots=None,
+    *, chunk_size=128, backend=None,
+):  # fmt: skip
+    """Chunked SSD (§2.3) varlen prefill reading and writing row states in the slot pool.
+
+    Args:
+      x: [T, NH, P]; dt: [T, NH] f32 processed; A, D: [NH] f32; B, C: [T, G, N] (see `ssd_recurrent`).
+      cu_seqlens: [R+1] i32; tokens outside [cu_seqlens[0], cu_seqlens[-1]) are padding.
+      state_pool: [S, NH, P, N] f32, donated and updated in place.
+      slots: [R] i32 running slot per row (padding rows: 0).
+      has_initial: [R] bool; False rows start from zeros whatever their slot holds.
+      checkpoint_lens: optional [R] i32 in [0, row length]: also store the state after that many of the
+        row's tokens ...
+      checkpoint_slots: ... into this slot ([R] i32, 0 = no checkpoint).
+      chunk_size: C; each row is chunked from its own first token.
+      backend: "reference", "pallas" (Triton) or "interpret" (the Pallas kernel on CPU); None picks
+        "pallas" on GPU, else "reference".
+
+    Returns:
+      y: [T, NH, P] in x.dtype, state_pool with each row's final state in its slot.
+    """
+    args = (x, dt, A, B, C, D, cu_seqlens, state_pool, slots, has_initial, checkpoint_lens, checkpoint_slots)
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return reference.ssd_prefill(*args, chunk_size=chunk_size)
+    return pallas_prefill.ssd_prefill(*args, chunk_size=chunk_size, interpret=backend == "interpret")
+
+
+def ssd_decode(x, dt, A, B, C, D, cu_seqlens, state_pool, slots, *, backend=None):
+    """Plain decoding: rows of 0 or 1 token; each row's state is read from and written back to its slot."""
+    args = (x, dt, A, B, C, D, cu_seqlens, state_pool, slots)
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return reference.ssd_decode(*args)
+    return pallas.ssd_decode(*args, interpret=backend == "interpret")
+
+
+def ssd_verify(
+    x, dt, A, B, C, D, cu_seqlens, state_pool, ring_x, ring_dt, ring_B, slots, ring_start, committed, flush,
+    *, backend=None,
+):  # fmt: skip
+    """ReplaySSM verify/decode: each row has T_r = 1 + k tokens (1 for plain decode), T_r <= W.
+
+    Outputs equal sequential decoding from (S0 advanced by the `committed` live entries). The state
+    pool is written only for rows with `flush`: S0 <- S0 advanced by the committed entries. Every row
+    appends its T_r new entries (x, dt, B) at ring positions committed .. committed + T_r - 1 (mod W,
+    from ring_start). The caller then commits: committed' = accepted if flush else committed + accepted;
+    on flush ring_start' = (ring_start + committed) % W. Needs committed + T_r <= W unless flushing.
+
+    Args:
+      x, dt, A, B, C, D, cu_seqlens, slots: as in `ssd_prefill`.
+      state_pool, ring_x, ring_dt, ring_B: the slot page (module docstring), donated, updated in place.
+      ring_start, committed: [R] i32 trackers of each row's slot.  flush: [R] bool.
+
+    Returns:
+      y: [T, NH, P] in x.dtype, state_pool, ring_x, ring_dt, ring_B.
+    """
+    args = (x, dt, A, B, C, D, cu_seqlens, state_pool, ring_x, ring_dt, ring_B, slots, ring_start, committed, flush)
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return reference.ssd_verify(*args)
+    return pallas.ssd_verify(*args, interpret=backend == "interpret")
+
+
+def ssd_materialise(
+    state_pool, ring_x, ring_dt, ring_B, A, src_slots, dst_slots, ring_start, num_entries, *, backend=None
+):
+    """state_pool[dst] = S0 of src advanced by its first num_entries ring entries; src and rings untouched.
+
+    Args:
+      state_pool: [S, NH, P, N] f32, donated.  ring_x, ring_dt, ring_B: the rings.  A: [NH] f32.
+      src_slots, dst_slots: [M] i32 (dst 0 = skip).  ring_start, num_entries: [M] i32 of the src slot.
+    """
+    args = (state_pool, ring_x, ring_dt, ring_B, A, src_slots, dst_slots, ring_start, num_entries)
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return reference.ssd_materialise(*args)
+    return pallas.ssd_materialise(*args, interpret=backend == "interpret")

@@ -1,0 +1,247 @@
+"""Pure-JAX Mamba2 SSD over packed varlen tokens: token recurrence, chunked SSD form, ReplaySSM.
+
+Maths: kernels_models §2.2 step 4 (recurrence), §2.3 (chunked, HF `Mamba2Mixer.torch_forward`) and
+§4.3 (ReplaySSM ring). State layout: one [P, N] fp32 matrix per head.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.common import (
+    HIGHEST,
+    append_dense_rows,
+    check_rows,
+    checkpoint_counts,
+    chunk_table,
+    dense_to_rows,
+    gather_chunks,
+    gather_slots,
+    repeat_heads,
+    rows_to_dense,
+    scatter_chunks,
+    scatter_slots,
+    store_prefill_states,
+    token_rows,
+    zero_padding,
+)
+
+# The barriers pin the state update to separately rounded mul, mul, add: XLA may otherwise contract
+# them into FMAs differently in different programs, and ReplaySSM with W = 1 must reproduce plain
+# decoding bit for bit.
+_pin = jax.lax.optimization_barrier
+
+
+def advance(state, x, dt, a, b):
+    """h <- exp(dt a) h + (dt x) (x) b. state [NH, P, N]; x [NH, P]; dt, a [NH]; b [NH, N]."""
+    decayed = _pin(_pin(jnp.exp(dt * a))[:, None, None] * state)
+    return _pin(decayed + _pin((dt[:, None] * x)[:, :, None] * b[:, None, :]))
+
+
+def recurrent_step(state, x, dt, a, b, c, d):
+    """One token for all heads; b, c [NH, N] (groups expanded). Returns (state, y [NH, P])."""
+    state = advance(state, x, dt, a, b)
+    return state, jnp.einsum("hps,hs->hp", state, c, precision=HIGHEST) + d[:, None] * x
+
+
+def _f32(*xs):
+    return tuple(x.astype(jnp.float32) for x in xs)
+
+
+@jax.jit
+def ssd_recurrent(x, dt, A, B, C, D, cu_seqlens, initial_state):
+    """Mamba2 selective scan, one token at a time: h_t = e^{dt A} h + dt x_t (x) B_t, y_t = h_t C_t + D x_t.
+
+    Args:
+      x: [T, NH, P] packed tokens; tokens at index >= cu_seqlens[-1] are padding.
+      dt: [T, NH] f32, already softplus(dt + dt_bias) and clamped.
+      A: [NH] f32 negative (-exp(A_log)).  D: [NH] f32 skip weight.
+      B, C: [T, G, N]; head h reads group h // (NH // G).
+      cu_seqlens: [R+1] i32 row boundaries (rows may be empty).
+      initial_state: [R, NH, P, N] f32 per-row start state.
+
+    Returns:
+      y: [T, NH, P] in x.dtype (padding tokens zero), final_state: [R, NH, P, N] f32.
+    """
+    check_rows(cu_seqlens, initial_state, "initial_state")
+    num_rows, num_heads = initial_state.shape[:2]
+    tok = token_rows(cu_seqlens, x.shape[0])
+    xf, dtf, bf, cf = _f32(x, dt, repeat_heads(B, num_heads, 1), repeat_heads(C, num_heads, 1))
+    a, d, initial_state = _f32(A, D, initial_state)
+
+    def step(carry, xs):
+        state, final = carry
+        row, first, valid, x_t, dt_t, b_t, c_t = xs
+        state = jnp.where(first, initial_state[jnp.minimum(row, num_rows - 1)], state)
+        new_state, y_t = recurrent_step(state, x_t, dt_t, a, b_t, c_t, d)
+        # Every token overwrites its row's final state, so the last one wins; padding (row R) drops.
+        final = final.at[row].set(new_state, mode="drop")
+        return (jnp.where(valid, new_state, state), final), jnp.where(valid, y_t, 0.0)
+
+    xs = (tok.rows, tok.positions == 0, tok.valid, xf, dtf, bf, cf)
+    (_, final), y = jax.lax.scan(step, (initial_state[0], initial_state), xs)
+    return y.astype(x.dtype), final
+
+
+def _state_at(state, xdt, b, cum, count):
+    """State after the first `count` (>= 1) tokens of a chunk (§2.3 step 2-3 truncated at count).
+
+    state [NH, P, N]; xdt [NH, C, P] (= x dt); b [NH, C, N]; cum [NH, C] (cumsum of dt A).
+    """
+    positions = jnp.arange(cum.shape[-1])
+    cum_p = jnp.sum(jnp.where(positions == count - 1, cum, 0.0), axis=-1)  # [NH]
+    weights = jnp.where(positions < count, jnp.exp(cum_p[:, None] - cum), 0.0)
+    local = jnp.einsum("hcp,hcs->hps", xdt * weights[..., None], b, precision=HIGHEST)
+    return jnp.exp(cum_p)[:, None, None] * state + local
+
+
+def _y_diag(xdt, b, c, cum):
+    """Intra-chunk output Y_diag[l] = sum_{s<=l} (C_l . B_s) exp(cum_l - cum_s) X_s, [NC, NH, C, P]."""
+    size = cum.shape[-1]
+    lower = jnp.tril(jnp.ones((size, size), bool))
+    # exp(segsum): mask before exp, the upper triangle is positive and may overflow.
+    decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    cb = jnp.einsum("zhis,zhjs->zhij", c, b, precision=HIGHEST)
+    return jnp.einsum("zhij,zhjp->zhip", cb * decay, xdt, precision=HIGHEST)
+
+
+def _chunked(x, dt, a, b, c, cu_seqlens, initial_state, chunk_size, checkpoint_lens):
+    """Chunked core over f32 inputs (b, c groups expanded); returns (y without D x, final, checkpoint)."""
+    num_rows = initial_state.shape[0]
+    table = chunk_table(cu_seqlens, x.shape[0], chunk_size)
+
+    def chunks(v):  # [T, NH, ...] -> [NC, NH, C, ...]
+        return jnp.moveaxis(gather_chunks(v, table, chunk_size), 1, 2)
+
+    xc, dtc, bc, cc = chunks(x), chunks(dt), chunks(b), chunks(c)
+    xdt = xc * dtc[..., None]
+    cum = jnp.cumsum(dtc * a[:, None], axis=-1)
+    y_diag = _y_diag(xdt, bc, cc, cum)
+    c_decayed = cc * jnp.exp(cum)[..., None]
+    ckpt_count = jnp.zeros_like(table.rows)
+    if checkpoint_lens is not None:
+        ckpt_count = checkpoint_counts(table, checkpoint_lens, num_rows)
+
+    def step(carry, xs):
+        state, final, ckpt = carry
+        row, first, count, cd_n, cum_n, xdt_n, b_n = xs
+        state = jnp.where(first, initial_state[jnp.minimum(row, num_rows - 1)], state)
+        y_off = jnp.einsum("hps,hcs->hcp", state, cd_n, precision=HIGHEST)
+        if checkpoint_lens is not None:
+            at = _state_at(state, xdt_n, b_n, cum_n, count)
+            ckpt = ckpt.at[jnp.where(count > 0, row, num_rows)].set(at, mode="drop")
+        # Padded positions have dt = 0, so the last cumsum entry is the chunk's total decay.
+        state = _state_at(state, xdt_n, b_n, cum_n, cum_n.shape[-1])
+        return (state, final.at[row].set(state, mode="drop"), ckpt), y_off
+
+    xs = (table.rows, table.first, ckpt_count, c_decayed, cum, xdt, bc)
+    ckpt0 = initial_state if checkpoint_lens is not None else None  # checkpoint_lens == 0 -> start state
+    (_, final, ckpt), y_off = jax.lax.scan(step, (initial_state[0], initial_state, ckpt0), xs)
+    return scatter_chunks(jnp.moveaxis(y_diag + y_off, 1, 2), table), final, ckpt
+
+
+def _expand_groups(B, C, num_heads):
+    return _f32(repeat_heads(B, num_heads, 1), repeat_heads(C, num_heads, 1))
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size",))
+def ssd_chunked(x, dt, A, B, C, D, cu_seqlens, initial_state, *, chunk_size=128):
+    """Mamba2 in chunked SSD form (§2.3); same arguments and results as `ssd_recurrent`.
+
+    Each row is chunked from its own first token (chunks never straddle rows).
+    """
+    check_rows(cu_seqlens, initial_state, "initial_state")
+    b, c = _expand_groups(B, C, initial_state.shape[1])
+    xf, dtf, a, d, initial_state = _f32(x, dt, A, D, initial_state)
+    y, final, _ = _chunked(xf, dtf, a, b, c, cu_seqlens, initial_state, chunk_size, None)
+    return zero_padding(y + d[:, None] * xf, cu_seqlens, x.dtype), final
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size",), donate_argnames="state_pool")
+def ssd_prefill(
+    x, dt, A, B, C, D, cu_seqlens, state_pool, slots, has_initial, checkpoint_lens=None,
+    checkpoint_slots=None, *, chunk_size=128,
+):  # fmt: skip
+    """Chunked prefill on the state pool; see `pallas_kernels.mamba2.ssd_prefill`."""
+    check_rows(cu_seqlens, slots, "slots")
+    b, c = _expand_groups(B, C, state_pool.shape[1])
+    xf, dtf, a, d = _f32(x, dt, A, D)
+    initial = gather_slots(state_pool, slots, has_initial).astype(jnp.float32)
+    y, final, ckpt = _chunked(xf, dtf, a, b, c, cu_seqlens, initial, chunk_size, checkpoint_lens)
+    state_pool = store_prefill_states(state_pool, cu_seqlens, slots, final, checkpoint_lens, checkpoint_slots, ckpt)
+    return zero_padding(y + d[:, None] * xf, cu_seqlens, x.dtype), state_pool
+
+
+def _decode_row(state, x, dt, a, b, c, d, length):
+    """Recurrent steps over the first `length` of a row's [W, ...] tokens; returns (y [W, NH, P], final)."""
+
+    def step(s, xs):
+        t, x_t, dt_t, b_t, c_t = xs
+        new, y = recurrent_step(s, x_t, dt_t, a, b_t, c_t, d)
+        return jnp.where(t < length, new, s), y
+
+    final, y = jax.lax.scan(step, state, (jnp.arange(x.shape[0]), x, dt, b, c))
+    return y, final
+
+
+def _fold_ring(state, ring_x, ring_dt, ring_b, a, ring_start, count):
+    """Advance state by ring entries (ring_start + j) % W, j < count, with the recurrence's own ops.
+
+    state [NH, P, N]; ring_x [NH, W, P]; ring_dt [NH, W]; ring_b [G, W, N].
+    """
+    num_heads, width = ring_dt.shape
+
+    def fold(j, s):
+        i = (ring_start + j) % width
+        b = repeat_heads(ring_b[:, i], num_heads, 0)
+        return jnp.where(j < count, advance(s, ring_x[:, i], ring_dt[:, i], a, b), s)
+
+    return jax.lax.fori_loop(0, width, fold, state)
+
+
+def _dense_inputs(x, dt, B, C, cu_seqlens, width, num_heads):
+    """Packed tokens -> per-row [R, W, ...] f32: (x, dt, B expanded, C expanded, B per group)."""
+    xd, dtd, bd, cd = (rows_to_dense(v.astype(jnp.float32), cu_seqlens, width) for v in (x, dt, B, C))
+    return xd, dtd, repeat_heads(bd, num_heads, 2), repeat_heads(cd, num_heads, 2), bd
+
+
+@functools.partial(jax.jit, donate_argnames="state_pool")
+def ssd_decode(x, dt, A, B, C, D, cu_seqlens, state_pool, slots):
+    """Plain decoding on the pool (rows of 0 or 1 token): state read, advanced and written every call."""
+    check_rows(cu_seqlens, slots, "slots")
+    xd, dtd, bd, cd, _ = _dense_inputs(x, dt, B, C, cu_seqlens, 1, state_pool.shape[1])
+    a, d = _f32(A, D)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    # The same pinned ops as a ReplaySSM fold (`advance`), so W = 1 replay is bit-identical.
+    decode = jax.vmap(_decode_row, (0, 0, 0, None, 0, 0, None, 0))
+    y, state = decode(state_pool[slots].astype(jnp.float32), xd, dtd, a, bd, cd, d, lengths)
+    return dense_to_rows(y, cu_seqlens, x.shape[0]).astype(x.dtype), scatter_slots(state_pool, slots, state)
+
+
+@functools.partial(jax.jit, donate_argnames=("state_pool", "ring_x", "ring_dt", "ring_B"))
+def ssd_verify(x, dt, A, B, C, D, cu_seqlens, state_pool, ring_x, ring_dt, ring_B, slots, ring_start, committed, flush):
+    """ReplaySSM verify/decode; see `pallas_kernels.mamba2.ssd_verify` for the contract."""
+    check_rows(cu_seqlens, slots, "slots")
+    width, num_heads = ring_dt.shape[2], state_pool.shape[1]
+    xd, dtd, bd, cd, b_groups = _dense_inputs(x, dt, B, C, cu_seqlens, width, num_heads)
+    a, d = _f32(A, D)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    rx, rdt, rb = ring_x[slots], ring_dt[slots], ring_B[slots]
+    fold = jax.vmap(_fold_ring, (0, 0, 0, 0, None, 0, 0))
+    checkpoint = fold(state_pool[slots].astype(jnp.float32), rx, rdt, rb, a, ring_start, committed)
+    y, _ = jax.vmap(_decode_row, (0, 0, 0, None, 0, 0, None, 0))(checkpoint, xd, dtd, a, bd, cd, d, lengths)
+    # Only a flush writes the state: S0 <- S0 advanced by the committed entries.
+    state_pool = scatter_slots(state_pool, jnp.where(flush, slots, 0), checkpoint)
+    rings = append_dense_rows((ring_x, ring_dt, ring_B), (xd, dtd, b_groups), slots, ring_start, committed, lengths)
+    return dense_to_rows(y, cu_seqlens, x.shape[0]).astype(x.dtype), state_pool, *rings
+
+
+@functools.partial(jax.jit, donate_argnames="state_pool")
+def ssd_materialise(state_pool, ring_x, ring_dt, ring_B, A, src_slots, dst_slots, ring_start, num_entries):
+    """state_pool[dst] = state_pool[src] advanced by its first `num_entries` ring entries; see __init__."""
+    fold = jax.vmap(_fold_ring, (0, 0, 0, 0, None, 0, 0))
+    state = state_pool[src_slots].astype(jnp.float32)
+    rings = (ring_x[src_slots], ring_dt[src_slots], ring_B[src_slots])
+    state = fold(state, *rings, A.astype(jnp.float32), ring_start, num_entries)
+    return scatter_slots(state_pool, dst_slots, state)

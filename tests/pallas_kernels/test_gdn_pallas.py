@@ -1,0 +1,184 @@
+"""GDN Pallas kernels: interpret mode against the reference, and CUDA lowering at model shapes."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lowering import TRITON_CALL, lower_for_cuda
+from replay_sim import simulate
+from test_gdn_replay import GdnReplay
+from varlen_inputs import prefill_rows, row_lengths
+
+from pallas_kernels.gdn import gdn_decode, gdn_materialise, gdn_prefill, gdn_verify, pallas, pallas_prefill
+
+TOL = dict(atol=1e-4, rtol=1e-4)  # measured max |diff|: verify/decode ~5e-7, prefill ~3e-7
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+ON_GPU = jax.default_backend() == "gpu"
+T, R, S, CHUNK = 96, 4, 12, 16
+
+
+def _prefill_inputs(lengths, seed, dtype=jnp.float32):
+    """Packed rows in one (T, R) bucket, distinct random slots, random has_initial and checkpoints.
+
+    Head dims and the chunk are 16 so that the same inputs compile on a GPU (Triton dots need 16).
+    """
+    rng = np.random.default_rng(seed)
+    slot_ids = rng.permutation(np.arange(1, S))
+    pool = rng.standard_normal((S, 4, 16, 16), np.float32)
+    pool[0] = 0
+    return dict(
+        q=jnp.asarray(rng.standard_normal((T, 2, 16), np.float32), dtype),
+        k=jnp.asarray(rng.standard_normal((T, 2, 16), np.float32), dtype),
+        v=jnp.asarray(rng.standard_normal((T, 4, 16), np.float32), dtype),
+        g=-rng.exponential(0.5, (T, 4)).astype(np.float32),
+        beta=rng.uniform(0, 1, (T, 4)).astype(np.float32),
+        state_pool=pool,
+        **prefill_rows(rng, lengths, R, slot_ids),
+    )
+
+
+def _assert_close(out, ref, tol):
+    for x, x_ref in zip(out, ref, strict=True):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(x_ref, np.float32), **tol)
+
+
+def _compare_prefill(inputs, backend, tol, ref_inputs=None):
+    """`backend` on inputs against the reference on ref_inputs (default: the same inputs)."""
+    ref_inputs = dict(ref_inputs or inputs, state_pool=inputs["state_pool"].copy())
+    ref = gdn_prefill(**ref_inputs, chunk_size=CHUNK, backend="reference")
+    _assert_close(gdn_prefill(**inputs, chunk_size=CHUNK, backend=backend), ref, tol)
+
+
+@settings(max_examples=4, deadline=None)
+@given(lengths=row_lengths(CHUNK, T, R), seed=st.integers(0, 2**16))
+def test_prefill_interpret_matches_reference(lengths, seed):
+    _compare_prefill(_prefill_inputs(lengths, seed), "interpret", TOL)
+
+
+def test_prefill_near_identical_keys():
+    inputs = _prefill_inputs([CHUNK + 1, 2 * CHUNK, CHUNK - 1, 1], 6)
+    inputs["k"] = inputs["k"][:1] + 0.01 * inputs["k"]  # (I + A) ~ all-ones lower triangle, see reference test
+    inputs["g"], inputs["beta"] = np.zeros_like(inputs["g"]), np.ones_like(inputs["beta"])
+    _compare_prefill(inputs, "interpret", TOL)
+
+
+def test_prefill_bf16_inputs_fp32_state():
+    lengths = [CHUNK + 1, 0, CHUNK - 1, 1]
+    exact = _prefill_inputs(lengths, 4)  # the reference sees the fp32 values the bf16 inputs round
+    _compare_prefill(_prefill_inputs(lengths, 4, jnp.bfloat16), "interpret", BF16_TOL, exact)
+
+
+@settings(max_examples=3, deadline=None)
+@given(max_drafts=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_verify_interpret_matches_reference(max_drafts, seed):
+    runs = [simulate(GdnReplay(b), 4, max_drafts, seed, seed + 1, steps=12) for b in ("reference", "interpret")]
+    (rows_ref, pools_ref, _), (rows, pools, _) = runs
+    for row_ref, row in zip(rows_ref, rows, strict=True):
+        for (_, o_ref), (_, o) in zip(row_ref.outputs, row.outputs, strict=True):
+            np.testing.assert_allclose(o, o_ref, **TOL)
+    for pool_ref, pool in zip(pools_ref, pools, strict=True):
+        np.testing.assert_allclose(pool, pool_ref, **TOL)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "interpret",
+        pytest.param("pallas", marks=[pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")]),
+    ],
+)
+def test_decode_and_materialise_match_reference(backend):
+    rng = np.random.default_rng(5)
+    pools = GdnReplay.make_pools(4, rng)
+    tokens = GdnReplay.tokens(rng, 4)
+    cu, slots = np.array([0, 1, 2, 2], np.int32), np.array([3, 1, 0], np.int32)
+    o_ref, state_ref = gdn_decode(*tokens, cu, pools[0].copy(), slots, backend="reference")
+    o, state = gdn_decode(*tokens, cu, pools[0].copy(), slots, backend=backend)
+    np.testing.assert_allclose(o, o_ref, **TOL)
+    np.testing.assert_allclose(state, state_ref, **TOL)
+    args = (slots, np.array([2, 5, 0], np.int32), np.array([3, 1, 0], np.int32), np.array([4, 2, 0], np.int32))
+    expected = gdn_materialise(*[p.copy() for p in pools], *args, backend="reference")
+    np.testing.assert_allclose(gdn_materialise(*pools, *args, backend=backend), expected, **TOL)
+
+
+def test_width_one_interpret_is_bit_identical_to_plain_decoding():
+    rng = np.random.default_rng(3)
+    pools = GdnReplay.make_pools(1, rng)
+    plain = pools[0].copy()
+    slots, committed = np.array([3, 1, 0], np.int32), np.zeros(3, np.int32)
+    for _ in range(5):
+        tokens = GdnReplay.tokens(rng, 3)
+        cu = np.array([0, 1, 2, 2], np.int32)
+        o, *pools = gdn_verify(*tokens, cu, *pools, slots, 0 * slots, committed, committed > 0, backend="interpret")
+        o_plain, plain = gdn_decode(*tokens, cu, plain, slots, backend="interpret")
+        np.testing.assert_array_equal(o[:2], o_plain[:2])
+        committed = np.array([1, 1, 0], np.int32)
+
+
+def test_bf16_inputs_fp32_state():
+    rng = np.random.default_rng(9)
+    pools = GdnReplay.make_pools(4, rng)
+    exact = GdnReplay.tokens(rng, 6)
+    tokens = [x.astype(jnp.bfloat16) if i < 3 else x for i, x in enumerate(exact)]  # q, k, v in bf16
+    cu, slots = np.array([0, 3, 5, 5], np.int32), np.array([3, 1, 0], np.int32)
+    trackers = (slots, np.array([1, 3, 0], np.int32), np.array([1, 0, 0], np.int32), np.array([False, True, False]))
+    ref = gdn_verify(*exact, cu, *[p.copy() for p in pools], *trackers, backend="reference")
+    out = gdn_verify(*tokens, cu, *pools, *trackers, backend="interpret")
+    assert out[0].dtype == jnp.bfloat16
+    _assert_close(out, ref, BF16_TOL)
+
+
+def _model_shapes(num_heads):
+    """Qwen3-Next-like GDN layer: dk = dv = 128, H = HV / 2, 64 tokens in 16 verify rows, W = 8."""
+    sd, f32, i32 = jax.ShapeDtypeStruct, jnp.float32, jnp.int32
+    tokens, rows, slots, width, h = 64, 16, 33, 8, num_heads // 2
+    token_args = (sd((tokens, h, 128), jnp.bfloat16),) * 2 + (
+        sd((tokens, num_heads, 128), jnp.bfloat16), sd((tokens, num_heads), f32), sd((tokens, num_heads), f32),
+    )  # fmt: skip
+    pools = (
+        sd((slots, num_heads, 128, 128), f32), sd((slots, h, width, 128), f32),
+        sd((slots, num_heads, width, 128), f32), sd((slots, num_heads, width), f32),
+    )  # fmt: skip
+    return token_args, sd((rows + 1,), i32), pools, sd((rows,), i32)
+
+
+@settings(max_examples=2, deadline=None)
+@given(num_heads=st.sampled_from([16, 32]))
+def test_kernels_lower_for_cuda(num_heads):
+    token_args, cu, pools, per_row = _model_shapes(num_heads)
+    flush = jax.ShapeDtypeStruct(per_row.shape, jnp.bool_)
+    verify = functools.partial(pallas.gdn_verify, interpret=False)
+    assert TRITON_CALL in lower_for_cuda(verify, *token_args, cu, *pools, per_row, per_row, per_row, flush)
+    decode = functools.partial(pallas.gdn_decode, interpret=False)
+    assert TRITON_CALL in lower_for_cuda(decode, *token_args, cu, pools[0], per_row)
+    materialise = functools.partial(pallas.gdn_materialise, interpret=False)
+    assert TRITON_CALL in lower_for_cuda(materialise, *pools, *(per_row,) * 4)
+    prefill = functools.partial(pallas_prefill.gdn_prefill, interpret=False)  # chunk 64, 16 rows
+    has_initial = jax.ShapeDtypeStruct(per_row.shape, jnp.bool_)
+    assert TRITON_CALL in lower_for_cuda(prefill, *token_args, cu, pools[0], per_row, has_initial, per_row, per_row)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_compiled_kernels_match_reference():
+    _compare_prefill(_prefill_inputs([0, 1, 15, 16, 17, 33][:R], seed=0), "pallas", TOL)
+    rows_ref, pools_ref, _ = simulate(GdnReplay("reference"), 4, 3, 1, 2, steps=12)
+    rows, pools, _ = simulate(GdnReplay("pallas"), 4, 3, 1, 2, steps=12)
+    for row_ref, row in zip(rows_ref, rows, strict=True):
+        _assert_close([o for _, o in row.outputs], [o for _, o in row_ref.outputs], TOL)
+    _assert_close(pools, pools_ref, TOL)
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_nan_in_an_unused_slot_reaches_nothing(backend):
+    inputs = _prefill_inputs([CHUNK + 1, 0, 3], seed=2)
+    unused = np.setdiff1d(np.arange(1, S), np.concatenate([inputs["slots"], inputs["checkpoint_slots"]]))[0]
+    inputs["state_pool"][unused] = np.nan
+    o, pool = gdn_prefill(**inputs, chunk_size=CHUNK, backend=backend)
+    assert np.isfinite(o).all()
+    assert np.isnan(np.asarray(pool)[unused]).all()
+    assert np.isfinite(np.delete(np.asarray(pool), unused, axis=0)).all()

@@ -1,0 +1,288 @@
+"""Pallas Mamba2 kernels: interpret mode against the reference, CUDA lowering, and the GPU run.
+
+Every hypothesis test keeps one fixed bucket per kernel (and per dtype), so each kernel compiles once.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lowering import TRITON_CALL, lower_for_cuda
+from replay_sim import simulate
+from test_mamba2_replay import SsdReplay
+from varlen_inputs import cu_seqlens, prefill_rows, row_lengths
+
+from pallas_kernels.mamba2 import pallas, pallas_prefill, reference
+
+ON_GPU = jax.default_backend() == "gpu"
+NH, P, G, N, S, W = 4, 32, 2, 16, 10, 4  # P = 2 tiles of block_p
+R, T_VERIFY, T_PREFILL, CHUNK = 4, 16, 96, 16
+TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}  # bf16 x/B/C (and bf16 y); the state stays fp32
+BLOCK_P = 16
+_RNG = np.random.default_rng(0)
+A = -np.exp(_RNG.uniform(-1, 1, NH)).astype(np.float32)
+D = _RNG.standard_normal(NH).astype(np.float32)
+
+
+def _tokens(rng, num_tokens, dtype):
+    """x, dt, B, C of a packed bucket; x/B/C in `dtype`, dt fp32 (processed)."""
+    x = jnp.asarray(rng.standard_normal((num_tokens, NH, P), np.float32), dtype)
+    b, c = (jnp.asarray(v, dtype) for v in rng.standard_normal((2, num_tokens, G, N), np.float32))
+    return x, jnp.asarray(rng.uniform(0.01, 1.0, (num_tokens, NH)), jnp.float32), b, c
+
+
+def _pools(rng):
+    """Random slot pages (S0, ring_x, ring_dt, ring_B) with a zero null slot, as numpy."""
+    return SsdReplay.make_pools(W, rng, (S, NH, P, G, N))
+
+
+def _slots(rng, num_real, count=R):
+    """Distinct nonzero slots for the first num_real rows, the null slot for padding rows."""
+    return np.where(np.arange(count) < num_real, rng.permutation(np.arange(1, S))[:count], 0).astype(np.int32)
+
+
+def _as_f32(args):
+    """The reference upcasts its inputs first, so fp32 copies give its exact results and one compile."""
+    return {k: (v.astype(jnp.float32) if getattr(v, "dtype", None) == jnp.bfloat16 else v) for k, v in args.items()}
+
+
+def _assert_close(actual, expected, tolerance):
+    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    np.testing.assert_allclose(actual, expected, atol=tolerance, rtol=tolerance)
+
+
+verify_rows = st.lists(
+    st.tuples(st.integers(0, W), st.integers(0, W), st.integers(0, W - 1), st.booleans()), min_size=1, max_size=R
+)  # (T_r, committed, ring_start, flush wanted)
+
+
+def _verify_case(rows, rng, dtype):
+    lengths, committed, ring_start, flush = (np.array(v + (0,) * (R - len(rows))) for v in zip(*rows, strict=True))
+    args = dict(
+        zip(("x", "dt", "B", "C"), _tokens(rng, T_VERIFY, dtype), strict=True),
+        A=A, D=D, cu_seqlens=cu_seqlens(list(lengths), R), slots=_slots(rng, len(rows)),
+        ring_start=ring_start.astype(np.int32), committed=committed.astype(np.int32),
+        flush=flush.astype(bool) | (committed + lengths > W),  # the contract: no room -> flush
+    )  # fmt: skip
+    return args, _pools(rng)
+
+
+def _check_verify(rows, seed, dtype, interpret):
+    args, pools = _verify_case(rows, np.random.default_rng(seed), dtype)
+    y_ref, *pools_ref = reference.ssd_verify(**_as_f32(args), **_named_pools(pools))
+    y, *pools_out = pallas.ssd_verify(**args, **_named_pools(pools), block_p=BLOCK_P, interpret=interpret)
+    _assert_close(y, y_ref, TOLERANCE[dtype])
+    _assert_close(pools_out[0], pools_ref[0], 1e-4)
+    kept = np.setdiff1d(np.arange(S), args["slots"][args["flush"]])  # only a flush writes S0
+    np.testing.assert_array_equal(np.asarray(pools_out[0])[kept], pools[0][kept])
+    for ring, ring_ref in zip(pools_out[1:], pools_ref[1:], strict=True):
+        np.testing.assert_array_equal(np.asarray(ring), np.asarray(ring_ref))  # appends are exact copies
+
+
+def _named_pools(pools):
+    names = ("state_pool", "ring_x", "ring_dt", "ring_B")
+    return {n: jnp.array(p) for n, p in zip(names, pools, strict=True)}
+
+
+@settings(max_examples=6, deadline=None)
+@given(rows=verify_rows, seed=st.integers(0, 2**16), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]))
+def test_verify_interpret_matches_reference(rows, seed, dtype):
+    _check_verify(rows, seed, dtype, interpret=True)
+
+
+def _check_decode(lengths, seed, dtype, interpret):
+    rng = np.random.default_rng(seed)
+    tokens = dict(zip(("x", "dt", "B", "C"), _tokens(rng, R, dtype), strict=True))
+    args = dict(tokens, A=A, D=D, cu_seqlens=cu_seqlens(lengths, R), slots=_slots(rng, len(lengths)))
+    pool = _pools(rng)[0]
+    y_ref, pool_ref = reference.ssd_decode(**args, state_pool=jnp.array(pool))
+    y, pool_out = pallas.ssd_decode(**args, state_pool=jnp.array(pool), block_p=BLOCK_P, interpret=interpret)
+    _assert_close(y, y_ref, TOLERANCE[dtype])
+    _assert_close(pool_out, pool_ref, 1e-4)
+
+
+@settings(max_examples=3, deadline=None)
+@given(lengths=st.lists(st.integers(0, 1), min_size=1, max_size=R), seed=st.integers(0, 2**16))
+def test_decode_interpret_matches_reference(lengths, seed):
+    """fp32 only: bf16 inputs go through the same token step in the verify test."""
+    _check_decode(lengths, seed, jnp.float32, interpret=True)
+
+
+def test_width_one_verify_is_bit_identical_to_decode():
+    """DESIGN: ReplaySSM with W = 1 must reproduce plain decoding exactly; both kernels share one token step."""
+    rng = np.random.default_rng(3)
+    pools = _pools(rng)
+    pools[1:] = [p[..., :1, :] if p.ndim == 4 else p[..., :1] for p in pools[1:]]  # W = 1
+    pools = _named_pools(pools)
+    plain, slots, committed = jnp.array(pools["state_pool"]), np.array([3, 1, 0, 0], np.int32), np.zeros(R, np.int32)
+    for _ in range(4):
+        x, dt, b, c = _tokens(rng, R, jnp.float32)
+        args = (x, dt, A, b, c, D, np.array([0, 1, 2, 2, 2], np.int32))
+        y, *rest = pallas.ssd_verify(*args, **pools, slots=slots, ring_start=np.zeros(R, np.int32),
+                                     committed=committed, flush=committed > 0, interpret=True)  # fmt: skip
+        pools = dict(zip(pools, rest, strict=True))
+        y_plain, plain = pallas.ssd_decode(*args, plain, slots, interpret=True)
+        np.testing.assert_array_equal(np.asarray(y)[:2], np.asarray(y_plain)[:2])
+        committed = np.array([1, 1, 0, 0], np.int32)
+    state = pallas.ssd_materialise(**pools, A=A, src_slots=slots, dst_slots=np.array([2, 5, 0, 0], np.int32),
+                                   ring_start=np.zeros(R, np.int32), num_entries=committed, interpret=True)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(state)[[2, 5]], np.asarray(plain)[[3, 1]])
+
+
+def _check_materialise(num_entries, seed, interpret):
+    rng = np.random.default_rng(seed)
+    pools, m = _pools(rng), len(num_entries)
+    slot_ids = rng.permutation(np.arange(1, S))
+    src, dst = slot_ids[:m].astype(np.int32), slot_ids[m : 2 * m].astype(np.int32)
+    dst[rng.uniform(size=m) < 0.3] = 0  # dst 0: skip
+    args = dict(A=A, src_slots=src, dst_slots=dst, ring_start=rng.integers(0, W, m).astype(np.int32),
+                num_entries=np.array(num_entries, np.int32))  # fmt: skip
+    expected = reference.ssd_materialise(**_named_pools(pools), **args)
+    state = pallas.ssd_materialise(**_named_pools(pools), **args, block_p=BLOCK_P, interpret=interpret)
+    _assert_close(state, expected, 1e-4)
+    kept = np.setdiff1d(np.arange(S), dst)
+    np.testing.assert_array_equal(np.asarray(state)[kept], pools[0][kept])
+
+
+@settings(max_examples=5, deadline=None)
+@given(num_entries=st.lists(st.integers(0, W), min_size=3, max_size=3), seed=st.integers(0, 2**16))
+def test_materialise_interpret_matches_reference(num_entries, seed):
+    _check_materialise(num_entries, seed, interpret=True)
+
+
+def _prefill_case(lengths, rng, dtype):
+    slot_ids = rng.permutation(np.arange(1, S))
+    args = dict(
+        zip(("x", "dt", "B", "C"), _tokens(rng, T_PREFILL, dtype), strict=True), A=A, D=D,
+        **prefill_rows(rng, lengths, R, slot_ids, initial_rate=0.6, checkpoint_past_end=True),
+    )  # fmt: skip
+    pool = _pools(rng)[0]
+    pool[args["slots"][~args["has_initial"]]] = np.nan  # stale contents must not leak into fresh rows
+    pool[0] = 0
+    return args, pool
+
+
+def _check_prefill(lengths, seed, dtype, interpret):
+    args, pool = _prefill_case(lengths, np.random.default_rng(seed), dtype)
+    y_ref, pool_ref = reference.ssd_prefill(**_as_f32(args), state_pool=jnp.array(pool), chunk_size=CHUNK)
+    y, pool_out = pallas_prefill.ssd_prefill(
+        **args, state_pool=jnp.array(pool), chunk_size=CHUNK, block_p=BLOCK_P, block_t=CHUNK, interpret=interpret
+    )
+    _assert_close(y, y_ref, TOLERANCE[dtype])
+    _assert_close(pool_out, pool_ref, 1e-4)  # NaN slots compare equal only where both kept them
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    lengths=row_lengths(CHUNK, T_PREFILL, R),
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+)
+def test_prefill_interpret_matches_reference(lengths, seed, dtype):
+    _check_prefill(lengths, seed, dtype, interpret=True)
+
+
+def test_prefill_chunk_edge_lengths():
+    _check_prefill([CHUNK - 1, CHUNK, CHUNK + 1, 1], seed=5, dtype=jnp.float32, interpret=True)
+
+
+# Nemotron-H Mamba2: 128 heads of P = 64, state N = 128, 8 groups, chunk 128.
+NEMO_NH, NEMO_P, NEMO_G, NEMO_N, NEMO_S, NEMO_R = 128, 64, 8, 128, 9, 8
+
+
+def _spec(*shape, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _nemotron_tokens(num_tokens):
+    return [
+        _spec(num_tokens, NEMO_NH, NEMO_P, dtype=jnp.bfloat16),
+        _spec(num_tokens, NEMO_NH),
+        _spec(NEMO_NH),
+        _spec(num_tokens, NEMO_G, NEMO_N, dtype=jnp.bfloat16),
+        _spec(num_tokens, NEMO_G, NEMO_N, dtype=jnp.bfloat16),
+        _spec(NEMO_NH),
+        _spec(NEMO_R + 1, dtype=jnp.int32),
+    ]
+
+
+def _nemotron_rings(width):
+    return [
+        _spec(NEMO_S, NEMO_NH, width, NEMO_P),
+        _spec(NEMO_S, NEMO_NH, width),
+        _spec(NEMO_S, NEMO_G, width, NEMO_N),
+    ]
+
+
+@pytest.mark.parametrize("block_p", [16, 32])
+def test_verify_lowers_for_cuda_at_model_shapes(block_p):
+    width, rows = 8, [_spec(NEMO_R, dtype=jnp.int32)] * 3 + [_spec(NEMO_R, dtype=jnp.bool_)]
+    args = [*_nemotron_tokens(NEMO_R * 4), _spec(NEMO_S, NEMO_NH, NEMO_P, NEMO_N), *_nemotron_rings(width), *rows]
+    assert TRITON_CALL in lower_for_cuda(functools.partial(pallas.ssd_verify, block_p=block_p), *args)
+
+
+def test_decode_lowers_for_cuda_at_model_shapes():
+    args = [*_nemotron_tokens(NEMO_R), _spec(NEMO_S, NEMO_NH, NEMO_P, NEMO_N), _spec(NEMO_R, dtype=jnp.int32)]
+    assert TRITON_CALL in lower_for_cuda(functools.partial(pallas.ssd_decode, block_p=16), *args)
+
+
+def test_materialise_lowers_for_cuda_at_model_shapes():
+    entries = [_spec(4, dtype=jnp.int32)] * 4
+    args = [_spec(NEMO_S, NEMO_NH, NEMO_P, NEMO_N), *_nemotron_rings(8), _spec(NEMO_NH), *entries]
+    assert TRITON_CALL in lower_for_cuda(functools.partial(pallas.ssd_materialise, block_p=32), *args)
+
+
+@pytest.mark.parametrize(
+    "block_t, precision", [(64, jax.lax.Precision.HIGHEST), (128, jax.lax.Precision.DEFAULT)]
+)  # HIGHEST: IEEE fp32 dots; DEFAULT: TF32
+def test_prefill_lowers_for_cuda_at_model_shapes(block_t, precision):
+    rows = [_spec(NEMO_R, dtype=jnp.int32), _spec(NEMO_R, dtype=jnp.bool_)] + [_spec(NEMO_R, dtype=jnp.int32)] * 2
+    args = [*_nemotron_tokens(1024), _spec(NEMO_S, NEMO_NH, NEMO_P, NEMO_N), *rows]
+    fn = functools.partial(pallas_prefill.ssd_prefill, chunk_size=128, block_p=32, block_t=block_t, precision=precision)
+    assert TRITON_CALL in lower_for_cuda(fn, *args)
+
+
+def test_prefill_at_head_dim_80_lowers_with_16_wide_tiles():
+    """Nemotron-Nano-9B-v2 has P = 80: five P tiles of 16."""
+    rows = [_spec(NEMO_R, dtype=jnp.int32), _spec(NEMO_R, dtype=jnp.bool_)]
+    tokens = _nemotron_tokens(256)
+    tokens[0] = _spec(256, NEMO_NH, 80, dtype=jnp.bfloat16)
+    args = [*tokens, _spec(NEMO_S, NEMO_NH, 80, NEMO_N), *rows]
+    assert TRITON_CALL in lower_for_cuda(functools.partial(pallas_prefill.ssd_prefill, block_p=32), *args)
+
+
+def test_prefill_rejects_tiles_too_small_for_triton_dots():
+    rows = [_spec(NEMO_R, dtype=jnp.int32), _spec(NEMO_R, dtype=jnp.bool_)]
+    args = [*_nemotron_tokens(256), _spec(NEMO_S, NEMO_NH, NEMO_P, NEMO_N), *rows]
+    with pytest.raises(ValueError, match="tiles >= 16"):
+        lower_for_cuda(functools.partial(pallas_prefill.ssd_prefill, chunk_size=8), *args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@settings(max_examples=5, deadline=None)
+@given(
+    rows=verify_rows,
+    num_entries=st.lists(st.integers(0, W), min_size=3, max_size=3),
+    lengths=row_lengths(CHUNK, T_PREFILL, R),
+    seed=st.integers(0, 2**16),
+)
+def test_compiled_kernels_match_reference_on_gpu(rows, num_entries, lengths, seed):
+    _check_verify(rows, seed, jnp.float32, interpret=False)
+    _check_decode([1, 0, 1], seed, jnp.float32, interpret=False)
+    _check_materialise(num_entries, seed, interpret=False)
+    _check_prefill(lengths, seed, jnp.float32, interpret=False)
+
+
+def test_public_ops_dispatch_to_the_kernel_in_a_replay_stream():
+    """The public ops with backend="interpret" through the engine's verify/commit loop (test_mamba2_replay)."""
+    rows, _, initial = simulate(SsdReplay(backend="interpret"), 4, 3, seed=11, garbage_seed=12, steps=10)
+    assert max(r.wraps for r in rows) >= 1
+    for row in rows:
+        y_ref, _ = SsdReplay.oracle(row.stream, initial[0][row.slot], len(row.stream[0]))
+        for position, y in row.outputs:
+            np.testing.assert_allclose(y, y_ref[position], atol=1e-4, rtol=1e-4)
