@@ -15,16 +15,27 @@ import json
 import platform
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from pallas_kernels.attention import ragged_paged_attention
-from pallas_kernels.conv1d import conv1d_prefill
-from pallas_kernels.gdn import gdn_decode, gdn_prefill, gdn_verify
-from pallas_kernels.mamba2 import ssd_decode, ssd_prefill
+from pallas_kernels.conv1d import conv1d_prefill, conv1d_rollback, conv1d_verify
+from pallas_kernels.gdn import gdn_decode, gdn_materialise, gdn_prefill, gdn_verify
+from pallas_kernels.mamba2 import ssd_decode, ssd_materialise, ssd_prefill, ssd_verify
 
 RESULTS = Path(__file__).parent / "results"
+H200_HBM_BYTES_PER_S = 4.8e12
+
+
+class Case(NamedTuple):
+    op: str
+    shape: str
+    run: object  # () -> device result, through the public op
+    baseline: object  # () -> the same maths in NumPy
+    tokens: int  # tokens (or materialised slots) processed per call
+    state_bytes: int = 0  # recurrent state read + written per call (decode-type ops; 0 = not memory-bound)
 
 
 def _median_ms(fn, repeats):
@@ -44,9 +55,10 @@ class Pools:
         self.pools = [jax.device_put(p) for p in pools]
 
     def call(self, fn, *args, **kwargs):
-        """fn(*args, *pools, **kwargs) -> (out, *pools) or (out, pool); keeps the new pools, returns out."""
+        """fn(*args, *pools, **kwargs) -> (out, *pools); keeps the new pools and returns them with out, so
+        that timing waits for every write (ops that only update pools return out = None)."""
         out, *self.pools = fn(*args, *self.pools, **kwargs)
-        return out
+        return out, self.pools
 
 
 def _rows(lengths):
@@ -112,15 +124,29 @@ def np_attention(q, keys, values, cu, context, scale):
 # ---- cases: (op, shape, run, baseline) --------------------------------------------------------------
 
 
-def conv_case(rng, backend, tokens, rows, dim=8192, kc=4):
+def conv_case(rng, backend, tokens, rows, dim=8192, kc=4, drafts=3):
     x, weight = rng.standard_normal((tokens, dim), np.float32), rng.standard_normal((dim, kc), np.float32)
     cu, slots = _rows([tokens // rows] * rows), np.arange(1, rows + 1, dtype=np.int32)
-    pool = rng.standard_normal((rows + 1, kc - 1, dim), np.float32)
+    pool = rng.standard_normal((rows + 1, kc - 1 + 1 + drafts, dim), np.float32)
     device = Pools(pool)
-    run = lambda: device.call(
-        lambda p: conv1d_prefill(x, weight, None, cu, p, slots, np.ones(rows, bool), backend=backend)
-    )
-    return "conv1d_prefill", f"T={tokens} R={rows} D={dim}", run, lambda: np_conv(x, weight, cu, pool[slots])
+    yield Case(
+        "conv1d_prefill", f"T={tokens} R={rows} D={dim}",
+        lambda: device.call(lambda p: conv1d_prefill(x, weight, None, cu, p, slots, np.ones(rows, bool),
+                                                     backend=backend)),
+        lambda: np_conv(x, weight, cu, pool[slots, : kc - 1]), tokens,
+    )  # fmt: skip
+    xv, cuv = x[: rows * (1 + drafts)], _rows([1 + drafts] * rows)
+    yield Case(
+        "conv1d_verify", f"R={rows} T/row={1 + drafts} D={dim}",
+        lambda: device.call(lambda p: conv1d_verify(xv, weight, None, cuv, p, slots, backend=backend)),
+        lambda: np_conv(xv, weight, cuv, pool[slots, : kc - 1]), rows * (1 + drafts),
+    )  # fmt: skip
+    accepted = np.full(rows, 2, np.int32)
+    yield Case(
+        "conv1d_rollback", f"R={rows} D={dim}",
+        lambda: device.call(lambda p: (None, conv1d_rollback(p, slots, accepted, kernel_size=kc, backend=backend))),
+        lambda: np.concatenate([pool[slots, : kc - 1], pool[slots, kc - 1 : kc + 1]], 1)[:, -(kc - 1) :], rows,
+    )  # fmt: skip
 
 
 def _gdn_tokens(rng, tokens, heads, value_heads, dim):
@@ -132,23 +158,33 @@ def _gdn_tokens(rng, tokens, heads, value_heads, dim):
     )  # fmt: skip
 
 
+def np_fold_gdn_ring(states, ring_k, ring_u, ring_g, group, num_entries):
+    """S <- e^g S + k u^T for each of the first entries (ring_start 0)."""
+    states = states.copy()
+    for j in range(num_entries):
+        k = np.repeat(ring_k[:, :, j], group, 1)
+        states = np.exp(ring_g[:, :, j])[..., None, None] * states + k[..., :, None] * ring_u[:, :, j, None, :]
+    return states
+
+
 def gdn_cases(rng, backend, tokens, rows, heads, dim=128, width=8, drafts=3):
     value_heads = 2 * heads
     pool = rng.standard_normal((2 * rows + 1, value_heads, dim, dim), np.float32) * 0.1
     slots, ones = np.arange(1, rows + 1, dtype=np.int32), np.ones(rows, bool)
     device = Pools(pool)
+    state_bytes = rows * value_heads * dim * dim * 4 * 2  # fp32 state read and written once per row
     prefill_tokens = _gdn_tokens(rng, tokens, heads, value_heads, dim)
     cu = _rows([tokens // rows] * rows)
-    yield (
+    yield Case(
         "gdn_prefill", f"T={tokens} R={rows} HV={value_heads} K=V={dim}",
         lambda: device.call(lambda p: gdn_prefill(*prefill_tokens, cu, p, slots, ones, backend=backend)),
-        lambda: np_gdn(*prefill_tokens, cu, pool[slots]),
+        lambda: np_gdn(*prefill_tokens, cu, pool[slots]), tokens,
     )  # fmt: skip
     decode_tokens, cu1 = _gdn_tokens(rng, rows, heads, value_heads, dim), _rows([1] * rows)
-    yield (
+    yield Case(
         "gdn_decode", f"R={rows} HV={value_heads}",
         lambda: device.call(lambda p: gdn_decode(*decode_tokens, cu1, p, slots, backend=backend)),
-        lambda: np_gdn(*decode_tokens, cu1, pool[slots]),
+        lambda: np_gdn(*decode_tokens, cu1, pool[slots]), rows, state_bytes,
     )  # fmt: skip
     verify_tokens, cuv = _gdn_tokens(rng, rows * (1 + drafts), heads, value_heads, dim), _rows([1 + drafts] * rows)
     rings = (
@@ -156,22 +192,43 @@ def gdn_cases(rng, backend, tokens, rows, heads, dim=128, width=8, drafts=3):
         rng.standard_normal((2 * rows + 1, value_heads, width, dim), np.float32),
         -rng.exponential(0.1, (2 * rows + 1, value_heads, width)).astype(np.float32),
     )
-    trackers = (slots, np.zeros(rows, np.int32), np.full(rows, 4, np.int32), np.ones(rows, bool))
     with_rings = Pools(pool, *rings)
-    verify = lambda *pools: gdn_verify(*verify_tokens, cuv, *pools, *trackers, backend=backend)
-    yield (
-        "gdn_verify (flush)", f"R={rows} T/row={1 + drafts} W={width} committed=4",
-        lambda: with_rings.call(verify),
-        lambda: np_gdn(*verify_tokens, cuv, pool[slots]),  # sequential decoding of the same tokens
+    for flush in (False, True):
+        committed = np.full(rows, 4, np.int32)
+        trackers = (slots, np.zeros(rows, np.int32), committed, np.full(rows, flush))
+        verify = lambda *pools, t=trackers: gdn_verify(*verify_tokens, cuv, *pools, *t, backend=backend)
+        yield Case(
+            f"gdn_verify ({'flush' if flush else 'no write'})", f"R={rows} T/row={1 + drafts} W={width} committed=4",
+            lambda v=verify: with_rings.call(v),
+            lambda: np_gdn(*verify_tokens, cuv, pool[slots]),  # sequential decoding of the same tokens
+            rows * (1 + drafts), state_bytes // (1 if flush else 2),
+        )  # fmt: skip
+    dst, starts, entries = slots + rows, np.zeros(rows, np.int32), np.full(rows, width // 2, np.int32)
+    yield Case(
+        "gdn_materialise", f"M={rows} entries={width // 2}",
+        lambda: with_rings.call(
+            lambda sp, *r: (None, gdn_materialise(sp, *r, slots, dst, starts, entries, backend=backend), *r)
+        ),
+        lambda: np_fold_gdn_ring(pool[slots], *(r[slots] for r in rings), 2, width // 2), rows, state_bytes,
     )  # fmt: skip
 
 
-def ssd_cases(rng, backend, tokens, rows, heads, head_dim=64, state=128, groups=8):
+def np_fold_ssd_ring(states, ring_x, ring_dt, ring_b, a, group, num_entries):
+    """h <- e^{dt A} h + dt x (x) B for each of the first entries (ring_start 0)."""
+    states = states.copy()
+    for j in range(num_entries):
+        dt, b = ring_dt[:, :, j], np.repeat(ring_b[:, :, j], group, 1)
+        states = np.exp(dt * a)[..., None, None] * states + (dt[..., None] * ring_x[:, :, j])[..., None] * b[:, :, None]
+    return states
+
+
+def ssd_cases(rng, backend, tokens, rows, heads, head_dim=64, state=128, groups=8, width=8, drafts=3):
     a = -np.exp(rng.uniform(-1, 1, heads)).astype(np.float32)
     d = rng.standard_normal(heads).astype(np.float32)
-    pool = rng.standard_normal((rows + 1, heads, head_dim, state), np.float32) * 0.1
+    pool = rng.standard_normal((2 * rows + 1, heads, head_dim, state), np.float32) * 0.1
     slots, ones = np.arange(1, rows + 1, dtype=np.int32), np.ones(rows, bool)
     device = Pools(pool)
+    state_bytes = rows * heads * head_dim * state * 4 * 2
 
     def tokens_of(n):
         x, dt = rng.standard_normal((n, heads, head_dim), np.float32), rng.uniform(0.001, 0.1, (n, heads))
@@ -180,17 +237,40 @@ def ssd_cases(rng, backend, tokens, rows, heads, head_dim=64, state=128, groups=
 
     x, dt, b, c = tokens_of(tokens)
     cu = _rows([tokens // rows] * rows)
-    yield (
+    yield Case(
         "ssd_prefill", f"T={tokens} R={rows} NH={heads} P={head_dim} N={state}",
         lambda: device.call(lambda p: ssd_prefill(x, dt, a, b, c, d, cu, p, slots, ones, backend=backend)),
-        lambda: np_ssd(x, dt, a, b, c, d, cu, pool[slots]),
+        lambda: np_ssd(x, dt, a, b, c, d, cu, pool[slots]), tokens,
     )  # fmt: skip
     x1, dt1, b1, c1 = tokens_of(rows)
     cu1 = _rows([1] * rows)
-    yield (
+    yield Case(
         "ssd_decode", f"R={rows} NH={heads}",
         lambda: device.call(lambda p: ssd_decode(x1, dt1, a, b1, c1, d, cu1, p, slots, backend=backend)),
-        lambda: np_ssd(x1, dt1, a, b1, c1, d, cu1, pool[slots]),
+        lambda: np_ssd(x1, dt1, a, b1, c1, d, cu1, pool[slots]), rows, state_bytes,
+    )  # fmt: skip
+    xv, dtv, bv, cv = tokens_of(rows * (1 + drafts))
+    cuv = _rows([1 + drafts] * rows)
+    rings = (
+        rng.standard_normal((2 * rows + 1, heads, width, head_dim), np.float32),
+        rng.uniform(0.001, 0.1, (2 * rows + 1, heads, width)).astype(np.float32),
+        rng.standard_normal((2 * rows + 1, groups, width, state), np.float32),
+    )
+    with_rings = Pools(pool, *rings)
+    trackers = (slots, np.zeros(rows, np.int32), np.full(rows, 4, np.int32), np.zeros(rows, bool))
+    yield Case(
+        "ssd_verify (no write)", f"R={rows} T/row={1 + drafts} W={width} committed=4",
+        lambda: with_rings.call(lambda *p: ssd_verify(xv, dtv, a, bv, cv, d, cuv, *p, *trackers, backend=backend)),
+        lambda: np_ssd(xv, dtv, a, bv, cv, d, cuv, pool[slots]), rows * (1 + drafts), state_bytes // 2,
+    )  # fmt: skip
+    dst, starts, entries = slots + rows, np.zeros(rows, np.int32), np.full(rows, width // 2, np.int32)
+    yield Case(
+        "ssd_materialise", f"M={rows} entries={width // 2}",
+        lambda: with_rings.call(
+            lambda sp, *r: (None, ssd_materialise(sp, *r, a, slots, dst, starts, entries, backend=backend), *r)
+        ),
+        lambda: np_fold_ssd_ring(pool[slots], *(r[slots] for r in rings), a, heads // groups, width // 2), rows,
+        state_bytes,
     )  # fmt: skip
 
 
@@ -212,9 +292,26 @@ def attention_case(rng, backend, prefill, rows, context=1024, block=16, q_heads=
     attend = lambda kp, vp: ragged_paged_attention(
         q, k, v, kp, vp, slot_mapping, tables, cu, context_lens, scale=scale, backend=backend
     )
-    run = lambda: device.call(attend)
     shape = f"prefill {prefill} + {rows - 1} decode, ctx={context} HQ={q_heads} HKV={kv_heads} Dh={dim}"
-    return "ragged_paged_attention", shape, run, lambda: np_attention(q, keys, values, cu, context_lens, scale)
+    baseline = lambda: np_attention(q, keys, values, cu, context_lens, scale)
+    return Case("ragged_paged_attention", shape, lambda: device.call(attend), baseline, tokens)
+
+
+def _plot(records, backend, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 0.4 * len(records) + 1.5))
+    ops = [r["op"] for r in records]
+    ax.barh(ops, [r["numpy_ms"] / r["ms"] for r in records], color="tab:blue")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"speed-up of the {backend} backend over the NumPy baseline (same run)")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main():
@@ -225,23 +322,32 @@ def main():
     args = parser.parse_args()
     rng, s = np.random.default_rng(0), args.scale
     cases = [
-        conv_case(rng, args.backend, 512 // s, 4),
+        *conv_case(rng, args.backend, 512 // s, 4),
         *gdn_cases(rng, args.backend, 512 // s, 4, 16 // s),
         *ssd_cases(rng, args.backend, 512 // s, 4, 128 // s),
         attention_case(rng, args.backend, 256 // s, 16),
     ]
     backend = args.backend or ("pallas" if jax.default_backend() == "gpu" else "reference")
-    print(f"{'op':<24} {'shape':<58} {backend + ' ms':>14} {'numpy ms':>10} {'speed-up':>9}")
+    on_gpu = jax.default_backend() == "gpu"
+    print(f"{'op':<26} {'shape':<58} {backend + ' ms':>13} {'numpy ms':>9} {'speed-up':>9} {'tok/s':>10} "
+          f"{'state GB/s':>10}" + (f" {'HBM %':>6}" if on_gpu else ""))
     records = []
-    for op, shape, run, baseline in cases:
-        ms, np_ms = _median_ms(run, args.repeats), _median_ms(baseline, args.repeats)
-        print(f"{op:<24} {shape:<58} {ms:>14.2f} {np_ms:>10.2f} {np_ms / ms:>8.1f}x")
-        records.append(dict(op=op, shape=shape, backend=backend, ms=ms, numpy_ms=np_ms))
+    for case in cases:
+        ms, np_ms = _median_ms(case.run, args.repeats), _median_ms(case.baseline, args.repeats)
+        gbps = case.state_bytes / ms / 1e6
+        line = (f"{case.op:<26} {case.shape:<58} {ms:>13.2f} {np_ms:>9.2f} {np_ms / ms:>8.1f}x "
+                f"{case.tokens / ms * 1e3:>10.0f} {gbps:>10.1f}")
+        if on_gpu and case.state_bytes:
+            line += f" {100 * gbps * 1e9 / H200_HBM_BYTES_PER_S:>5.1f}%"
+        print(line)
+        records.append(dict(op=case.op, shape=case.shape, backend=backend, ms=ms, numpy_ms=np_ms,
+                            tokens_per_s=case.tokens / ms * 1e3, state_gb_per_s=gbps))
     RESULTS.mkdir(exist_ok=True)
     meta = dict(platform=platform.platform(), jax=jax.__version__, device=str(jax.devices()[0]), scale=s)
     out = RESULTS / f"kernels_{jax.default_backend()}.json"
     out.write_text(json.dumps(dict(meta=meta, results=records), indent=2))
-    print(f"wrote {out}")
+    _plot(records, backend, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

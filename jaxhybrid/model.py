@@ -12,6 +12,7 @@ import numpy as np
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.models.attention import AttentionBatch
 from jaxhybrid.models.hybrid import HybridLM, ModelCache, init_cache
+from jaxhybrid.models.ops import CHUNKED, ModelOps
 
 
 def contiguous_batch(query_lens: list[int], context_before: list[int], block_size: int, max_blocks: int,
@@ -42,11 +43,11 @@ class Model:
     one-token decode are the same code path as the full forward.
     """
 
-    def __init__(self, config: ModelConfig, params: Any, *, chunked: bool = True, block_size: int = 16):
+    def __init__(self, config: ModelConfig, params: Any, *, ops: ModelOps = CHUNKED, block_size: int = 16):
         self.config = config
         self.params = params
         self.block_size = block_size
-        self.module = HybridLM(config, chunked=chunked)
+        self.module = HybridLM(config, ops)
         self._step = jax.jit(self._step_fn)
         self._mtp = jax.jit(self._mtp_fn, static_argnames="layer")
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jaxhybrid.config import AttentionConfig
 from jaxhybrid.models.layers import RMSNorm, apply_rotary
-from pallas_kernels.attention import ragged_paged_attention
+from jaxhybrid.models.ops import CHUNKED, ModelOps
 
 
 class AttentionBatch(NamedTuple):
@@ -31,6 +31,7 @@ class KVPool(NamedTuple):
 class Attention(nn.Module):
     cfg: AttentionConfig
     norm_eps: float
+    ops: ModelOps = CHUNKED
 
     @nn.compact
     def __call__(self, x: jax.Array, batch: AttentionBatch, pool: KVPool) -> tuple[jax.Array, KVPool]:
@@ -47,7 +48,7 @@ class Attention(nn.Module):
             k = RMSNorm(self.norm_eps, zero_centered=True, name="k_norm")(k)
         q = apply_rotary(q, batch.positions, cfg.rotary_dim, cfg.rope_theta)
         k = apply_rotary(k, batch.positions, cfg.rotary_dim, cfg.rope_theta)
-        out, k_pool, v_pool = ragged_paged_attention(
+        out, k_pool, v_pool = self.ops.attention(
             q, k, v, pool.k, pool.v, batch.slot_mapping, batch.block_tables, batch.cu_seqlens,
             batch.context_lens, scale=cfg.head_dim**-0.5,
         )

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 
 from jaxhybrid.config import GDNConfig
 from jaxhybrid.models.layers import GatedRMSNorm
-from pallas_kernels.conv1d import causal_conv1d
-from pallas_kernels.gdn import gdn_chunked, gdn_recurrent
+from jaxhybrid.models.ops import CHUNKED, ModelOps
 
 
 class RecurrentState(NamedTuple):
@@ -30,7 +29,7 @@ class GatedDeltaNet(nn.Module):
 
     cfg: GDNConfig
     norm_eps: float
-    chunked: bool = True
+    ops: ModelOps = CHUNKED
 
     @nn.compact
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array, state: RecurrentState) -> tuple[jax.Array, RecurrentState]:
@@ -38,7 +37,7 @@ class GatedDeltaNet(nn.Module):
         qkvz = nn.Dense(cfg.conv_dim + cfg.value_dim, use_bias=False, dtype=x.dtype, name="in_proj_qkvz")(x)
         ba = nn.Dense(2 * cfg.num_v_heads, use_bias=False, dtype=x.dtype, name="in_proj_ba")(x)
         conv_weight = self.param("conv1d", nn.initializers.normal(0.2), (cfg.conv_dim, cfg.conv_kernel), jnp.float32)
-        mixed, conv_window = causal_conv1d(qkvz[:, : cfg.conv_dim], conv_weight.astype(x.dtype), None, cu_seqlens,
+        mixed, conv_window = self.ops.conv1d(qkvz[:, : cfg.conv_dim], conv_weight.astype(x.dtype), None, cu_seqlens,
                                            state.conv)
         q = mixed[:, : cfg.key_dim].reshape(num_tokens, cfg.num_k_heads, cfg.head_k_dim)
         k = mixed[:, cfg.key_dim : 2 * cfg.key_dim].reshape(num_tokens, cfg.num_k_heads, cfg.head_k_dim)
@@ -50,8 +49,7 @@ class GatedDeltaNet(nn.Module):
         # Gates in fp32, as HF: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias).
         beta = jax.nn.sigmoid(b.astype(jnp.float32))
         g = -jnp.exp(a_log) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias)
-        rule = gdn_chunked if self.chunked else gdn_recurrent
-        out, ssm = rule(q, k, v, g, beta, cu_seqlens, state.ssm)
+        out, ssm = self.ops.gdn(q, k, v, g, beta, cu_seqlens, state.ssm)
         out = GatedRMSNorm(self.norm_eps, norm_before_gate=True, name="norm")(out, z)
         out = nn.Dense(x.shape[-1], use_bias=False, dtype=x.dtype, name="out_proj")(out.reshape(num_tokens, -1))
         return out, RecurrentState(conv_window, ssm)

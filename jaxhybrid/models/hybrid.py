@@ -13,6 +13,7 @@ from jaxhybrid.models.attention import Attention, AttentionBatch, KVPool
 from jaxhybrid.models.gdn import GatedDeltaNet, RecurrentState
 from jaxhybrid.models.layers import RMSNorm, make_ffn
 from jaxhybrid.models.mamba2 import Mamba2Mixer
+from jaxhybrid.models.ops import CHUNKED, ModelOps
 
 LayerCache = RecurrentState | KVPool | None
 
@@ -27,7 +28,7 @@ class DecoderLayer(nn.Module):
 
     cfg: ModelConfig
     kinds: tuple[str, ...]
-    chunked: bool = True
+    ops: ModelOps = CHUNKED
 
     @nn.compact
     def __call__(self, x: jax.Array, batch: AttentionBatch, cache: LayerCache) -> tuple[jax.Array, LayerCache]:
@@ -35,11 +36,11 @@ class DecoderLayer(nn.Module):
         for j, kind in enumerate(self.kinds):
             h = RMSNorm(cfg.norm_eps, cfg.zero_centered_norm, name=f"norm_{j}")(x)
             if kind == GDN:
-                h, cache = GatedDeltaNet(cfg.gdn, cfg.norm_eps, self.chunked, name=kind)(h, batch.cu_seqlens, cache)
+                h, cache = GatedDeltaNet(cfg.gdn, cfg.norm_eps, self.ops, name=kind)(h, batch.cu_seqlens, cache)
             elif kind == MAMBA2:
-                h, cache = Mamba2Mixer(cfg.mamba2, cfg.norm_eps, self.chunked, name=kind)(h, batch.cu_seqlens, cache)
+                h, cache = Mamba2Mixer(cfg.mamba2, cfg.norm_eps, self.ops, name=kind)(h, batch.cu_seqlens, cache)
             elif kind == ATTENTION:
-                h, cache = Attention(cfg.attention, cfg.norm_eps, name=kind)(h, batch, cache)
+                h, cache = Attention(cfg.attention, cfg.norm_eps, self.ops, name=kind)(h, batch, cache)
             else:
                 h = make_ffn(kind, cfg, name=kind)(h)
             x = x + h
@@ -50,6 +51,7 @@ class MTPHead(nn.Module):
     """Multi-token prediction: `fc([norm(embed(t+1)), norm(h_t)])` -> one attention decoder layer -> norm."""
 
     cfg: ModelConfig
+    ops: ModelOps = CHUNKED
 
     @nn.compact
     def __call__(self, embeds: jax.Array, hidden: jax.Array, batch: AttentionBatch, pool: KVPool, *,
@@ -59,7 +61,7 @@ class MTPHead(nn.Module):
         # vLLM qwen3_next_mtp: embedding first, hidden second.
         x = jnp.concatenate([norm("pre_fc_norm_embedding")(embeds), norm("pre_fc_norm_hidden")(hidden)], axis=-1)
         x = nn.Dense(cfg.hidden_size, use_bias=False, dtype=hidden.dtype, name="fc")(x)
-        x, pool = DecoderLayer(cfg, cfg.mtp_layers[layer], name=f"layers_{layer}")(x, batch, pool)
+        x, pool = DecoderLayer(cfg, cfg.mtp_layers[layer], self.ops, name=f"layers_{layer}")(x, batch, pool)
         return norm("norm")(x), pool
 
 
@@ -67,17 +69,17 @@ class HybridLM(nn.Module):
     """Embedding, decoder layers, final norm, LM head and the optional MTP head over packed tokens."""
 
     cfg: ModelConfig
-    chunked: bool = True
+    ops: ModelOps = CHUNKED
 
     def setup(self) -> None:
         cfg = self.cfg
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=nn.initializers.normal(0.02))
-        self.layers = [DecoderLayer(cfg, kinds, self.chunked) for kinds in cfg.layers]
+        self.layers = [DecoderLayer(cfg, kinds, self.ops) for kinds in cfg.layers]
         self.norm = RMSNorm(cfg.norm_eps, cfg.zero_centered_norm)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False)
         if cfg.mtp_layers:
-            self.mtp = MTPHead(cfg)
+            self.mtp = MTPHead(cfg, self.ops)
 
     def __call__(self, token_ids: jax.Array, batch: AttentionBatch,
                  cache: ModelCache) -> tuple[jax.Array, ModelCache]:

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 from jaxhybrid.config import Mamba2Config
 from jaxhybrid.models.gdn import RecurrentState
 from jaxhybrid.models.layers import GatedRMSNorm
-from pallas_kernels.conv1d import causal_conv1d
-from pallas_kernels.mamba2 import ssd_chunked, ssd_recurrent
+from jaxhybrid.models.ops import CHUNKED, ModelOps
 
 
 class Mamba2Mixer(nn.Module):
@@ -18,7 +17,7 @@ class Mamba2Mixer(nn.Module):
 
     cfg: Mamba2Config
     norm_eps: float
-    chunked: bool = True
+    ops: ModelOps = CHUNKED
 
     @nn.compact
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array, state: RecurrentState) -> tuple[jax.Array, RecurrentState]:
@@ -30,7 +29,7 @@ class Mamba2Mixer(nn.Module):
         conv_weight = self.param("conv1d", nn.initializers.normal(0.2), (cfg.conv_dim, cfg.conv_kernel), jnp.float32)
         conv_bias = (self.param("conv1d_bias", nn.initializers.zeros, (cfg.conv_dim,), jnp.float32)
                      if cfg.use_conv_bias else None)
-        xbc, conv_window = causal_conv1d(xbc, conv_weight.astype(x.dtype),
+        xbc, conv_window = self.ops.conv1d(xbc, conv_weight.astype(x.dtype),
                                          None if conv_bias is None else conv_bias.astype(x.dtype), cu_seqlens,
                                          state.conv)
         xs = xbc[:, :inner].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -41,8 +40,7 @@ class Mamba2Mixer(nn.Module):
         d = self.param("D", nn.initializers.ones, (cfg.num_heads,), jnp.float32)
         # Mirrors HF mamba2_chunk_scan: softplus(dt + dt_bias), clamped to (time_step_min, inf).
         dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + dt_bias), cfg.dt_min, cfg.dt_max)
-        scan = (lambda *args: ssd_chunked(*args, chunk_size=cfg.chunk_size)) if self.chunked else ssd_recurrent
-        y, ssm = scan(xs, dt, -jnp.exp(a_log), b, c, d, cu_seqlens, state.ssm)
+        y, ssm = self.ops.ssd(xs, dt, -jnp.exp(a_log), b, c, d, cu_seqlens, state.ssm, chunk_size=cfg.chunk_size)
         y = GatedRMSNorm(self.norm_eps, norm_before_gate=False, group_size=inner // cfg.n_groups, name="norm")(
             y.reshape(num_tokens, inner), z)
         out = nn.Dense(x.shape[-1], use_bias=cfg.proj_bias, dtype=x.dtype, name="out_proj")(y)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxhybrid.tokenizer import CHECKPOINT_MARKER
@@ -43,3 +44,10 @@ def save_tokenizer(tokenizer: Tokenizer, directory: Path, max_length: int) -> No
         "chat_template": CHAT_TEMPLATE,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
+    """All documents as one int32 stream, each followed by `<|endoftext|>`."""
+    eos = tokenizer.token_to_id(EOS_TOKEN)
+    encoded = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    return np.concatenate([np.asarray(e.ids + [eos], np.int32) for e in encoded])

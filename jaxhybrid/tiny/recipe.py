@@ -11,14 +11,18 @@ class TrainSettings:
     seed: int = 0
     vocab_size: int = 4096
     seq_len: int = 512
-    batch_size: int = 8
-    num_steps: int = 600
-    warmup_steps: int = 40
-    peak_lr: float = 3e-3
+    batch_size: int = 4
+    num_steps: int = 800
+    warmup_steps: int = 50
+    peak_lr: float = 8e-3
     final_lr_fraction: float = 0.1
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    mtp_loss_weight: float = 0.5
+    mtp_loss_weight: float = 1.0
+
+    @property
+    def warmup(self) -> int:
+        return min(self.warmup_steps, self.num_steps - 1)  # short smoke runs still get a decay phase
 
 
 def hf_config(vocab_size: int, eos_token_id: int, max_len: int) -> dict[str, Any]:

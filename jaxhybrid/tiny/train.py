@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +15,7 @@ from tqdm import tqdm
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.model import contiguous_batch
 from jaxhybrid.models.hybrid import HybridLM, init_cache
+from jaxhybrid.tiny.fast_ops import TRAINING_OPS
 from jaxhybrid.tiny.recipe import TrainSettings
 
 BLOCK_SIZE = 16
@@ -57,7 +57,7 @@ def losses(module: HybridLM, params: Any, tokens: jax.Array) -> tuple[jax.Array,
 
 def make_optimizer(settings: TrainSettings) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, settings.peak_lr, settings.warmup_steps, settings.num_steps,
+        0.0, settings.peak_lr, settings.warmup, settings.num_steps,
         end_value=settings.peak_lr * settings.final_lr_fraction,
     )
     # No decay on norms, gates' scalars and other vectors; only on matrices.
@@ -68,19 +68,21 @@ def make_optimizer(settings: TrainSettings) -> optax.GradientTransformation:
     )
 
 
-def make_train_step(module: HybridLM, optimizer: optax.GradientTransformation,
-                    mtp_weight: float) -> Callable:
+def compile_train_step(module: HybridLM, optimizer: optax.GradientTransformation, mtp_weight: float,
+                       params: Any, opt_state: Any, tokens: jax.ShapeDtypeStruct) -> Callable:
+    """`step(params, opt_state, tokens[B, L]) -> (params, opt_state, next-token loss, MTP loss)`, compiled
+    once (params and optimizer state donated); `module` is built with the training ops."""
+
     def objective(params, tokens):
         main, mtp = losses(module, params, tokens)
         return main + mtp_weight * mtp, (main, mtp)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, tokens):
         grads, (main, mtp) = jax.grad(objective, has_aux=True)(params, tokens)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, main, mtp
 
-    return step
+    return jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, tokens).compile()
 
 
 def train(cfg: ModelConfig, params: Any, data: np.ndarray,
@@ -89,10 +91,11 @@ def train(cfg: ModelConfig, params: Any, data: np.ndarray,
 
     Returns (params, per-step (next-token loss, MTP loss), seconds spent training).
     """
-    module = HybridLM(cfg)
+    module = HybridLM(cfg, TRAINING_OPS)
     optimizer = make_optimizer(settings)
-    step = make_train_step(module, optimizer, settings.mtp_loss_weight)
     opt_state = optimizer.init(params)
+    tokens_spec = jax.ShapeDtypeStruct((settings.batch_size, settings.seq_len), jnp.int32)
+    step = compile_train_step(module, optimizer, settings.mtp_loss_weight, params, opt_state, tokens_spec)
     order = _batch_order(len(data), settings)
     history: list[tuple[float, float]] = []
     tokens_per_step = settings.batch_size * settings.seq_len

@@ -106,7 +106,7 @@ def gdn_recurrent(q, k, v, g, beta, cu_seqlens, initial_state, *, scale=None, us
     return o.astype(v.dtype), final
 
 
-def _chunk_decays(g):
+def chunk_decays(g):
     """g [NC, HV, C] -> (G inclusive cumsum, Gamma [NC, HV, C, C] = exp(G_i - G_j) on i >= j else 0)."""
     cum = jnp.cumsum(g, axis=-1)
     size = g.shape[-1]
@@ -165,7 +165,7 @@ def _chunked(qn, kn, v, g, beta, cu_seqlens, initial_state, chunk_size, checkpoi
         return jnp.moveaxis(gather_chunks(x.astype(jnp.float32), table, chunk_size), 1, 2)
 
     qc, kc, vc, gc, bc = chunks(qn), chunks(kn), chunks(v), chunks(g), chunks(beta)
-    cum, gamma = _chunk_decays(gc)
+    cum, gamma = chunk_decays(gc)
     u, w = _wy_transform(kc, vc, bc, cum, gamma)
     q_decayed = qc * jnp.exp(cum)[..., None]
     qk = jnp.einsum("nhik,nhjk->nhij", qc, kc, precision=HIGHEST) * gamma

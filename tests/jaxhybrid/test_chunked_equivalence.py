@@ -8,6 +8,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 
 from jaxhybrid.model import Model, contiguous_batch
+from jaxhybrid.models.ops import RECURRENT
 from tests.hf_fixtures import fixture_model
 
 MAX_LEN = 160
@@ -89,6 +90,6 @@ def test_recurrent_kernels_match_chunked_kernels():
     """The token-recurrent GDN / SSD path (decode) gives the chunked path's logits."""
     for family in ("qwen3_next", "nemotron_h"):
         chunked = fixture_model(family)
-        recurrent = Model(chunked.config, chunked.params, chunked=False)
+        recurrent = Model(chunked.config, chunked.params, ops=RECURRENT)
         tokens, full = _sequence_and_full_logits(family)
         np.testing.assert_allclose(_run_chunks(recurrent, tokens, [40, 1, 1, 1]), full[:43], atol=TOLERANCE, rtol=0)

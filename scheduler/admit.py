@@ -1,0 +1,154 @@
+"""Admission of waiting requests: prefix hit or checkpoint role, chunk split, capacity, commit.
+
+A request is admitted only if everything it needs this step fits at once (row, running slot, a
+reserved checkpoint slot for a producer, KV blocks for its first chunk), so admission never
+half-succeeds and never preempts a running request.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+from scheduler.checkpoints import CheckpointEvent, CheckpointStatus, Claim, advance, checkpoint_status
+from scheduler.history import start_tail
+from scheduler.lifecycle import free_row
+from scheduler.pass_state import Pass, append_blocks, emit_prefill
+from scheduler.prefix_cache import NO_HIT, PrefixHit, checkpoint_hit, find_hit
+from scheduler.slots import SlotKind
+from scheduler.split import SplitInput, split_chunk
+
+
+class Verdict(enum.Enum):
+    ADMITTED = "admitted"
+    SKIP = "skip"  # waits for a checkpoint or a PENDING state: later requests may go first
+    STOP = "stop"  # short of budget or memory: nobody behind it goes first
+
+
+class Role(enum.Enum):
+    NONE = "none"
+    PRODUCER = "producer"
+    PAIRED = "paired"  # consumer sharing this step's producer chunk (phase 2 of the same step)
+
+
+class Admission(NamedTuple):
+    hit: PrefixHit
+    role: Role
+    key: int | None
+    pair_src: int  # producer running slot for a paired consumer
+
+
+def admit_waiting(p: Pass) -> None:
+    cfg = p.edit.cfg
+    for rid in list(p.edit.waiting):
+        if len(p.edit.running) >= cfg.max_num_seqs or p.budget <= 0:
+            break
+        if _admit_one(p, rid) is Verdict.STOP:
+            break
+
+
+def _admit_one(p: Pass, rid: str) -> Verdict:
+    plan = _plan_admission(p, rid)
+    if plan is None:
+        return Verdict.SKIP
+    prefill_end = p.edit.num_tokens(rid)
+    start = plan.hit.num_tokens
+    request = p.edit.requests[rid]
+    checkpoint = request.checkpoint_position if plan.role is Role.PRODUCER else None
+    cfg = p.edit.cfg
+    marked = cfg.align and request.checkpoint_position is not None
+    n = split_chunk(SplitInput(start, p.budget, prefill_end, cfg.mamba_block_size, cfg.max_num_batched_tokens,
+                               cfg.num_lookahead, cfg.eagle_block_drop, checkpoint, cfg.align, marked))
+    if n == 0 or not _fits(p, plan, start + n):
+        return Verdict.STOP
+    row = _commit(p, rid, plan, prefill_end)
+    append_blocks(p.edit, row, -(-(start + n) // p.edit.cfg.block_size) - len(plan.hit.block_ids))
+    emit_prefill(p, rid, row, start, n)
+    return Verdict.ADMITTED
+
+
+def _plan_admission(p: Pass, rid: str) -> Admission | None:
+    """Hit and checkpoint role of `rid`, or None if it must wait this step."""
+    edit = p.edit
+    if not edit.cfg.align:
+        return Admission(NO_HIT, Role.NONE, None, 0)
+    hashes, prefill_end = edit.hashes(rid), edit.num_tokens(rid)
+    hit = find_hit(edit.blocks, edit.slots, hashes, prefill_end, edit.cfg.hash_unit, edit.cfg.eagle_block_drop)
+    if hit.deferred:
+        return None  # same-step deferral: the longer state is written by this very step
+    c = edit.requests[rid].checkpoint_position
+    if c is None or hit.num_tokens >= c:
+        return Admission(hit, Role.NONE, None, 0)
+    return _checkpoint_role(p, hashes, c, hit)
+
+
+def _checkpoint_role(p: Pass, hashes: list[int], c: int, hit: PrefixHit) -> Admission | None:
+    edit, key = p.edit, hashes[c // p.edit.cfg.hash_unit - 1]
+    status = checkpoint_status(edit.claims, edit.slots.ready_slot(key), key)
+    if status is CheckpointStatus.PRODUCING:
+        return None  # consumer waits for READY without blocking anyone else
+    if status is CheckpointStatus.ABSENT and key in edit.slots.hash_to_slot:
+        return None  # an unmarked request or a materialisation writes this very state in this step
+    if status is CheckpointStatus.UNREADY:
+        return _pair(p, key, c)
+    if status is CheckpointStatus.READY:
+        ready = checkpoint_hit(edit.blocks, edit.slots, hashes, c, edit.cfg.hash_unit)
+        return Admission(ready if ready.num_tokens else hit, Role.NONE, None, 0)
+    return Admission(hit, Role.PRODUCER, key, 0)
+
+
+def _pair(p: Pass, key: int, c: int) -> Admission:
+    """Share the producer's KV blocks for [0, c) and its state after phase 1 of this step."""
+    rows, producer_row = p.edit.rows, p.edit.claims[key].producer_row
+    block_ids = tuple(rows.block_table[producer_row, :c // p.edit.cfg.block_size].tolist())
+    hit = PrefixHit(c, block_ids, 0, False)
+    return Admission(hit, Role.PAIRED, key, int(rows.running_slot[producer_row]))
+
+
+def _fits(p: Pass, plan: Admission, end: int) -> bool:
+    edit = p.edit
+    slots_needed = 1 + (plan.role is Role.PRODUCER) + (plan.hit.slot != 0 and plan.hit.slot not in edit.slots.pinned)
+    if edit.slots.num_available() < slots_needed:
+        return False
+    new_blocks = -(-end // edit.cfg.block_size) - len(plan.hit.block_ids)
+    return edit.blocks.num_free_after_taking(list(plan.hit.block_ids)) >= new_blocks
+
+
+def _commit(p: Pass, rid: str, plan: Admission, prefill_end: int) -> int:
+    edit = p.edit
+    if plan.hit.slot:
+        edit.slots.pin(plan.hit.slot, edit.step)  # pinned before any allocation can evict it
+    row = _claim_row(p, rid, prefill_end)
+    edit.blocks.take(list(plan.hit.block_ids))
+    edit.rows.block_table[row, :len(plan.hit.block_ids)] = plan.hit.block_ids
+    edit.rows.num_blocks[row] = len(plan.hit.block_ids)
+    edit.rows.num_computed[row] = plan.hit.num_tokens
+    slot = int(edit.rows.running_slot[row])
+    if plan.hit.slot:
+        p.hit_copies.append((plan.hit.slot, slot))  # copy on use: the cached slot is only read
+    if plan.role is Role.PAIRED:
+        p.pair_copies.append((plan.pair_src, slot))
+    if plan.role is Role.PRODUCER:
+        status = advance(CheckpointStatus.ABSENT, CheckpointEvent.CLAIM, plan.key)
+        edit.claims[plan.key] = Claim(status, rid, edit.slots.allocate(SlotKind.RESERVED, plan.key))
+    return row
+
+
+def _claim_row(p: Pass, rid: str, prefill_end: int) -> int:
+    edit, request = p.edit, p.edit.requests[rid]
+    row, rows = free_row(edit), edit.rows
+    rows.active[row] = True
+    rows.num_tokens[row] = rows.prefill_end[row] = prefill_end
+    start_tail(edit.logs[rid], rows, row, prefill_end, edit.cfg.hash_unit)
+    rows.num_prompt[row] = request.num_prompt_tokens
+    rows.max_len[row] = min(request.num_prompt_tokens + request.sampling_params.max_tokens, edit.cfg.max_model_len)
+    rows.checkpoint[row] = (request.checkpoint_position or 0) if edit.cfg.align else 0
+    params = request.sampling_params
+    rows.eos[row] = -1 if params.ignore_eos or params.eos_token_id is None else params.eos_token_id
+    rows.has_stop[row] = bool(params.stop_token_ids)
+    rows.running_slot[row] = edit.slots.allocate(SlotKind.RUNNING)
+    edit.row_of[rid] = row
+    edit.waiting.remove(rid)
+    edit.running.append(rid)
+    edit.parked.pop(rid)
+    return row

@@ -1,0 +1,162 @@
+"""Paged KV block pool: allocate, ref-count, free, hash-cache and LRU-evict blocks; block 0 is null.
+
+Free blocks sit in two queues: `free_uncached` (no cached contents, reused first) and `free_cached`
+(still hit-able under their hash; least recently released first, so allocation evicts LRU). A
+`BlockPool` value is immutable; `schedule`/`update` call `edit()` for a private `BlockPoolEdit` and
+`freeze()` it, so a transition costs O(blocks touched) plus one copy of the ref-count column when
+it changes one. The hash maps are persistent (`PMap`), so publishing a block never copies the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from scheduler.persistent import PMap
+
+NULL_BLOCK = 0
+
+
+def _frozen(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+@dataclass(frozen=True, slots=True)
+class BlockPool:
+    """ref_count: [num_blocks] int32 live references (block-table entries) per block.
+    free_uncached: [F1] int32 free blocks without a hash, taken from the end.
+    free_cached: [F2] int32 free blocks that keep their hash, least recently released first.
+    hash_to_block / block_to_hash: the KV prefix cache (chained block hash <-> block id)."""
+
+    ref_count: np.ndarray
+    free_uncached: np.ndarray
+    free_cached: np.ndarray
+    hash_to_block: PMap
+    block_to_hash: PMap
+
+    @staticmethod
+    def create(num_blocks: int) -> BlockPool:
+        free = np.arange(num_blocks - 1, 0, -1, dtype=np.int32)  # so block 1 is handed out first
+        return BlockPool(_frozen(np.zeros(num_blocks, np.int32)), _frozen(free), _frozen(free[:0].copy()),
+                         PMap(), PMap())
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_uncached) + len(self.free_cached)
+
+    def edit(self) -> BlockPoolEdit:
+        return BlockPoolEdit(self)
+
+    def cached_prefix_length(self, hashes: list[int], limit: int) -> int:
+        """Number of leading hashes (at most `limit`) whose blocks are in the prefix cache."""
+        count = 0
+        while count < limit and hashes[count] in self.hash_to_block:
+            count += 1
+        return count
+
+
+class BlockPoolEdit:
+    """A private, mutable working copy of a BlockPool inside one transition."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+        self.ref_count = pool.ref_count
+        self._owns_refs = False
+        self._uncached_end = len(pool.free_uncached)  # free_uncached[:end] are still free
+        self._cached_start = 0                        # free_cached[start:] are still free (unless taken)
+        self._released_uncached: list[int] = []
+        self._released_cached: list[int] = []
+        self.hash_to_block = pool.hash_to_block.edit()
+        self.block_to_hash = pool.block_to_hash.edit()
+        self.num_free = pool.num_free
+
+    def freeze(self) -> BlockPool:
+        uncached = self._pool.free_uncached[:self._uncached_end]
+        if self._released_uncached:
+            uncached = np.concatenate([uncached, np.array(self._released_uncached, np.int32)])
+        cached = self._pool.free_cached[self._cached_start:]
+        if self._owns_refs and (self._released_cached or np.any(self.ref_count[cached])):
+            cached = self._merged_cached_queue(cached)
+        return BlockPool(_frozen(self.ref_count) if self._owns_refs else self.ref_count, _frozen(uncached),
+                         _frozen(cached), self.hash_to_block.freeze(), self.block_to_hash.freeze())
+
+    def _merged_cached_queue(self, queue: np.ndarray) -> np.ndarray:
+        # drop blocks a hit referenced again; a block released again moves to the back (newest)
+        queue = queue[self.ref_count[queue] == 0]
+        if not self._released_cached:
+            return queue
+        released = np.array(list(dict.fromkeys(self._released_cached)), np.int32)
+        released = released[self.ref_count[released] == 0]
+        return np.concatenate([queue[~np.isin(queue, released)], released])
+
+    def cached_prefix_length(self, hashes: list[int], limit: int) -> int:
+        return BlockPool.cached_prefix_length(self, hashes, limit)  # type: ignore[arg-type]
+
+    def _refs(self) -> np.ndarray:
+        if not self._owns_refs:
+            self.ref_count, self._owns_refs = self.ref_count.copy(), True
+        return self.ref_count
+
+    def num_free_after_taking(self, block_ids: list[int]) -> int:
+        """Free blocks left if the cached `block_ids` (a prefix hit) get referenced."""
+        return self.num_free - sum(1 for b in block_ids if self.ref_count[b] == 0)
+
+    def take(self, block_ids: list[int]) -> None:
+        """Reference existing blocks (a prefix hit or a shared producer prefix)."""
+        refs = self._refs()
+        for block in block_ids:
+            if refs[block] == 0:
+                self.num_free -= 1
+            refs[block] += 1
+
+    def allocate(self, count: int) -> np.ndarray:
+        """`count` fresh blocks: uncached ones first, then the least recently released cached ones."""
+        if count > self.num_free:
+            raise RuntimeError(f"allocate({count}) with only {self.num_free} free blocks")
+        chosen = [self._released_uncached.pop() for _ in range(min(count, len(self._released_uncached)))]
+        take = min(count - len(chosen), self._uncached_end)
+        block_ids = self._pool.free_uncached[self._uncached_end - take:self._uncached_end][::-1]
+        self._uncached_end -= take
+        evicted = self._evict_cached(count - len(chosen) - take) if len(chosen) + take < count else []
+        parts = [np.array(chosen, np.int32), block_ids, np.array(evicted, np.int32)]
+        out = np.concatenate(parts) if chosen or evicted else block_ids.copy()
+        self._refs()[out] = 1
+        self.num_free -= count
+        return out
+
+    def _evict_cached(self, count: int) -> list[int]:
+        out: list[int] = []
+        queue = self._pool.free_cached
+        while len(out) < count:
+            if self._cached_start < len(queue):
+                block = int(queue[self._cached_start])
+                self._cached_start += 1
+            else:
+                block = self._released_cached.pop(0)
+            if self.ref_count[block] or block not in self.block_to_hash:
+                continue  # referenced again by a hit, or a stale duplicate entry
+            self.hash_to_block.pop(self.block_to_hash.pop(block))
+            out.append(block)
+        return out
+
+    def release(self, block_ids, clock: int = 0) -> None:
+        """Drop one reference from each block; blocks reaching 0 become free (cached ones stay hit-able)."""
+        refs = self._refs()
+        for block in block_ids:
+            if block == NULL_BLOCK:
+                continue
+            refs[block] -= 1
+            if refs[block] == 0:
+                self.num_free += 1
+                cached = block in self.block_to_hash
+                (self._released_cached if cached else self._released_uncached).append(block)
+
+    def register(self, block_ids: list[int], block_hashes: list[int]) -> None:
+        """Publish computed blocks under their chained hashes (first writer wins on duplicates)."""
+        hash_to_block, block_to_hash = self.hash_to_block, self.block_to_hash
+        for block, block_hash in zip(block_ids, block_hashes, strict=True):
+            if block_hash not in hash_to_block and block not in block_to_hash:
+                hash_to_block[block_hash] = block
+                block_to_hash[block] = block_hash

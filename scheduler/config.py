@@ -1,0 +1,108 @@
+"""SchedulerConfig: every budget, size and switch the scheduler reads, frozen and validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.buckets import default_buckets
+
+CACHE_MODES = ("none", "align")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Static scheduler configuration.
+
+    The KV block size is also the prefix-hash unit (`h` in the reference): block hashes, checkpoint
+    positions and partial prefix entries all live on that grid. The Mamba block size (`bs`) is the
+    coarser grid on which recurrent states are cached in align mode.
+
+    Fields:
+        block_size: tokens per KV block and per prefix-hash unit.
+        mamba_block_size: tokens between cacheable recurrent states; a multiple of `block_size`.
+        max_num_batched_tokens: token budget of one step (real tokens, before bucket padding).
+        max_num_seqs: most requests running at once (one row and one running slot each).
+        max_model_len: most tokens (prompt + output) one request may hold.
+        num_blocks: KV blocks in the paged pool, including the null block 0.
+        num_state_slots: recurrent state slots, including the null slot 0.
+        num_spec_tokens: MTP drafts per step (`k`); a verify row has `1 + k` tokens.
+        num_lookahead: prefill lookahead `L`; `None` means `k` (multi-module MTP).
+        eagle_block_drop: back a hit (and the last cacheable boundary) off by one Mamba block, as
+            vLLM's EAGLE/MTP path does; `None` means "on when k > 0".
+        cache_mode: "none" (no prefix caching) or "align" (states cached at block boundaries).
+        ring_size: ReplaySSM window `W`; a verify row flushes when `committed + T > W`.
+        token_buckets / row_buckets: allowed padded sizes of a BatchPlan; `()` picks powers of two.
+    """
+
+    block_size: int = 16
+    mamba_block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 4096
+    num_blocks: int = 4096
+    num_state_slots: int = 512
+    num_spec_tokens: int = 0
+    num_lookahead: int | None = None
+    eagle_block_drop: bool | None = None
+    cache_mode: str = "align"
+    ring_size: int = 16
+    token_buckets: tuple[int, ...] = field(default=())
+    row_buckets: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        _resolve_defaults(self)
+        _validate_sizes(self)
+        _validate_buckets(self)
+
+    @property
+    def align(self) -> bool:
+        return self.cache_mode == "align"
+
+    @property
+    def hash_unit(self) -> int:
+        return self.block_size
+
+    @property
+    def max_blocks_per_request(self) -> int:
+        return -(-(self.max_model_len + self.num_spec_tokens) // self.block_size)
+
+
+def _resolve_defaults(cfg: SchedulerConfig) -> None:
+    # frozen dataclass: defaults that depend on other fields are filled in once, here
+    if cfg.num_lookahead is None:
+        object.__setattr__(cfg, "num_lookahead", cfg.num_spec_tokens)
+    if cfg.eagle_block_drop is None:
+        object.__setattr__(cfg, "eagle_block_drop", cfg.num_spec_tokens > 0)
+    if not cfg.token_buckets:
+        object.__setattr__(cfg, "token_buckets", default_buckets(cfg.max_num_batched_tokens))
+    if not cfg.row_buckets:
+        object.__setattr__(cfg, "row_buckets", default_buckets(cfg.max_num_seqs))
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"SchedulerConfig.{name}: {message}")
+
+
+def _validate_sizes(cfg: SchedulerConfig) -> None:
+    for name in ("block_size", "mamba_block_size", "max_num_batched_tokens", "max_num_seqs",
+                 "max_model_len", "ring_size"):
+        _require(getattr(cfg, name) >= 1, name, f"must be >= 1, got {getattr(cfg, name)}")
+    _require(cfg.mamba_block_size % cfg.block_size == 0, "mamba_block_size",
+             f"{cfg.mamba_block_size} is not a multiple of block_size {cfg.block_size}")
+    _require(cfg.cache_mode in CACHE_MODES, "cache_mode", f"{cfg.cache_mode!r} not in {CACHE_MODES}")
+    _require(cfg.num_spec_tokens >= 0, "num_spec_tokens", f"must be >= 0, got {cfg.num_spec_tokens}")
+    _require(cfg.num_lookahead >= 0, "num_lookahead", f"must be >= 0, got {cfg.num_lookahead}")
+    _require(cfg.num_blocks >= 2, "num_blocks", f"needs the null block and one more, got {cfg.num_blocks}")
+    min_slots = 3 if cfg.align else 2  # null + running (+ one checkpoint slot in align mode)
+    _require(cfg.num_state_slots >= min_slots, "num_state_slots",
+             f"needs at least {min_slots} in cache_mode {cfg.cache_mode!r}, got {cfg.num_state_slots}")
+    _require(cfg.max_num_batched_tokens >= 1 + cfg.num_spec_tokens, "max_num_batched_tokens",
+             f"{cfg.max_num_batched_tokens} cannot hold one verify row of {1 + cfg.num_spec_tokens} tokens")
+
+
+def _validate_buckets(cfg: SchedulerConfig) -> None:
+    for name, cap in (("token_buckets", cfg.max_num_batched_tokens), ("row_buckets", cfg.max_num_seqs)):
+        buckets = getattr(cfg, name)
+        _require(list(buckets) == sorted(set(buckets)), name, f"must be strictly increasing, got {buckets}")
+        _require(buckets[0] >= 1 and buckets[-1] >= cap, name, f"largest bucket {buckets[-1]} < {cap}")

@@ -1,0 +1,100 @@
+"""check_invariants(state): pool and table consistency, used by the simulator and the tests.
+
+Returns a list of human-readable violations (empty when the state is consistent). Checked: KV ref
+counts equal the live block-table references, free counts match, no block twice in one table, one
+distinct RUNNING slot per running row, the hash maps are inverse and point at slots of a caching
+kind, PENDING slots and UNREADY claims exist only while a step is in flight, PRODUCING claims are
+held by running requests, and the queues partition the live requests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from scheduler.checkpoints import CheckpointStatus
+from scheduler.slots import NULL_SLOT, SlotKind
+from scheduler.state import SchedulerState
+
+
+def check_invariants(state: SchedulerState) -> list[str]:
+    return _blocks(state) + _slots(state) + _claims(state) + _queues(state)
+
+
+def _live_rows(state: SchedulerState) -> list[int]:
+    return sorted(state.row_of.values())
+
+
+def _blocks(state: SchedulerState) -> list[str]:
+    rows, pool, errors = state.rows, state.blocks, []
+    live = _live_rows(state)
+    tables = [rows.block_table[row, :rows.num_blocks[row]] for row in live]
+    flat = np.concatenate(tables).astype(np.int64) if tables else np.zeros(0, np.int64)
+    owner = np.repeat(np.arange(len(live)), [t.size for t in tables])
+    if np.unique(owner * pool.ref_count.size + flat).size != flat.size or not flat.all():
+        errors.append("a block table repeats a block or holds the null block")
+    expected = np.bincount(flat, minlength=pool.ref_count.size)
+    if not np.array_equal(expected[1:], pool.ref_count[1:]):
+        errors.append(f"ref counts differ from live references at {np.flatnonzero(expected != pool.ref_count)}")
+    free = np.concatenate([pool.free_uncached, pool.free_cached])
+    if np.unique(free).size != free.size or set(free.tolist()) != set(np.flatnonzero(pool.ref_count == 0)) - {0}:
+        errors.append("free queues differ from the unreferenced blocks")
+    to_block = pool.hash_to_block.to_dict()
+    if {b: h for h, b in to_block.items()} != pool.block_to_hash.to_dict():
+        errors.append("KV hash maps are not inverse")
+    if any(b not in pool.block_to_hash for b in pool.free_cached.tolist()):
+        errors.append("a block in free_cached holds no hash")
+    return errors
+
+
+def _slots(state: SchedulerState) -> list[str]:
+    rows, pool, errors = state.rows, state.slots, []
+    running = [int(rows.running_slot[row]) for row in _live_rows(state)]
+    if len(set(running)) != len(running) or NULL_SLOT in running:
+        errors.append(f"running slots {running} repeat or use the null slot")
+    kinds = pool.kind
+    if any(kinds[s] != SlotKind.RUNNING for s in running):
+        errors.append("a running row's slot is not RUNNING")
+    if int(np.count_nonzero(kinds[1:] == SlotKind.RUNNING)) != len(running):
+        errors.append("RUNNING slots without a running row (leak)")
+    caching = {int(s) for s in np.flatnonzero(kinds >= SlotKind.CACHED)}
+    if set(pool.slot_to_hash) != caching or any(pool.hash_to_slot.get(h) != s for s, h in pool.slot_to_hash.items()):
+        errors.append("state hash maps disagree with slot kinds")
+    if state.in_flight is None and np.any(kinds == SlotKind.PENDING):
+        errors.append("PENDING slots with no step in flight")
+    return errors
+
+
+def _claims(state: SchedulerState) -> list[str]:
+    errors = []
+    for key, claim in state.claims.items():
+        if claim.status is CheckpointStatus.UNREADY and state.in_flight is None:
+            errors.append(f"checkpoint {key:#x} UNREADY with no step in flight")
+        if claim.status is CheckpointStatus.PRODUCING:
+            if claim.producer_id not in state.row_of:
+                errors.append(f"checkpoint {key:#x} held by {claim.producer_id!r}, which is not running")
+            if state.slots.kind[claim.slot] != SlotKind.RESERVED:
+                errors.append(f"checkpoint {key:#x} slot {claim.slot} is not RESERVED")
+    return errors
+
+
+def _queues(state: SchedulerState) -> list[str]:
+    waiting, running = set(state.waiting), set(state.running)
+    errors = []
+    if waiting & running or waiting | running != set(state.requests) or running != set(state.row_of):
+        errors.append("waiting/running do not partition the live requests")
+    if int(np.count_nonzero(state.rows.active)) != len(running):
+        errors.append("active rows != running requests")
+    return errors
+
+
+def check_drained(state: SchedulerState) -> list[str]:
+    """Once every request has ended, the pools must be back to their initial free counts."""
+    errors = check_invariants(state)
+    if state.blocks.num_free != state.config.num_blocks - 1:
+        errors.append(f"{state.config.num_blocks - 1 - state.blocks.num_free} KV blocks still referenced")
+    busy = np.flatnonzero((state.slots.kind[1:] != SlotKind.FREE) & (state.slots.kind[1:] != SlotKind.CACHED))
+    if busy.size:
+        errors.append(f"state slots {busy + 1} still held")
+    if state.claims or state.materializations or state.requests:
+        errors.append("claims, materialisations or requests left over")
+    return errors

@@ -1,0 +1,157 @@
+"""Request lifecycle outside the step: add, abort, and freeing everything a request holds.
+
+`StateEdit` is the private working copy that every transition (add, abort, schedule, update)
+changes and then freezes into the next `SchedulerState`; the input state is never touched.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from scheduler.checkpoints import CheckpointEvent, CheckpointStatus, advance
+from scheduler.history import park_tail
+from scheduler.prefix_cache import new_hashes
+from scheduler.request import Request
+from scheduler.slots import NULL_SLOT
+from scheduler.state import SchedulerState, TokenLog, row_tokens
+
+
+class StateEdit:
+    """Mutable copies of one state's parts; `freeze()` builds the next immutable state."""
+
+    def __init__(self, state: SchedulerState, shared_rows: tuple[str, ...] = ()) -> None:
+        self.cfg = state.config
+        self.rows = state.rows.copy(shared_rows)
+        self.blocks = state.blocks.edit()
+        self.slots = state.slots.edit()
+        self.claims = dict(state.claims)
+        self.requests = dict(state.requests)
+        self.waiting = list(state.waiting)
+        self.running = list(state.running)
+        self.row_of = dict(state.row_of)
+        self.logs = dict(state.logs)
+        self.parked = dict(state.parked_tokens)
+        self.materializations = state.materializations
+        self.in_flight = state.in_flight
+        self.step = state.step
+
+    def freeze(self) -> SchedulerState:
+        return SchedulerState(self.cfg, self.requests, tuple(self.waiting), tuple(self.running), self.row_of,
+                              self.rows.frozen(), self.blocks.freeze(), self.slots.freeze(), self.claims,
+                              self.logs, self.parked, self.materializations, self.in_flight, self.step)
+
+    def num_tokens(self, request_id: str) -> int:
+        row = self.row_of.get(request_id)
+        return int(self.rows.num_tokens[row]) if row is not None else self.parked[request_id]
+
+    def tokens(self, request_id: str) -> list[int]:
+        row, log = self.row_of.get(request_id), self.logs[request_id]
+        if row is None:
+            return log.tokens[:self.parked[request_id]]
+        return row_tokens(log, self.rows, row, self.cfg.hash_unit)
+
+    def hashes(self, request_id: str) -> list[int]:
+        return self.logs[request_id].hashes[:self.num_tokens(request_id) // self.cfg.hash_unit]
+
+
+def add_request(state: SchedulerState, request: Request) -> SchedulerState:
+    """Queue a request; raises ValueError (state unchanged) if it is malformed or can never fit."""
+    _validate_request(state, request)
+    edit = StateEdit(state)
+    tokens = list(request.prompt_token_ids)
+    unit = state.config.hash_unit
+    edit.logs[request.request_id] = TokenLog(tokens, new_hashes([], tokens, len(tokens) // unit, unit))
+    edit.requests[request.request_id] = request
+    edit.parked[request.request_id] = len(tokens)
+    edit.waiting.append(request.request_id)
+    return edit.freeze()
+
+
+def _validate_request(state: SchedulerState, request: Request) -> None:
+    cfg, rid, num_prompt = state.config, request.request_id, request.num_prompt_tokens
+    if rid in state.requests:
+        raise ValueError(f"request_id {rid!r} is already in use")
+    if num_prompt == 0:
+        raise ValueError(f"request {rid!r}: prompt_token_ids is empty")
+    if num_prompt >= cfg.max_model_len:
+        raise ValueError(f"request {rid!r}: prompt of {num_prompt} tokens leaves no room for output "
+                         f"within max_model_len {cfg.max_model_len}")
+    _validate_checkpoint(request, cfg.hash_unit)
+    max_len = min(num_prompt + request.sampling_params.max_tokens, cfg.max_model_len)
+    need = -(-(max_len + cfg.num_spec_tokens) // cfg.block_size)
+    if need > cfg.num_blocks - 1:
+        raise ValueError(f"request {rid!r} can never fit: it needs {need} KV blocks at its longest and the "
+                         f"pool has {cfg.num_blocks - 1}")
+
+
+def _validate_checkpoint(request: Request, unit: int) -> None:
+    c = request.checkpoint_position
+    if c is not None and (c <= 0 or c >= request.num_prompt_tokens or c % unit):
+        raise ValueError(f"request {request.request_id!r}: checkpoint_position {c} must be a positive multiple "
+                         f"of the hash unit {unit} inside the prompt of {request.num_prompt_tokens} tokens")
+
+
+def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
+    """Remove a request and free what it holds; raises KeyError (state unchanged) if unknown."""
+    if request_id not in state.requests:
+        raise KeyError(f"abort_request: unknown request_id {request_id!r}")
+    edit = StateEdit(state)
+    if request_id in edit.row_of:
+        release_row(edit, request_id)
+    else:
+        edit.waiting.remove(request_id)
+    forget(edit, request_id)
+    return edit.freeze()
+
+
+def preempt_request(state: SchedulerState, request_id: str) -> SchedulerState:
+    """Preempt a running request (recompute) from outside the step, e.g. under external memory pressure."""
+    if request_id not in state.row_of:
+        raise KeyError(f"preempt_request: {request_id!r} is not running")
+    if state.in_flight is not None:
+        raise RuntimeError("preempt_request: a step is in flight; call update first")
+    edit = StateEdit(state)
+    preempt(edit, request_id)
+    return edit.freeze()
+
+
+def forget(edit: StateEdit, request_id: str) -> None:
+    del edit.requests[request_id], edit.logs[request_id]
+    edit.parked.pop(request_id, None)
+
+
+def release_row(edit: StateEdit, request_id: str) -> None:
+    """Free the row, KV blocks, running slot and any unfinished checkpoint claim of a running request."""
+    row = edit.row_of.pop(request_id)
+    park_tail(edit.logs, edit.rows, request_id, row, edit.cfg.hash_unit)
+    rows = edit.rows
+    edit.blocks.release(rows.block_table[row, :rows.num_blocks[row]].tolist(), edit.step)
+    if rows.running_slot[row] != NULL_SLOT:
+        edit.slots.release(int(rows.running_slot[row]))
+    release_claims(edit, request_id)
+    # its running slot (the materialisation source) is gone: drop the asks
+    edit.materializations = tuple(m for m in edit.materializations if m.request_id != request_id)
+    edit.parked[request_id] = int(rows.num_tokens[row])
+    edit.running.remove(request_id)
+    rows.clear(row)
+
+
+def release_claims(edit: StateEdit, request_id: str) -> None:
+    """A producer lost before its checkpoint state exists hands the key back (PRODUCING -> ABSENT)."""
+    for key, claim in list(edit.claims.items()):
+        if claim.producer_id != request_id:
+            continue
+        status = advance(claim.status, CheckpointEvent.PRODUCER_LOST, key)
+        if status is CheckpointStatus.ABSENT:
+            edit.slots.release(claim.slot)
+            del edit.claims[key]
+
+
+def preempt(edit: StateEdit, request_id: str) -> None:
+    """Recompute preemption: free everything, reset trackers, requeue at the front."""
+    release_row(edit, request_id)
+    edit.waiting.insert(0, request_id)
+
+
+def free_row(edit: StateEdit) -> int:
+    return int(np.flatnonzero(~edit.rows.active)[0])

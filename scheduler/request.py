@@ -1,0 +1,109 @@
+"""Request and SamplingParams (frozen, cold per-request data) and the StepOutputs that update emits."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Stop conditions the scheduler enforces (the runner does the sampling itself).
+
+    max_tokens: most output tokens. eos_token_id: stops generation unless ignore_eos.
+    stop_token_ids: further token ids that stop generation (the stop token is emitted).
+    """
+
+    max_tokens: int = 16
+    eos_token_id: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        eos = () if self.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
+        return frozenset(self.stop_token_ids + eos)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One generation request as the scheduler sees it.
+
+    prompt_token_ids: the prompt with any checkpoint marker already stripped.
+    checkpoint_position: the declared checkpoint `c` (a multiple of the hash unit, 0 < c < len), from
+        `checkpoints.parse_checkpoint_marker`; None when the prompt had no marker.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams = SamplingParams()
+    checkpoint_position: int | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"      # eos or a stop token id was emitted
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"    # abort_request
+
+
+class RequestOutput(NamedTuple):
+    """Tokens one request gained in one step; `finish_reason` is None while it keeps running."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+FINISH_REASONS = (None, FinishReason.STOP, FinishReason.LENGTH)  # StepOutputs.finish_codes -> reason
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StepOutputs:
+    """What one `update` emitted, as arrays: entry i belongs to request_ids[i] (plan row order).
+
+    request_ids: tuple[str, ...] [n] requests that gained tokens (rows aborted in flight are absent).
+    token_ids: [n, 1+K] int32 read-only; entry i's new tokens are token_ids[i, :num_new_tokens[i]].
+    num_new_tokens: [n] int32 read-only, >= 1.
+    finish_codes: [n] int8 read-only index into FINISH_REASONS; 0 while the request keeps running.
+    Indexing or iterating builds the per-request `RequestOutput` views on demand: a step with 256
+    decode rows costs a few array operations, not 256 Python objects, unless a caller asks for them.
+    """
+
+    request_ids: tuple[str, ...]
+    token_ids: np.ndarray
+    num_new_tokens: np.ndarray
+    finish_codes: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def __getitem__(self, i: int) -> RequestOutput:
+        tokens = tuple(self.token_ids[i, :self.num_new_tokens[i]].tolist())
+        return RequestOutput(self.request_ids[i], tokens, FINISH_REASONS[self.finish_codes[i]])
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        return map(self.__getitem__, range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StepOutputs) and list(self) == list(other)
+
+    @property
+    def finished_ids(self) -> list[str]:
+        """Requests that ended in this step (their rows and memory are already released)."""
+        return [self.request_ids[i] for i in np.flatnonzero(self.finish_codes).tolist()]

@@ -1,0 +1,137 @@
+"""schedule(state) -> (state, BatchPlan): decode rows, materialisations, prefill chunks, admission.
+
+Theory of operation. One pass spends the token budget in a fixed order:
+  1. running decode/verify rows (vectorised, 1 + K tokens each, oldest first); if their new KV
+     blocks do not fit, the newest running request is preempted (recompute) until they do;
+  2. materialisations asked for by the last `update` (pure slot work, no tokens);
+  3. running prefill rows, oldest first, each cut by the align split (`split.py`);
+  4. waiting requests, FCFS: prefix hit or checkpoint role first, then the split, then capacity.
+     A consumer whose checkpoint is still PRODUCING, or a request whose longer prefix state is
+     being written in this step, is skipped (`continue`); anything short of budget or memory stops
+     admission (`break`) so the queue head is never overtaken forever.
+Every cache slot written by the step is PENDING until `update`, so nothing reads a state before
+the step that writes it has run; only a paired consumer reads a checkpoint in the same step, and it
+runs in phase 2 after its producer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from scheduler.admit import admit_waiting
+from scheduler.assemble import Copies, DecodeBatch, assemble
+from scheduler.lifecycle import StateEdit, preempt
+from scheduler.pass_state import Pass, emit_prefill, make_room
+from scheduler.plan import BatchPlan
+from scheduler.replay import flush_flags
+from scheduler.slots import SlotKind
+from scheduler.split import SplitInput, split_chunk
+from scheduler.state import InFlight, SchedulerState
+
+
+def schedule(state: SchedulerState) -> tuple[SchedulerState, BatchPlan]:
+    """Choose the next step. Raises RuntimeError if the previous plan has not been `update`d."""
+    if state.in_flight is not None:
+        raise RuntimeError(f"schedule: step {state.in_flight.step_id} is still in flight; call update first")
+    edit = StateEdit(state)
+    edit.step += 1
+    p = Pass(edit)
+    decode = _schedule_decodes(p)
+    _issue_materializations(p)
+    _schedule_running_prefills(p)
+    admit_waiting(p)
+    edit.in_flight = InFlight(edit.step, tuple(p.ready_slots), tuple(p.checkpoint_keys))
+    copies = Copies(p.hit_copies, p.pair_copies, p.publishes, p.materializes)
+    plan = assemble(edit.cfg, edit.step, decode, p.prefills, copies, edit.rows.block_table)
+    return edit.freeze(), plan
+
+
+def _decode_rows(p: Pass) -> tuple[list[str], np.ndarray]:
+    """Running requests past their prefill, oldest first, as many as the budget holds."""
+    # map over bound C methods, not a generator: a Python frame per running request costs ~1 us
+    running = p.edit.running
+    all_rows = np.fromiter(map(p.edit.row_of.__getitem__, running), np.int64, len(running))
+    index = np.flatnonzero(p.edit.rows.prefill_done[all_rows])[:p.budget // p.query_len]
+    if len(index) == len(running):
+        return list(running), all_rows
+    return list(map(running.__getitem__, index.tolist())), all_rows[index]
+
+
+def _decode_needs(p: Pass, row_ids: np.ndarray) -> np.ndarray:
+    rows = p.edit.rows
+    want = -(-(rows.num_computed[row_ids] + p.query_len) // p.edit.cfg.block_size)
+    return np.maximum(want - rows.num_blocks[row_ids], 0)
+
+
+def _schedule_decodes(p: Pass) -> DecodeBatch:
+    ids, row_ids = _decode_rows(p)
+    need = _decode_needs(p, row_ids)
+    while int(need.sum()) > p.edit.blocks.num_free:
+        preempt(p.edit, p.edit.running[-1])  # the newest running request gives its memory back
+        ids, row_ids = _decode_rows(p)
+        need = _decode_needs(p, row_ids)
+    _grow_block_tables(p, row_ids, need)
+    p.budget -= len(ids) * p.query_len
+    p.scheduled.update(ids)
+    return _decode_batch(p, ids, row_ids)
+
+
+def _grow_block_tables(p: Pass, row_ids: np.ndarray, need: np.ndarray) -> None:
+    rows = p.edit.rows
+    new_blocks = p.edit.blocks.allocate(int(need.sum()))
+    if need.size and need.max() == 1:  # the usual case: at most one new block per row, vectorised
+        grow = row_ids[need == 1]
+        rows.block_table[grow, rows.num_blocks[grow]] = new_blocks
+        rows.num_blocks[grow] += 1
+        return
+    offset = 0
+    for row, count in zip(row_ids[need > 0].tolist(), need[need > 0].tolist(), strict=True):
+        held = int(rows.num_blocks[row])
+        rows.block_table[row, held:held + count] = new_blocks[offset:offset + count]
+        rows.num_blocks[row] = held + count
+        offset += count
+
+
+def _decode_batch(p: Pass, ids: list[str], row_ids: np.ndarray) -> DecodeBatch:
+    rows = p.edit.rows
+    tokens = np.concatenate([rows.last_token[row_ids, None], rows.drafts[row_ids]], axis=1)
+    committed = rows.committed[row_ids]
+    flush = flush_flags(committed, p.query_len, p.edit.cfg.ring_size)
+    return DecodeBatch(row_ids, ids, rows.num_computed[row_ids], tokens, rows.running_slot[row_ids],
+                       rows.ring_start[row_ids], committed, flush)
+
+
+def _issue_materializations(p: Pass) -> None:
+    """Publish decode-crossed boundary states: S0 + `count` ring entries into a fresh cache slot,
+    applied before this step's layers (so before its flush changes S0)."""
+    edit = p.edit
+    for m in edit.materializations:
+        row = edit.row_of.get(m.request_id)
+        if row is None or edit.rows.running_slot[row] != m.running_slot or m.key in edit.slots.hash_to_slot:
+            continue  # finished, preempted or already cached: drop it (caching is best effort)
+        if edit.slots.num_available() == 0:
+            break
+        dst = edit.slots.allocate(SlotKind.PENDING, m.key)
+        p.materializes.append((m.running_slot, dst, m.ring_start, m.count))
+        p.ready_slots.append(dst)
+    edit.materializations = ()
+
+
+def _schedule_running_prefills(p: Pass) -> None:
+    for rid in [rid for rid in p.edit.running if rid not in p.scheduled]:
+        row = p.edit.row_of.get(rid)
+        if row is None or p.edit.rows.prefill_done[row] or p.budget <= 0:
+            continue
+        start = int(p.edit.rows.num_computed[row])
+        n = split_chunk(_split_input(p, rid, row, start))
+        if n > 0 and make_room(p, rid, row, start + n):
+            emit_prefill(p, rid, row, start, n)
+
+
+def _split_input(p: Pass, rid: str, row: int, start: int) -> SplitInput:
+    cfg = p.edit.cfg
+    return SplitInput(start=start, budget=p.budget, prefill_end=int(p.edit.rows.prefill_end[row]),
+                      bs=cfg.mamba_block_size, max_chunk=cfg.max_num_batched_tokens,
+                      lookahead=cfg.num_lookahead, block_drop=cfg.eagle_block_drop,
+                      checkpoint=p.producer_checkpoint(rid, row), align=cfg.align,
+                      marked=bool(p.edit.rows.checkpoint[row]))

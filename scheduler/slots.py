@@ -1,0 +1,128 @@
+"""State-slot pool: slot 0 is null, one running slot per running request, cache slots keyed by hash.
+
+Slot kinds:
+  FREE      unused.
+  RUNNING   a running request's live state (its ring and trackers live in the same page).
+  CACHED    a READY prefix state, hit-able and LRU-evictable; I1: keyed by the hash of tokens [0, p),
+            it holds exactly the state after p tokens.
+  PENDING   a prefix state that the in-flight step writes (publish or materialise); it becomes CACHED
+            in `update`, so nobody can hit a state whose writing step has not run.
+  RESERVED  held by a checkpoint producer until its chunk reaches the checkpoint.
+Like `blocks.py`, a `SlotPool` value is immutable and `edit()` gives a working copy for one transition.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+NULL_SLOT = 0
+
+
+class SlotKind(enum.IntEnum):
+    FREE = 0
+    RUNNING = 1
+    CACHED = 2
+    PENDING = 3
+    RESERVED = 4
+
+
+def _frozen(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+@dataclass(frozen=True, slots=True)
+class SlotPool:
+    """kind: [num_state_slots] int8 SlotKind. stamp: [num_state_slots] int64 LRU clock of CACHED slots.
+    hash_to_slot / slot_to_hash: prefix states of kind CACHED, PENDING or RESERVED."""
+
+    kind: np.ndarray
+    stamp: np.ndarray
+    hash_to_slot: dict[int, int]
+    slot_to_hash: dict[int, int]
+
+    @staticmethod
+    def create(num_slots: int) -> SlotPool:
+        kind = np.zeros(num_slots, np.int8)
+        kind[NULL_SLOT] = SlotKind.RUNNING  # never handed out; padding rows point at it
+        return SlotPool(_frozen(kind), _frozen(np.zeros(num_slots, np.int64)), {}, {})
+
+    def edit(self) -> SlotPoolEdit:
+        return SlotPoolEdit(self)
+
+    def ready_slot(self, key: int) -> int | None:
+        slot = self.hash_to_slot.get(key)
+        return slot if slot is not None and self.kind[slot] == SlotKind.CACHED else None
+
+
+class SlotPoolEdit:
+    """A private, mutable working copy of a SlotPool inside one transition."""
+
+    def __init__(self, pool: SlotPool) -> None:
+        self.kind = pool.kind.copy()
+        self.stamp = pool.stamp.copy()
+        self.hash_to_slot = pool.hash_to_slot  # copied on the first write (_own_maps)
+        self.slot_to_hash = pool.slot_to_hash
+        self._owns_maps = False
+        self.pinned: set[int] = set()  # cached slots read by this step's hit copies: not evictable
+        self.evicted: list[int] = []  # hashes evicted by this edit (checkpoint table: READY -> ABSENT)
+
+    def freeze(self) -> SlotPool:
+        return SlotPool(_frozen(self.kind), _frozen(self.stamp), self.hash_to_slot, self.slot_to_hash)
+
+    def ready_slot(self, key: int) -> int | None:
+        return SlotPool.ready_slot(self, key)  # type: ignore[arg-type]
+
+    def num_available(self) -> int:
+        free = int(np.count_nonzero(self.kind == SlotKind.FREE))
+        cached = int(np.count_nonzero(self.kind == SlotKind.CACHED))
+        return free + cached - len(self.pinned)
+
+    def allocate(self, kind: SlotKind, key: int | None = None) -> int:
+        """One slot of `kind` (optionally owning prefix hash `key`): a free one, else evict the LRU cached."""
+        free = np.flatnonzero(self.kind == SlotKind.FREE)
+        slot = int(free[0]) if free.size else self._lru_victim()
+        self.kind[slot] = kind
+        if key is not None:
+            self._own_maps()
+            assert key not in self.hash_to_slot, f"prefix state {key:#x} already has slot {self.hash_to_slot[key]}"
+            self.hash_to_slot[key] = slot
+            self.slot_to_hash[slot] = key
+        return slot
+
+    def pin(self, slot: int, clock: int) -> None:
+        self.pinned.add(slot)
+        self.stamp[slot] = clock
+
+    def release(self, slot: int) -> None:
+        """Free a RUNNING, RESERVED or PENDING slot (dropping any hash it was going to hold)."""
+        key = self.slot_to_hash.get(slot)
+        if key is not None:
+            self._own_maps()
+            del self.slot_to_hash[slot]
+            del self.hash_to_slot[key]
+        self.kind[slot] = SlotKind.FREE
+
+    def make_ready(self, slot: int, clock: int) -> None:
+        self.kind[slot] = SlotKind.CACHED
+        self.stamp[slot] = clock
+
+    def _lru_victim(self) -> int:
+        cached = np.flatnonzero(self.kind == SlotKind.CACHED)
+        cached = np.array([s for s in cached.tolist() if s not in self.pinned], np.int64)
+        if cached.size == 0:
+            raise RuntimeError("no free or evictable state slot")
+        victim = int(cached[np.argmin(self.stamp[cached])])
+        self._own_maps()
+        key = self.slot_to_hash.pop(victim)
+        del self.hash_to_slot[key]
+        self.evicted.append(key)
+        return victim
+
+    def _own_maps(self) -> None:
+        if not self._owns_maps:
+            self.hash_to_slot, self.slot_to_hash = dict(self.hash_to_slot), dict(self.slot_to_hash)
+            self._owns_maps = True

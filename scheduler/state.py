@@ -1,0 +1,161 @@
+"""SchedulerState: the whole control-plane state as one immutable value (row table, queues, pools).
+
+Hot per-row counters are numpy columns (read-only; a transition copies a column once and writes the
+copy), cold per-request data are frozen `Request` values. Token histories are append-only buffers
+shared between successive states: a state sees only a prefix of its buffer, and a writer that finds
+the buffer longer than its own view (another branch appended first) copies the prefix before
+appending, so no state ever observes a change. A running request's newest tokens sit in the row
+table's `tail` instead (see history.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from scheduler.blocks import BlockPool
+from scheduler.checkpoints import Claim
+from scheduler.config import SchedulerConfig
+from scheduler.request import Request
+from scheduler.slots import SlotPool
+
+# per-row int32 columns, indexed by row id in [0, max_num_seqs)
+INT_COLUMNS = (
+    "num_computed",   # tokens whose KV and state are computed
+    "num_tokens",     # committed tokens (prompt + accepted outputs)
+    "prefill_end",    # known tokens at admission: the prefill runs to here, then samples
+    "num_prompt",
+    "max_len",        # min(prompt + max_tokens, max_model_len): the request stops here
+    "running_slot",
+    "ring_start",     # ReplaySSM trackers (replay.py)
+    "committed",
+    "num_blocks",     # valid entries of block_table
+    "last_token",     # the sampled token the next verify row starts with
+    "checkpoint",     # declared checkpoint position, 0 if none
+    "eos",            # eos token id that stops the request, -1 if none (or ignore_eos)
+)
+BOOL_COLUMNS = ("active", "prefill_done", "has_stop")  # has_stop: extra stop_token_ids to check
+
+
+class Rows:
+    """The row table: INT_COLUMNS and BOOL_COLUMNS [S] plus drafts [S, K] int32, block_table [S, B]
+    int32, tail [S, hash_unit + K] int32 (tokens of the partial hash block, history.py) and
+    last_hash [S] int64 (chained hash of the last full block, the parent of the tail's block)."""
+
+    __slots__ = INT_COLUMNS + BOOL_COLUMNS + ("drafts", "block_table", "tail", "last_hash")
+
+    @staticmethod
+    def create(cfg: SchedulerConfig) -> Rows:
+        rows, size = Rows(), cfg.max_num_seqs
+        for name in INT_COLUMNS:
+            setattr(rows, name, np.zeros(size, np.int32))
+        for name in BOOL_COLUMNS:
+            setattr(rows, name, np.zeros(size, bool))
+        rows.drafts = np.zeros((size, cfg.num_spec_tokens), np.int32)
+        rows.block_table = np.zeros((size, cfg.max_blocks_per_request), np.int32)
+        rows.tail = np.zeros((size, cfg.hash_unit + cfg.num_spec_tokens), np.int32)
+        rows.last_hash = np.zeros(size, np.int64)
+        return rows.frozen()
+
+    def copy(self, shared: tuple[str, ...] = ()) -> Rows:
+        """Writable copies of every column except `shared` ones, which stay read-only and shared."""
+        rows = Rows()
+        for name in Rows.__slots__:
+            column = getattr(self, name)
+            setattr(rows, name, column if name in shared else column.copy())
+        return rows
+
+    def frozen(self) -> Rows:
+        for name in Rows.__slots__:
+            column = getattr(self, name)
+            if column.flags.writeable:
+                column.flags.writeable = False
+        return self
+
+    def clear(self, row: int) -> None:
+        # block_table, drafts, tail and last_hash are only read below num_blocks, after a sample or
+        # after admission seeded them, so they are left as is
+        for name in INT_COLUMNS + BOOL_COLUMNS:
+            getattr(self, name)[row] = 0
+
+
+class TokenLog:
+    """Append-only token buffer of one request plus the chained hashes of its full blocks."""
+
+    __slots__ = ("tokens", "hashes")
+
+    def __init__(self, tokens: list[int], hashes: list[int]) -> None:
+        self.tokens, self.hashes = tokens, hashes
+
+    def branch(self, num_tokens: int, unit: int) -> TokenLog:
+        """A private copy of the view of `num_tokens`, for a writer whose view is not the buffer's end."""
+        return TokenLog(self.tokens[:num_tokens], self.hashes[:num_tokens // unit])
+
+
+
+def num_logged(rows: Rows, row_ids, unit: int):
+    """Tokens of each running row that are in its TokenLog (history.py explains the split)."""
+    return np.maximum(rows.num_tokens[row_ids] // unit * unit, rows.prefill_end[row_ids])
+
+
+def row_tokens(log: TokenLog, rows: Rows, row: int, unit: int) -> list[int]:
+    """All committed tokens of the request running in `row`: the log's part, then the tail's."""
+    total, logged = int(rows.num_tokens[row]), int(num_logged(rows, row, unit))
+    start = total // unit * unit
+    return log.tokens[:logged] + rows.tail[row, logged - start:total - start].tolist()
+
+
+class InFlight(NamedTuple):
+    """Commitments of the scheduled, not yet updated step: what becomes READY in `update`."""
+
+    step_id: int
+    ready_slots: tuple[int, ...]      # PENDING cache slots written by the step
+    checkpoint_keys: tuple[int, ...]  # UNREADY checkpoints completed by the step
+
+
+class Materialize(NamedTuple):
+    """Asked for by `update`, issued by the next `schedule`: publish the state at `boundary`."""
+
+    request_id: str
+    running_slot: int
+    key: int
+    ring_start: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SchedulerState:
+    config: SchedulerConfig
+    requests: dict[str, Request]       # every live request, waiting or running
+    waiting: tuple[str, ...]           # FCFS; preempted requests go back to the front
+    running: tuple[str, ...]           # admission order; the newest is preempted first
+    row_of: dict[str, int]
+    rows: Rows
+    blocks: BlockPool
+    slots: SlotPool
+    claims: dict[int, Claim]           # checkpoint keys that are PRODUCING or UNREADY
+    logs: dict[str, TokenLog]
+    parked_tokens: dict[str, int]      # committed tokens of requests without a row
+    materializations: tuple[Materialize, ...]
+    in_flight: InFlight | None
+    step: int                          # steps scheduled so far; also the LRU clock
+
+    def num_tokens(self, request_id: str) -> int:
+        row = self.row_of.get(request_id)
+        return int(self.rows.num_tokens[row]) if row is not None else self.parked_tokens[request_id]
+
+    def token_ids(self, request_id: str) -> list[int]:
+        row, log = self.row_of.get(request_id), self.logs[request_id]
+        if row is None:
+            return log.tokens[:self.parked_tokens[request_id]]
+        return row_tokens(log, self.rows, row, self.config.hash_unit)
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+
+def init_state(config: SchedulerConfig) -> SchedulerState:
+    return SchedulerState(config, {}, (), (), {}, Rows.create(config), BlockPool.create(config.num_blocks),
+                          SlotPool.create(config.num_state_slots), {}, {}, {}, (), None, 0)

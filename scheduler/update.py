@@ -1,0 +1,186 @@
+"""update(state, plan, result) -> (state, outputs): commit accepted tokens, advance trackers, finish.
+
+Order: first the step's commitments become visible (PENDING cache slots -> CACHED, UNREADY
+checkpoints -> READY), then verify/decode rows are committed vectorised (accepted drafts plus the
+bonus token; rejected drafts are a ReplaySSM cursor move), then prefill rows. Newly full KV blocks
+are published under their chained hash here, after the step that wrote them has run. A verify row
+whose accepted tokens cross a Mamba block boundary asks the next `schedule` to materialise that
+boundary's state. Rows of requests aborted while the step was in flight are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from scheduler.checkpoints import CheckpointEvent, advance
+from scheduler.history import append_tokens
+from scheduler.lifecycle import StateEdit, forget, release_row
+from scheduler.plan import BatchPlan, RowKind, StepResult, check_step_result
+from scheduler.replay import commit, crossed_boundary, materialize_count, ring_rows
+from scheduler.request import StepOutputs
+from scheduler.slots import SlotKind
+from scheduler.state import InFlight, Materialize, SchedulerState
+
+_STOP, _LENGTH = 1, 2  # StepOutputs.finish_codes: indices into request.FINISH_REASONS
+
+
+class _Live(NamedTuple):
+    """Plan rows [lo, hi) whose request still runs (an abort while the step was in flight drops it)."""
+
+    index: np.ndarray  # [n] plan row
+    rids: tuple[str, ...]
+    rows: np.ndarray   # [n] row-table row
+
+
+def update(state: SchedulerState, plan: BatchPlan, result: StepResult) -> tuple[SchedulerState, StepOutputs]:
+    """Apply one executed step; raises ValueError (state unchanged) for a foreign plan or bad result."""
+    if state.in_flight is None or state.in_flight.step_id != plan.step_id:
+        raise ValueError(f"update: plan {plan.step_id} is not the step in flight ({state.in_flight})")
+    check_step_result(plan, result, state.config.num_spec_tokens)
+    edit = StateEdit(state, shared_rows=("block_table",))  # update never changes a block table
+    _complete_in_flight(edit, state.in_flight)
+    edit.in_flight = None
+    num_decode = int(np.count_nonzero(plan.row_kind[:plan.num_rows] >= RowKind.DECODE))
+    outputs = []
+    if num_decode:
+        outputs.append(_update_decodes(edit, plan, result, _live(edit, plan, 0, num_decode)))
+    if plan.num_rows > num_decode:
+        outputs.append(_update_prefills(edit, plan, result, _live(edit, plan, num_decode, plan.num_rows)))
+    return edit.freeze(), _join(outputs, 1 + state.config.num_spec_tokens)
+
+
+def _live(edit: StateEdit, plan: BatchPlan, lo: int, hi: int) -> _Live:
+    # a row freed by an in-flight abort stays inactive until the next `schedule`, so `active` suffices
+    rows = plan.row_ids[lo:hi]
+    alive = edit.rows.active[rows]
+    if alive.all():
+        return _Live(np.arange(lo, hi), plan.request_ids[lo:hi], rows)
+    index = np.flatnonzero(alive)
+    return _Live(index + lo, tuple(plan.request_ids[lo + i] for i in index.tolist()), rows[index])
+
+
+def _complete_in_flight(edit: StateEdit, in_flight: InFlight) -> None:
+    for slot in in_flight.ready_slots:
+        if edit.slots.kind[slot] == SlotKind.PENDING:
+            edit.slots.make_ready(slot, edit.step)
+    for key in in_flight.checkpoint_keys:
+        advance(edit.claims[key].status, CheckpointEvent.STEP_DONE, key)
+        del edit.claims[key]  # READY is the cached slot itself
+
+
+def _update_decodes(edit: StateEdit, plan: BatchPlan, result: StepResult, live: _Live) -> StepOutputs:
+    sampled = result.sampled_token_ids[live.index]
+    accepted = result.num_accepted[live.index].astype(np.int32) + 1  # committed tokens incl. the bonus
+    before = edit.rows.num_computed[live.rows]
+    _advance_trackers(edit, plan, result, live, accepted)
+    outputs = _emit(edit, live, sampled, accepted)
+    _register_blocks(edit, live, before)
+    if edit.cfg.align:
+        _ask_materializations(edit, live, before)
+    _finish_rows(edit, outputs)
+    return outputs
+
+
+def _advance_trackers(edit: StateEdit, plan: BatchPlan, result: StepResult, live: _Live,
+                      accepted: np.ndarray) -> None:
+    rows, cfg, row_ids = edit.rows, edit.cfg, live.rows
+    rows.num_computed[row_ids] += accepted
+    rows.ring_start[row_ids], rows.committed[row_ids] = commit(
+        rows.ring_start[row_ids], rows.committed[row_ids], plan.flush[live.index], accepted,
+        ring_rows(cfg.ring_size, cfg.num_spec_tokens))
+    rows.last_token[row_ids] = result.sampled_token_ids[live.index, accepted - 1]
+    rows.drafts[row_ids] = result.draft_token_ids[live.index]
+
+
+def _update_prefills(edit: StateEdit, plan: BatchPlan, result: StepResult, live: _Live) -> StepOutputs:
+    rows = edit.rows
+    before = rows.num_computed[live.rows]
+    rows.num_computed[live.rows] += plan.query_lens[live.index]
+    sampling = _subset(live, plan.num_logits[live.index] > 0)  # the chunk ended the prefill
+    rows.prefill_done[sampling.rows] = True
+    rows.last_token[sampling.rows] = result.sampled_token_ids[sampling.index, 0]
+    rows.drafts[sampling.rows] = result.draft_token_ids[sampling.index]
+    outputs = _emit(edit, sampling, result.sampled_token_ids[sampling.index], np.ones(len(sampling.rids), np.int32))
+    _register_blocks(edit, live, before)
+    _finish_rows(edit, outputs)
+    return outputs
+
+
+def _subset(live: _Live, mask: np.ndarray) -> _Live:
+    keep = np.flatnonzero(mask)
+    return _Live(live.index[keep], tuple(live.rids[j] for j in keep.tolist()), live.rows[keep])
+
+
+def _emit(edit: StateEdit, live: _Live, sampled: np.ndarray, counts: np.ndarray) -> StepOutputs:
+    """Commit each row's emitted tokens, cut at max_len and after the first eos/stop token."""
+    rows = edit.rows
+    before, max_len = rows.num_tokens[live.rows], rows.max_len[live.rows]
+    keep = np.minimum(counts, max_len - before)
+    stop = _first_stop(edit, live, sampled, keep)
+    keep = np.where(stop >= 0, stop + 1, keep).astype(np.int32)
+    codes = np.where(stop >= 0, _STOP, np.where(before + keep >= max_len, _LENGTH, 0)).astype(np.int8)
+    append_tokens(edit.logs, rows, edit.cfg.hash_unit, live.rids, live.rows, sampled, keep)
+    return StepOutputs(live.rids, _frozen(sampled), _frozen(keep), _frozen(codes))
+
+
+def _first_stop(edit: StateEdit, live: _Live, sampled: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """[n] index of the first kept eos/stop token per row, -1 if none (eos vectorised)."""
+    rows = edit.rows
+    kept = np.arange(sampled.shape[1]) < keep[:, None]
+    hits = kept & (sampled == rows.eos[live.rows][:, None])
+    for j in np.flatnonzero(rows.has_stop[live.rows]).tolist():  # extra stop ids: rare, per row
+        stop_ids = edit.requests[live.rids[j]].sampling_params.stop_ids
+        hits[j] |= kept[j] & np.isin(sampled[j], list(stop_ids))
+    return np.where(hits.any(axis=1), hits.argmax(axis=1), -1)
+
+
+def _register_blocks(edit: StateEdit, live: _Live, before: np.ndarray) -> None:
+    """Publish KV blocks that became full: their K/V were written by the step that just ran."""
+    rows, size = edit.rows, edit.cfg.block_size
+    first = before // size
+    count = np.maximum(np.minimum(rows.num_computed[live.rows], rows.num_tokens[live.rows]) // size - first, 0)
+    owner = np.repeat(np.arange(len(count)), count)  # one entry per (row, newly full block)
+    index = np.arange(len(owner)) - np.repeat(np.cumsum(count) - count, count) + first[owner]
+    block_ids = rows.block_table[live.rows[owner], index].tolist()
+    logs, rids = edit.logs, live.rids  # logs hold the hash of every full block below num_tokens
+    keys = [logs[rids[j]].hashes[i] for j, i in zip(owner.tolist(), index.tolist(), strict=True)]
+    edit.blocks.register(block_ids, keys)
+
+
+def _ask_materializations(edit: StateEdit, live: _Live, before: np.ndarray) -> None:
+    rows, row_ids = edit.rows, live.rows
+    after = rows.num_computed[row_ids]
+    boundary = crossed_boundary(before, after, edit.cfg.mamba_block_size)
+    count = materialize_count(boundary, after, rows.committed[row_ids])
+    asks = list(edit.materializations)
+    wanted = (boundary > 0) & (boundary <= rows.num_tokens[row_ids]) & (rows.checkpoint[row_ids] == 0)
+    for j in np.flatnonzero(wanted).tolist():  # marked requests cache only their checkpoint
+        key = edit.logs[live.rids[j]].hashes[int(boundary[j]) // edit.cfg.hash_unit - 1]
+        if key not in edit.slots.hash_to_slot and key not in edit.claims:
+            asks.append(Materialize(live.rids[j], int(rows.running_slot[row_ids[j]]), key,
+                                    int(rows.ring_start[row_ids[j]]), int(count[j])))
+    edit.materializations = tuple(asks)
+
+
+def _finish_rows(edit: StateEdit, outputs: StepOutputs) -> None:
+    for rid in outputs.finished_ids:
+        release_row(edit, rid)
+        forget(edit, rid)
+
+
+def _join(parts: list[StepOutputs], width: int) -> StepOutputs:
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        return StepOutputs((), *(_frozen(np.zeros(shape, dtype)) for shape, dtype in
+                                 (((0, width), np.int32), (0, np.int32), (0, np.int8))))
+    arrays = [_frozen(np.concatenate([getattr(part, name) for part in parts]))
+              for name in ("token_ids", "num_new_tokens", "finish_codes")]
+    return StepOutputs(sum((part.request_ids for part in parts), ()), *arrays)
+
+
+def _frozen(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array

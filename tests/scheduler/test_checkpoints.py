@@ -1,0 +1,184 @@
+"""Application-directed checkpoints (reference §3, §6 E): marker parsing and the producer/consumer machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler import CheckpointMarkerError, abort_request, parse_checkpoint_marker, preempt_request
+from scheduler.checkpoints import TRANSITIONS, CheckpointEvent, CheckpointStatus, advance
+from scheduler.slots import SlotKind
+from tests.scheduler.helpers import Driver, make_config, request
+
+MARKER = 99
+
+# E1: the eight marker cases of §3.2 (marker id 99, hash unit 4) ------------------------------------
+
+
+def test_e1_no_marker_leaves_the_prompt_unchanged():
+    assert parse_checkpoint_marker([10, 11, 12], MARKER, 4) == ((10, 11, 12), None, ())
+
+
+def test_e1_marker_is_stripped_and_input_not_mutated():
+    tokens = [10, 11, 12, 13, 99, 14]
+    parsed = parse_checkpoint_marker(tokens, MARKER, 4)
+    assert parsed.token_ids == (10, 11, 12, 13, 14) and parsed.checkpoint_position == 4
+    assert tokens == [10, 11, 12, 13, 99, 14]
+
+
+def test_e1_position_rounds_down_to_the_hash_unit():
+    assert parse_checkpoint_marker([1, 2, 3, 4, 5, 6, 7, 99, 8], MARKER, 4).checkpoint_position == 4
+
+
+@pytest.mark.parametrize("tokens, message", [
+    ([10, 99, 11, 99, 12, 13, 14], "exactly once"),
+    ([99, 10, 11, 12, 13], "both sides"),
+    ([10, 11, 12, 13, 99], "both sides"),
+    ([10, 11, 99, 12, 13], "too small"),
+])
+def test_e1_marker_errors(tokens, message):
+    with pytest.raises(CheckpointMarkerError, match=message):
+        parse_checkpoint_marker(tokens, MARKER, 4)
+
+
+def test_e1_placeholders_after_the_marker_shift_left():
+    tokens = [10, 0, 0, 11, 12, 99, 0, 0, 13]
+    parsed = parse_checkpoint_marker(tokens, MARKER, 4, placeholders=[(1, 2), (6, 2)])
+    assert parsed.placeholders == ((1, 2), (5, 2))
+
+
+def test_e1_marker_inside_a_placeholder_is_rejected():
+    with pytest.raises(CheckpointMarkerError, match="cannot be inside"):
+        parse_checkpoint_marker([10, 0, 0, 0, 99, 0, 11], MARKER, 4, placeholders=[(1, 5)])
+
+
+# the transition table -------------------------------------------------------------------------------
+
+
+def test_every_status_event_pair_is_either_in_the_table_or_rejected():
+    for status in CheckpointStatus:
+        for event in CheckpointEvent:
+            if (status, event) in TRANSITIONS:
+                assert advance(status, event, 1) is TRANSITIONS[status, event]
+            else:
+                with pytest.raises(RuntimeError, match="can't handle"):
+                    advance(status, event, 1)
+
+
+def test_happy_path_walks_absent_to_ready():
+    status = CheckpointStatus.ABSENT
+    for event in (CheckpointEvent.CLAIM, CheckpointEvent.SCHEDULE_END, CheckpointEvent.STEP_DONE):
+        status = advance(status, event, 1)
+    assert status is CheckpointStatus.READY
+
+
+# E2-E8 through the real scheduler (bs 16, hash unit 16) ----------------------------------------------
+
+PRODUCER = [10] * 100
+CONSUMER = [10] * 48 + [20] * 50
+
+
+def _driver(**overrides) -> Driver:
+    return Driver(make_config(**overrides))
+
+
+def _claim(driver: Driver):
+    (claim,) = driver.state.claims.values()
+    return claim
+
+
+def test_e2_producer_is_truncated_at_the_checkpoint_and_unready():
+    driver = _driver()
+    driver.add(request("P", PRODUCER, checkpoint=48))
+    from scheduler import schedule
+    state, plan = schedule(driver.state)
+    assert plan.query_lens[0] == 48 and plan.phase[0] == 1 and plan.num_publishes == 1
+    assert next(iter(state.claims.values())).status is CheckpointStatus.UNREADY
+
+
+def test_e3_consumer_waits_while_producing_without_blocking_others():
+    driver = _driver(max_num_batched_tokens=24)
+    driver.add(request("P", PRODUCER, checkpoint=48))
+    driver.step()
+    assert _claim(driver).status is CheckpointStatus.PRODUCING
+    driver.add(request("C", CONSUMER, checkpoint=48))
+    driver.add(request("U", [30] * 5))
+    plan = driver.step()
+    assert set(plan.request_ids) == {"P", "U"} and "C" in driver.state.waiting  # U is not blocked by C
+    while "C" not in driver.chunks(plan):
+        plan = driver.step()
+    assert driver.chunks(plan)["C"][0] == 48 and plan.num_hit_copies == 1  # READY: a hit at exactly c
+    assert not driver.state.claims
+
+
+def test_e4_same_step_pairing_shares_blocks_and_runs_in_phase_two():
+    driver = _driver(max_num_batched_tokens=512)
+    driver.add(request("P", PRODUCER, checkpoint=48, max_tokens=2))
+    driver.add(request("C", CONSUMER, checkpoint=48))
+    plan = driver.step()
+    assert driver.chunks(plan) == {"P": (0, 48), "C": (48, 98)}
+    assert list(plan.phase[:2]) == [1, 2] and plan.num_pair_copies == 1
+    assert (plan.pair_copy_src[0], plan.pair_copy_dst[0]) == (plan.state_slots[0], plan.state_slots[1])
+    assert list(plan.block_table[1, :3]) == list(plan.block_table[0, :3])  # the shared prefix KV
+    plan = driver.step()
+    assert driver.chunks(plan) == {"P": (48, 100)}  # C finished in step 1 (max_tokens=1)
+    assert [o.request_id for o in driver.outputs] == ["C", "P"]
+
+
+def test_e5_only_the_declared_boundary_is_cached():
+    driver = _driver(num_spec_tokens=0)
+    driver.add(request("P", range(64), checkpoint=32, max_tokens=40))
+    driver.step()
+    key = driver.state.logs["P"].hashes[1]
+    assert driver.state.slots.ready_slot(key) is not None
+    while driver.state.has_work():
+        driver.step()
+    hashes = driver.state.blocks  # the KV blocks are cached as usual ...
+    assert len(hashes.hash_to_block) >= 4
+    cached = set(driver.state.slots.hash_to_slot)
+    assert cached == {key}  # ... but the only state is the checkpoint (no 48, 64, 80, ... boundary)
+
+
+def test_e6_e7_consumer_hit_layout_at_aligned_and_unaligned_checkpoints():
+    for bs, c in ((64, 64), (64, 48)):
+        driver = _driver(mamba_block_size=bs)
+        driver.add(request("P", [10] * 100, checkpoint=c))
+        driver.step()
+        driver.step()
+        driver.add(request("C", [10] * c + [20] * 30, checkpoint=c))
+        prefix = driver.state.logs["C"].hashes[:c // 16]
+        shared = [driver.state.blocks.hash_to_block[h] for h in prefix]
+        plan = driver.step()
+        assert driver.chunks(plan)["C"] == (c, c + 30)
+        row = plan.request_ids.index("C")
+        assert plan.hit_copy_dst[0] == plan.state_slots[row] and plan.has_initial_state[row]
+        assert list(plan.block_table[row, :c // 16]) == shared
+
+
+@pytest.mark.parametrize("lose", [abort_request, preempt_request])
+def test_e8_producer_lost_before_ready_hands_the_role_on(lose):
+    driver = _driver(max_num_batched_tokens=16)
+    driver.add(request("P", PRODUCER, checkpoint=48))
+    driver.add(request("C", CONSUMER, checkpoint=48))
+    driver.step()
+    assert _claim(driver).producer_id == "P" and "C" in driver.state.waiting
+    driver.state = lose(driver.state, "P")
+    assert not driver.state.claims
+    reserved = driver.state.slots.kind == SlotKind.RESERVED
+    assert not reserved.any()
+    for _ in range(40):
+        if not driver.state.has_work():
+            break
+        driver.step()
+    assert not driver.state.has_work()  # nobody waited forever
+
+
+def test_a_consumer_admitted_before_a_resumed_producer_takes_over_the_role():
+    driver = _driver(max_num_batched_tokens=16)
+    driver.add(request("P", PRODUCER, checkpoint=48))
+    driver.step()
+    driver.add(request("C", CONSUMER, checkpoint=48))
+    driver.state = preempt_request(driver.state, "P")  # P goes back to the queue head
+    driver.step()
+    assert _claim(driver).producer_id == "P"  # P is first in line again and reclaims
+    while driver.state.has_work():
+        driver.step()

@@ -1,0 +1,41 @@
+"""The randomized simulator (reduced CI sweep) and its command line; the full sweeps are run by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler import simulate
+from scheduler.simulator import Workload, run_seed
+
+SETTINGS = [  # (lookahead, block drop, token budget): L in {0..5}, drop on/off, half a block .. many blocks
+    (0, True, 256), (2, False, 64), (3, True, 32), (3, False, 1024), (5, False, 256), (1, True, 64),
+]
+
+
+@pytest.mark.parametrize("lookahead, drop, budget", SETTINGS)
+def test_reduced_sweep_has_no_stalls_violations_or_leaks(lookahead, drop, budget):
+    args = simulate.parse_args(["--lookahead", str(lookahead), "--token-budget", str(budget),
+                                "--eagle-block-drop" if drop else "--no-eagle-block-drop"])
+    report = run_seed(simulate.config_from(args), Workload(steps=120), seed=lookahead * 7 + budget)
+    assert report.ok, (report.summary(), report.messages[:5])
+    assert report.total > 5 and (report.hits_checked > 0 or budget < 256)
+
+
+def test_memory_pressure_preempts_and_still_drains():
+    args = simulate.parse_args(["--num-blocks", "70", "--num-state-slots", "8", "--max-num-seqs", "8"])
+    report = run_seed(simulate.config_from(args), Workload(steps=120), seed=3)
+    assert report.ok and report.preemptions > 0, report.summary()
+
+
+def test_cli_prints_one_summary_line_and_exit_code(capsys):
+    assert simulate.main(["--seeds", "2", "--steps", "40"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("finished=") and "stalls=0 i1_violations=0 leaks=0" in lines[0]
+
+
+def test_cli_trace_prints_chunk_ends(capsys):
+    argv = ["--trace", "--prompt-len", "49", "--block-size", "16", "--mamba-block-size", "16",
+            "--token-budget", "16", "--num-spec-tokens", "3"]
+    assert simulate.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "0->16" in out and "16->32" in out and "32->48" in out and "48->49" in out

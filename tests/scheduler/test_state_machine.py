@@ -1,0 +1,87 @@
+"""Hypothesis state machine: random adds, aborts, steps, acceptances and preemptions.
+
+After every transition: ref counts equal live references, no slot or block owned twice, every state
+read by the (fake) device is the one it claims, so no consumer reads an UNREADY checkpoint. At the
+end every request finishes (the machine drains) and the pools return to their initial free counts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from scheduler import StepResult, abort_request, add_request, init_state, preempt_request, schedule, update
+from scheduler.fake_device import FakeDevice
+from scheduler.invariants import check_drained, check_invariants
+from scheduler.replay import ring_rows
+from tests.scheduler.helpers import make_config, request, result_for
+
+K = 2
+CFG = make_config(block_size=4, mamba_block_size=8, max_num_batched_tokens=24, max_num_seqs=4, max_model_len=96,
+                  num_blocks=40, num_state_slots=9, num_spec_tokens=K, ring_size=4)
+PREFIXES = ([1] * 16, [2] * 8 + [3] * 8)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = init_state(CFG)
+        self.device = FakeDevice(CFG.num_state_slots, ring_rows(CFG.ring_size, K))
+        self.next_id = 0
+
+    @rule(prefix=st.sampled_from(PREFIXES), cut=st.integers(1, 16), tail=st.lists(st.integers(4, 9), max_size=12),
+          max_tokens=st.integers(1, 12), marked=st.booleans())
+    def add(self, prefix, cut, tail, max_tokens, marked):
+        tokens = prefix[:cut] + tail
+        checkpoint = 8 if marked and len(tokens) > 8 and cut >= 8 else None
+        new = request(f"r{self.next_id}", tokens, max_tokens, checkpoint, eos_token_id=3)
+        self.state = add_request(self.state, new)
+        self.next_id += 1
+
+    @precondition(lambda self: self.state.requests)
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.state.requests)))
+        self.state = abort_request(self.state, rid)
+
+    @precondition(lambda self: self.state.running)
+    @rule(data=st.data())
+    def preempt(self, data):
+        self.state = preempt_request(self.state, data.draw(st.sampled_from(sorted(self.state.running))))
+
+    @rule(data=st.data())
+    def step(self, data):
+        self.state, plan = schedule(self.state)
+        assert check_invariants(self.state) == []
+        self.device.run(self.state, plan)
+        rows = plan.row_bucket
+        accepted = np.array(data.draw(st.lists(st.integers(0, K), min_size=rows, max_size=rows)), np.int32)
+        accepted = np.where(plan.row_kind == 3, accepted, 0).astype(np.int32)
+        sampled = np.array(data.draw(st.lists(st.integers(3, 9), min_size=rows * (1 + K), max_size=rows * (1 + K))),
+                           np.int32).reshape(rows, 1 + K)
+        sampled[:, :K] = np.where(np.arange(K) < accepted[:, None], plan.draft_token_ids, sampled[:, :K])
+        result = StepResult(sampled, accepted, np.full((rows, K), 5, np.int32))
+        self.state, _ = update(self.state, plan, result)
+
+    @invariant()
+    def consistent(self):
+        assert check_invariants(self.state) == []
+        assert not self.device.errors, self.device.errors
+
+    def teardown(self):
+        for _ in range(2000):
+            if not self.state.has_work():
+                break
+            self.state, plan = schedule(self.state)
+            self.device.run(self.state, plan)
+            self.state, _ = update(self.state, plan, result_for(plan, K, accepted=1, token=4))
+        assert not self.device.errors, self.device.errors
+        assert not self.state.has_work(), "requests never finished"
+        assert check_drained(self.state) == []
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                              suppress_health_check=[HealthCheck.too_slow])
+TestSchedulerMachine = SchedulerMachine.TestCase

@@ -1,0 +1,222 @@
+"""Pure transitions, bad requests, decode/MTP bookkeeping, stop conditions and plan padding rules."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from scheduler import (
+    FinishReason,
+    RowKind,
+    SchedulerConfig,
+    StepResult,
+    abort_request,
+    add_request,
+    init_state,
+    preempt_request,
+    schedule,
+    update,
+)
+from scheduler.invariants import check_drained, check_invariants
+from scheduler.slots import SlotKind
+from tests.scheduler.helpers import Driver, make_config, request, result_for
+
+
+def snapshot(state) -> dict:
+    """Everything observable about a state, deep-copied (numpy columns included)."""
+    rows = {name: getattr(state.rows, name).copy() for name in state.rows.__slots__}
+    logs = {rid: (state.token_ids(rid), list(state.logs[rid].hashes[:state.num_tokens(rid) // 16]))
+            for rid in state.requests}
+    return copy.deepcopy(dict(
+        rows=rows, logs=logs, waiting=state.waiting, running=state.running, row_of=dict(state.row_of),
+        refs=state.blocks.ref_count.copy(), kv=state.blocks.hash_to_block.to_dict(), kinds=state.slots.kind.copy(),
+        slots=dict(state.slots.hash_to_slot), claims=dict(state.claims), mats=state.materializations,
+        in_flight=state.in_flight, step=state.step, parked=dict(state.parked_tokens)))
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], dict) and key == "rows":
+            for name in a[key]:
+                np.testing.assert_array_equal(a[key][name], b[key][name], err_msg=name)
+        elif isinstance(a[key], np.ndarray):
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+        else:
+            assert a[key] == b[key], key
+
+
+def _busy_state(k: int = 2):
+    driver = Driver(make_config(num_spec_tokens=k, max_num_batched_tokens=64))
+    for i in range(4):
+        driver.add(request(f"r{i}", [5 + i] * 40 + list(range(20 + i)), max_tokens=12, checkpoint=32 if i else None))
+    for _ in range(3):
+        driver.step(accepted=1)
+    return driver
+
+
+def test_transitions_leave_the_old_state_unchanged_and_are_deterministic():
+    driver = _busy_state()
+    s0 = driver.state
+    before = snapshot(s0)
+    s1, plan = schedule(s0)
+    s1b, plan_b = schedule(s0)
+    assert_same(before, snapshot(s0))
+    assert_same(snapshot(s1), snapshot(s1b))
+    assert all(np.array_equal(getattr(plan, f), getattr(plan_b, f)) for f in ("token_ids", "slot_mapping"))
+    mid = snapshot(s1)
+    result = result_for(plan, 2, accepted=1)
+    s2, out = update(s1, plan, result)
+    s2b, out_b = update(s1, plan, result)  # the shared token buffers are copied, not overwritten
+    assert out == out_b
+    assert_same(mid, snapshot(s1))
+    assert_same(snapshot(s2), snapshot(s2b))
+    for mutate in (lambda s: add_request(s, request("new", [1, 2, 3])), lambda s: abort_request(s, "r1")):
+        s3 = snapshot(s2)
+        mutate(s2)
+        assert_same(s3, snapshot(s2))
+
+
+def test_state_columns_are_read_only():
+    state = _busy_state().state
+    with pytest.raises(ValueError):
+        state.rows.num_computed[0] = 5
+    with pytest.raises(ValueError):
+        state.blocks.ref_count[1] = 3
+
+
+@pytest.mark.parametrize("bad, message", [
+    (request("e", []), "empty"),
+    (request("long", [1] * 4096), "max_model_len"),
+    (request("c0", [1] * 40, checkpoint=20), "checkpoint_position"),
+    (request("c1", [1] * 40, checkpoint=48), "checkpoint_position"),
+    (request("huge", [1] * 100, max_tokens=4000), "can never fit"),
+])
+def test_bad_requests_raise_and_leave_the_state_unchanged(bad, message):
+    cfg = make_config(num_blocks=64)
+    state = add_request(init_state(cfg), request("ok", [1, 2, 3]))
+    before = snapshot(state)
+    with pytest.raises(ValueError, match=message):
+        add_request(state, bad)
+    assert_same(before, snapshot(state))
+
+
+def test_duplicate_ids_and_unknown_aborts_raise():
+    state = add_request(init_state(make_config()), request("a", [1, 2, 3]))
+    with pytest.raises(ValueError, match="already in use"):
+        add_request(state, request("a", [4]))
+    with pytest.raises(KeyError):
+        abort_request(state, "nope")
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="mamba_block_size"):
+        SchedulerConfig(block_size=16, mamba_block_size=24)
+    with pytest.raises(ValueError, match="cache_mode"):
+        SchedulerConfig(cache_mode="all")
+    with pytest.raises(ValueError, match="token_buckets"):
+        SchedulerConfig(max_num_batched_tokens=100, token_buckets=(8, 64))
+
+
+def test_schedule_twice_without_update_and_foreign_plans_are_refused():
+    state, plan = schedule(add_request(init_state(make_config()), request("a", [1, 2, 3])))
+    with pytest.raises(RuntimeError, match="in flight"):
+        schedule(state)
+    state2, _ = update(state, plan, result_for(plan, 0))
+    with pytest.raises(ValueError, match="not the step in flight"):
+        update(state2, plan, result_for(plan, 0))
+    bad = StepResult(np.zeros((plan.row_bucket, 1), np.int32), np.full(plan.row_bucket, 3, np.int32),
+                     np.zeros((plan.row_bucket, 0), np.int32))
+    with pytest.raises(ValueError, match="num_accepted"):
+        update(state, plan, bad)
+
+
+def test_verify_rows_get_one_plus_k_tokens_and_commit_accepted_drafts():
+    k = 3
+    driver = Driver(make_config(num_spec_tokens=k))
+    driver.add(request("a", range(5, 25), max_tokens=30))
+    driver.step()
+    state = driver.state
+    row = state.row_of["a"]
+    assert state.rows.num_computed[row] == 20 and state.rows.num_tokens[row] == 21
+    plan = driver.step(accepted=2)
+    assert plan.row_kind[0] == RowKind.VERIFY and plan.query_lens[0] == 1 + k and plan.num_logits[0] == 1 + k
+    assert list(plan.positions[:4]) == [20, 21, 22, 23] and list(plan.token_ids[1:4]) == [8, 8, 8]
+    assert driver.outputs[-1].new_token_ids == (8, 8, 7)  # two accepted drafts + the bonus token
+    rows = driver.state.rows
+    assert rows.num_computed[row] == 23 and rows.num_tokens[row] == 24  # rejected draft rolled back
+    assert (rows.ring_start[row], rows.committed[row]) == (0, 3)
+
+
+@pytest.mark.parametrize("params, tokens, reason", [
+    (dict(max_tokens=3), (8, 8), FinishReason.LENGTH),
+    (dict(max_tokens=30, eos_token_id=7), (), FinishReason.STOP),
+    (dict(max_tokens=30, stop_token_ids=(7,)), (), FinishReason.STOP),
+    (dict(max_tokens=30, eos_token_id=7, ignore_eos=True), None, None),
+])
+def test_stop_conditions(params, tokens, reason):
+    driver = Driver(make_config(num_spec_tokens=2))
+    driver.add(request("a", range(5, 25), **params))
+    driver.step()
+    if reason is FinishReason.STOP:
+        assert driver.outputs[-1].finish_reason is reason and not driver.state.has_work()
+        return
+    driver.step(accepted=2)
+    last = driver.outputs[-1]
+    if reason is None:
+        assert last.finish_reason is None and driver.state.has_work()
+    else:
+        assert last.new_token_ids == tokens and last.finish_reason is reason  # cut at max_tokens
+        assert check_drained(driver.state) == []
+
+
+def test_preemption_under_memory_pressure_frees_everything_and_recomputes():
+    cfg = make_config(num_blocks=9, num_spec_tokens=1, max_num_batched_tokens=128, num_state_slots=8)
+    driver = Driver(cfg)
+    driver.add(request("old", [1] * 40, max_tokens=60))
+    driver.add(request("new", [2] * 40, max_tokens=60))
+    preempted = False
+    for _ in range(400):
+        if not driver.state.has_work():
+            break
+        driver.step(accepted=1)
+        preempted |= "new" in driver.state.waiting and driver.state.num_tokens("new") > 40
+        assert check_invariants(driver.state) == []
+    assert preempted and not driver.state.has_work()
+    assert check_drained(driver.state) == []
+    assert {o.request_id for o in driver.outputs if o.finished} == {"old", "new"}
+
+
+def test_preempt_request_resets_trackers_and_releases_slots():
+    driver = _busy_state()
+    rid = driver.state.running[0]
+    state = preempt_request(driver.state, rid)
+    assert rid in state.waiting[:1] and rid not in state.row_of
+    assert int(np.count_nonzero(state.slots.kind == SlotKind.RUNNING)) == len(state.running) + 1  # + null
+    assert check_invariants(state) == []
+
+
+def test_abort_while_the_step_is_in_flight_is_ignored_by_update():
+    driver = _busy_state()
+    state, plan = schedule(driver.state)
+    state = abort_request(state, plan.request_ids[0])
+    state, outputs = update(state, plan, result_for(plan, 2, accepted=2))
+    assert plan.request_ids[0] not in {o.request_id for o in outputs}
+    assert check_invariants(state) == []
+
+
+def test_plan_padding_points_at_the_null_slot_and_block():
+    state, plan = schedule(_busy_state().state)
+    rows, tokens = plan.num_rows, plan.num_tokens
+    assert plan.token_bucket >= tokens and plan.row_bucket >= rows
+    assert plan.token_bucket in state.config.token_buckets and plan.row_bucket in state.config.row_buckets
+    assert not plan.state_slots[rows:].any() and not plan.block_table[rows:].any()
+    assert not plan.slot_mapping[tokens:].any() and not plan.token_ids[tokens:].any()
+    assert (plan.row_kind[rows:] == RowKind.PADDING).all() and (plan.cu_seqlens[rows + 1:] == tokens).all()
+    assert not plan.token_ids.flags.writeable
+    for r in range(rows):
+        lo, hi = plan.cu_seqlens[r], plan.cu_seqlens[r + 1]
+        blocks = plan.block_table[r, plan.positions[lo:hi] // 16]
+        assert (plan.slot_mapping[lo:hi] == blocks * 16 + plan.positions[lo:hi] % 16).all() and blocks.all()
