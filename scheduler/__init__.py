@@ -1,20 +1,21 @@
 """jaxhybrid's control plane: a pure, replayable scheduler (stdlib + numpy; never imports jax).
 
 One engine step: `schedule(state) -> (state, BatchPlan)`, the device runs the plan and returns a
-`StepResult`, then `update(state, plan, result) -> (state, [RequestOutput])`.
+`StepResult`, then `update(state, plan, result) -> (state, StepOutputs)`; StepOutputs holds the new
+tokens of every row as arrays and yields per-request `RequestOutput` views when iterated.
 """
 
 from scheduler.checkpoints import CheckpointMarkerError, parse_checkpoint_marker
 from scheduler.config import SchedulerConfig
 from scheduler.lifecycle import abort_request, add_request, preempt_request
 from scheduler.plan import BatchPlan, RowKind, StepResult
-from scheduler.request import FinishReason, Request, RequestOutput, SamplingParams
+from scheduler.request import FinishReason, Request, RequestOutput, SamplingParams, StepOutputs
 from scheduler.schedule import schedule
 from scheduler.state import SchedulerState, init_state
 from scheduler.update import update
 
 __all__ = [
     "BatchPlan", "CheckpointMarkerError", "FinishReason", "Request", "RequestOutput", "RowKind",
-    "SamplingParams", "SchedulerConfig", "SchedulerState", "StepResult", "abort_request", "add_request",
+    "SamplingParams", "SchedulerConfig", "SchedulerState", "StepOutputs", "StepResult", "abort_request", "add_request",
     "init_state", "parse_checkpoint_marker", "preempt_request", "schedule", "update",
 ]

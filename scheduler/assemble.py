@@ -1,7 +1,13 @@
-"""Turn one pass's decisions (a vectorised decode batch, prefill rows, copy lists) into a BatchPlan."""
+"""Turn one pass's decisions (a vectorised decode batch, prefill rows, copy lists) into a BatchPlan.
+
+Runs every step, so it is written for few numpy calls: the [R] int32 fields share one zero-filled
+buffer, and decode and prefill rows go through the same vectorised packing code; only the prefill
+rows' own values are collected in Python, and a step has few of them.
+"""
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
@@ -43,113 +49,106 @@ class Copies(NamedTuple):
     materialize: list[tuple[int, int, int, int]]   # (src, dst, ring_start, count)
 
 
-def _ro(array: np.ndarray) -> np.ndarray:
-    array.flags.writeable = False
-    return array
+_ROW_FIELDS = ("query_lens", "context_lens", "state_slots", "num_logits", "num_lookahead_tokens", "ring_start",
+               "ring_committed")
+_COPY_FIELDS = ("hit_copy_src", "hit_copy_dst", "pair_copy_src", "pair_copy_dst", "publish_src", "publish_dst",
+                "materialize_src", "materialize_dst", "materialize_ring_start", "materialize_count")
 
 
 def assemble(cfg: SchedulerConfig, step_id: int, decode: DecodeBatch, prefills: list[PrefillRow],
-             copies: Copies, block_table: np.ndarray) -> BatchPlan:
-    """Build the padded plan; decode rows come first, then prefill rows in scheduling order."""
-    query_lens = _query_lens(cfg, decode, prefills)
-    num_rows, num_tokens = len(query_lens), int(query_lens.sum())
-    counts = [len(c) for c in copies]
-    rows_b = pick_bucket(cfg.row_buckets, max([num_rows, *counts]))
-    tokens_b = pick_bucket(cfg.token_buckets, num_tokens)
-    row_ids = np.concatenate([decode.rows, np.array([p.row for p in prefills], np.int64)]).astype(np.int64)
-    table = block_table[row_ids]
-    if rows_b > num_rows:  # padding rows: null block everywhere
-        table = np.concatenate([table, np.zeros((rows_b - num_rows, block_table.shape[1]), np.int32)])
-    fields = _row_fields(cfg, decode, prefills, query_lens, rows_b)
-    fields.update(_token_fields(cfg, decode, prefills, fields, table, tokens_b, num_tokens))
-    fields.update(_sampling_fields(cfg, decode, prefills, fields, rows_b))
-    fields.update(_copy_fields(copies, rows_b))
+             copies: Copies, block_table: np.ndarray, num_blocks: np.ndarray) -> BatchPlan:
+    """Build the padded plan; decode rows come first, then prefill rows in scheduling order.
+    `block_table` / `num_blocks` are the state's columns, already grown for this step."""
+    row_ids = np.concatenate([decode.rows, np.array([p.row for p in prefills], np.int64)]) if prefills else decode.rows
+    rows_b = pick_bucket(cfg.row_buckets, max(len(row_ids), *map(len, copies)))
+    ints = np.zeros((len(_ROW_FIELDS) + len(_COPY_FIELDS), rows_b), np.int32)
+    fields = dict(zip(_ROW_FIELDS + _COPY_FIELDS, ints, strict=True))
+    flags = _fill_rows(cfg, fields, decode, prefills, rows_b)
+    _fill_copies(fields, copies)
+    cu_seqlens = np.zeros(rows_b + 1, np.int32)
+    np.cumsum(fields["query_lens"], out=cu_seqlens[1:])
+    tokens = _token_fields(cfg, decode, prefills, row_ids, cu_seqlens, block_table)
+    sampling = _sampling_fields(cfg, decode, prefills, cu_seqlens, fields)
+    width = pick_bucket(cfg.block_table_buckets, int(num_blocks[row_ids].max(initial=0)))
+    table = np.zeros((rows_b, width), np.int32)  # padding rows: the null block everywhere
+    table[:len(row_ids)] = block_table[row_ids, :width]
+    for array in (row_ids, cu_seqlens, table, *fields.values(), *flags.values(), *tokens.values(),
+                  *sampling.values()):
+        array.flags.writeable = False
     request_ids = tuple(decode.request_ids) + tuple(p.request_id for p in prefills)
-    return BatchPlan(step_id=step_id, num_rows=num_rows, num_tokens=num_tokens, request_ids=request_ids,
-                     row_ids=_ro(row_ids), block_table=_ro(table), **{k: _ro(v) if isinstance(v, np.ndarray) else v
-                                                for k, v in fields.items()})
+    return BatchPlan(step_id=step_id, num_rows=len(row_ids), num_tokens=int(cu_seqlens[-1]),
+                     request_ids=request_ids, row_ids=row_ids, cu_seqlens=cu_seqlens, block_table=table,
+                     **flags, **tokens, **sampling, **fields, **{f"num_{name}": len(c) for name, c in zip(
+                         ("hit_copies", "pair_copies", "publishes", "materializations"), copies, strict=True)})
 
 
-def _query_lens(cfg: SchedulerConfig, decode: DecodeBatch, prefills: list[PrefillRow]) -> np.ndarray:
-    lens = np.full(len(decode.rows), 1 + cfg.num_spec_tokens, np.int32)
-    return np.concatenate([lens, np.array([len(p.token_ids) for p in prefills], np.int32)])
-
-
-def _padded(values, size: int, dtype) -> np.ndarray:
-    out = np.zeros(size, dtype)
-    out[:len(values)] = values
-    return out
-
-
-def _row_fields(cfg, decode, prefills, query_lens, rows_b) -> dict:
-    n_dec, num_rows = len(decode.rows), len(query_lens)
-    kind = RowKind.VERIFY if cfg.num_spec_tokens else RowKind.DECODE
-    kinds = [int(kind)] * n_dec + [int(RowKind.PREFILL)] * len(prefills)
-    cu = np.full(rows_b + 1, int(query_lens.sum()), np.int32)
-    cu[0] = 0
-    cu[1:num_rows + 1] = np.cumsum(query_lens)
-    decode_init = decode.context_lens > 0
-    return dict(
-        row_kind=_padded(kinds, rows_b, np.int8),
-        phase=_phases(prefills, n_dec, rows_b),
-        cu_seqlens=cu, query_lens=_padded(query_lens, rows_b, np.int32),
-        context_lens=_padded(np.concatenate([decode.context_lens, [p.start for p in prefills]]), rows_b, np.int32),
-        state_slots=_padded(np.concatenate([decode.state_slots, [p.state_slot for p in prefills]]), rows_b, np.int32),
-        has_initial_state=_padded(np.concatenate([decode_init, [p.has_initial_state for p in prefills]]),
-                                  rows_b, bool),
-        ring_start=_padded(decode.ring_start, rows_b, np.int32),
-        ring_committed=_padded(decode.committed, rows_b, np.int32),
-        flush=_padded(decode.flush, rows_b, bool),
-    )
-
-
-def _phases(prefills: list[PrefillRow], n_dec: int, rows_b: int) -> np.ndarray:
+def _fill_rows(cfg: SchedulerConfig, fields: dict, decode: DecodeBatch, prefills: list[PrefillRow],
+               rows_b: int) -> dict:
+    """Write the per-row int32 fields; returns the int8/bool ones (row_kind, phase, ...)."""
+    n, q = len(decode.rows), 1 + cfg.num_spec_tokens
+    kinds = np.zeros(rows_b, np.int8)
+    kinds[:n] = RowKind.VERIFY if cfg.num_spec_tokens else RowKind.DECODE
     phase = np.full(rows_b, 2, np.int8)  # decode, padding and ordinary prefill rows run in phase 2
-    phase[n_dec:n_dec + len(prefills)] = [p.phase for p in prefills]
-    return phase
+    has_initial_state, flush = np.zeros((2, rows_b), bool)
+    for name, values in (("query_lens", q), ("num_logits", q), ("context_lens", decode.context_lens),
+                         ("state_slots", decode.state_slots), ("ring_start", decode.ring_start),
+                         ("ring_committed", decode.committed)):
+        fields[name][:n] = values
+    has_initial_state[:n] = decode.context_lens > 0
+    flush[:n] = decode.flush
+    if prefills:
+        end = n + len(prefills)
+        kinds[n:end] = RowKind.PREFILL
+        phase[n:end] = [p.phase for p in prefills]
+        has_initial_state[n:end] = [p.has_initial_state for p in prefills]
+        fields["query_lens"][n:end] = [len(p.token_ids) for p in prefills]
+        fields["num_logits"][n:end] = [p.samples for p in prefills]
+        fields["context_lens"][n:end] = [p.start for p in prefills]
+        fields["state_slots"][n:end] = [p.state_slot for p in prefills]
+        fields["num_lookahead_tokens"][n:end] = [len(p.lookahead) for p in prefills]
+    return dict(row_kind=kinds, phase=phase, has_initial_state=has_initial_state, flush=flush)
 
 
-def _token_fields(cfg, decode, prefills, fields, tables, tokens_b, num_tokens) -> dict:
-    q = 1 + cfg.num_spec_tokens
-    dec_pos = (decode.context_lens[:, None] + np.arange(q)).ravel()
-    pre_pos = [np.arange(p.start, p.start + len(p.token_ids)) for p in prefills]
-    positions = np.concatenate([dec_pos, *pre_pos]).astype(np.int64)
-    tokens = np.concatenate([decode.token_ids.ravel(), *[p.token_ids for p in prefills]])
-    num_rows = len(decode.rows) + len(prefills)
-    token_row = np.repeat(np.arange(num_rows), fields["query_lens"][:num_rows])
-    blocks = tables[token_row, positions // cfg.block_size] if num_tokens else positions
-    slots = blocks.astype(np.int64) * cfg.block_size + positions % cfg.block_size
-    return dict(token_ids=_padded(tokens, tokens_b, np.int32), positions=_padded(positions, tokens_b, np.int32),
-                slot_mapping=_padded(slots, tokens_b, np.int32))
+def _fill_copies(fields: dict, copies: Copies) -> None:
+    for prefix, pairs in (("hit_copy", copies.hit), ("pair_copy", copies.pair), ("publish", copies.publish)):
+        if pairs:
+            fields[f"{prefix}_src"][:len(pairs)], fields[f"{prefix}_dst"][:len(pairs)] = zip(*pairs, strict=True)
+    if copies.materialize:
+        for name, values in zip(_COPY_FIELDS[-4:], zip(*copies.materialize, strict=True), strict=True):
+            fields[name][:len(values)] = values
 
 
-def _sampling_fields(cfg, decode, prefills, fields, rows_b) -> dict:
-    k, n_dec = cfg.num_spec_tokens, len(decode.rows)
-    cu = fields["cu_seqlens"]
+def _token_fields(cfg: SchedulerConfig, decode: DecodeBatch, prefills: list[PrefillRow], row_ids: np.ndarray,
+                  cu_seqlens: np.ndarray, block_table: np.ndarray) -> dict:
+    num_rows = len(row_ids)
+    num_tokens = int(cu_seqlens[num_rows])
+    tokens_b = pick_bucket(cfg.token_buckets, num_tokens)
+    token_ids, positions, slot_mapping = np.zeros((3, tokens_b), np.int32)
+    query_lens = cu_seqlens[1:num_rows + 1] - cu_seqlens[:num_rows]
+    context_lens = np.concatenate([decode.context_lens, np.array([p.start for p in prefills], np.int32)])
+    # position of token t of row r: context_lens[r] + (t - cu_seqlens[r])
+    positions[:num_tokens] = np.repeat(context_lens - cu_seqlens[:num_rows], query_lens) + np.arange(num_tokens)
+    num_decode_tokens = decode.token_ids.size
+    token_ids[:num_decode_tokens] = decode.token_ids.ravel()
+    token_ids[num_decode_tokens:num_tokens] = np.fromiter(chain.from_iterable(p.token_ids for p in prefills),
+                                                          np.int32, num_tokens - num_decode_tokens)
+    size = cfg.block_size
+    blocks = block_table[np.repeat(row_ids, query_lens), positions[:num_tokens] // size]
+    slot_mapping[:num_tokens] = blocks * size + positions[:num_tokens] % size
+    return dict(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping)
+
+
+def _sampling_fields(cfg: SchedulerConfig, decode: DecodeBatch, prefills: list[PrefillRow], cu_seqlens: np.ndarray,
+                     fields: dict) -> dict:
+    k, n = cfg.num_spec_tokens, len(decode.rows)
+    rows_b = len(cu_seqlens) - 1
     logits = np.zeros((rows_b, 1 + k), np.int32)
-    num_logits = np.zeros(rows_b, np.int32)
-    logits[:n_dec] = cu[:n_dec, None] + np.arange(1 + k)
-    num_logits[:n_dec] = 1 + k
+    logits[:n] = cu_seqlens[:n, None] + np.arange(1 + k)
     drafts = np.zeros((rows_b, k), np.int32)
-    drafts[:n_dec] = decode.token_ids[:, 1:]
-    width = max(cfg.num_lookahead, 1)
-    lookahead = np.zeros((rows_b, width), np.int32)
-    num_lookahead = np.zeros(rows_b, np.int32)
-    for i, p in enumerate(prefills, start=n_dec):
+    drafts[:n] = decode.token_ids[:, 1:]
+    lookahead = np.zeros((rows_b, max(cfg.num_lookahead, 1)), np.int32)
+    for i, p in enumerate(prefills, start=n):
         if p.samples:
-            logits[i, 0], num_logits[i] = cu[i + 1] - 1, 1
-        lookahead[i, :len(p.lookahead)], num_lookahead[i] = p.lookahead, len(p.lookahead)
-    return dict(logits_indices=logits, num_logits=num_logits, draft_token_ids=drafts,
-                lookahead_token_ids=lookahead, num_lookahead_tokens=num_lookahead)
-
-
-def _copy_fields(copies: Copies, rows_b: int) -> dict:
-    out = {}
-    for name, pairs in (("hit_copy", copies.hit), ("pair_copy", copies.pair), ("publish", copies.publish)):
-        out[f"{name}_src"] = _padded([s for s, _ in pairs], rows_b, np.int32)
-        out[f"{name}_dst"] = _padded([d for _, d in pairs], rows_b, np.int32)
-    for i, name in enumerate(("src", "dst", "ring_start", "count")):
-        out[f"materialize_{name}"] = _padded([m[i] for m in copies.materialize], rows_b, np.int32)
-    out.update(num_hit_copies=len(copies.hit), num_pair_copies=len(copies.pair),
-               num_publishes=len(copies.publish), num_materializations=len(copies.materialize))
-    return out
+            logits[i, 0] = cu_seqlens[i + 1] - 1
+        lookahead[i, :len(p.lookahead)] = p.lookahead
+    return dict(logits_indices=logits, draft_token_ids=drafts, lookahead_token_ids=lookahead)

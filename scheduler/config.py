@@ -32,6 +32,9 @@ class SchedulerConfig:
         cache_mode: "none" (no prefix caching) or "align" (states cached at block boundaries).
         ring_size: ReplaySSM window `W`; a verify row flushes when `committed + T > W`.
         token_buckets / row_buckets: allowed padded sizes of a BatchPlan; `()` picks powers of two.
+        block_table_buckets: allowed widths of a BatchPlan's block table (the most KV blocks of any
+            row in the step, padded); `()` picks powers of two from 8, capped at the most blocks one
+            request can hold.
     """
 
     block_size: int = 16
@@ -48,6 +51,7 @@ class SchedulerConfig:
     ring_size: int = 16
     token_buckets: tuple[int, ...] = field(default=())
     row_buckets: tuple[int, ...] = field(default=())
+    block_table_buckets: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
         _resolve_defaults(self)
@@ -77,6 +81,10 @@ def _resolve_defaults(cfg: SchedulerConfig) -> None:
         object.__setattr__(cfg, "token_buckets", default_buckets(cfg.max_num_batched_tokens))
     if not cfg.row_buckets:
         object.__setattr__(cfg, "row_buckets", default_buckets(cfg.max_num_seqs))
+    if not cfg.block_table_buckets:
+        widest = cfg.max_blocks_per_request
+        widths = tuple(b for b in default_buckets(widest) if b < widest) + (widest,)
+        object.__setattr__(cfg, "block_table_buckets", widths)
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -102,7 +110,8 @@ def _validate_sizes(cfg: SchedulerConfig) -> None:
 
 
 def _validate_buckets(cfg: SchedulerConfig) -> None:
-    for name, cap in (("token_buckets", cfg.max_num_batched_tokens), ("row_buckets", cfg.max_num_seqs)):
+    for name, cap in (("token_buckets", cfg.max_num_batched_tokens), ("row_buckets", cfg.max_num_seqs),
+                      ("block_table_buckets", cfg.max_blocks_per_request)):
         buckets = getattr(cfg, name)
         _require(list(buckets) == sorted(set(buckets)), name, f"must be strictly increasing, got {buckets}")
         _require(buckets[0] >= 1 and buckets[-1] >= cap, name, f"largest bucket {buckets[-1]} < {cap}")

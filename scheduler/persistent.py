@@ -9,6 +9,8 @@ scheduler (each state edited once) costs O(1) per read and per write.
 
 from __future__ import annotations
 
+from itertools import repeat
+
 _MISSING = object()
 
 
@@ -58,6 +60,12 @@ class PMap:
     def __len__(self) -> int:
         return len(_reroot(self._node))
 
+    def __iter__(self):
+        return iter(list(_reroot(self._node)))
+
+    def keys(self):
+        return list(_reroot(self._node))
+
     def items(self):
         return list(_reroot(self._node).items())
 
@@ -94,6 +102,12 @@ class PMapEdit:
         data = self._dict()
         self._undo.append((key, data.get(key, _MISSING)))
         data[key] = value
+
+    def update(self, items: dict) -> None:
+        """Write many entries with C-level loops (a prefill step publishes ~100 blocks at once)."""
+        data = self._dict()
+        self._undo.extend(zip(items, map(data.get, items, repeat(_MISSING)), strict=True))
+        data.update(items)
 
     def pop(self, key):
         data = self._dict()

@@ -1,9 +1,11 @@
 """BatchPlan (what one device step computes) and StepResult (what the device step returns).
 
 Conventions used everywhere:
-  * Shapes use T = token bucket, R = row bucket, B = max_blocks_per_request, K = num_spec_tokens,
-    Lw = max(num_lookahead, 1). Rows [0, num_rows) are real; tokens [0, num_tokens) are real and
-    packed row after row in `cu_seqlens` order. Everything past them is padding.
+  * Shapes use T = token bucket, R = row bucket, B = block-table bucket (>= the most KV blocks of any
+    row in the step), K = num_spec_tokens, Lw = max(num_lookahead, 1); T, R and B are the static
+    shape of the step and come from the config's bucket ladders. Rows [0, num_rows) are real;
+    tokens [0, num_tokens) are real and packed row after row in `cu_seqlens` order. Everything past
+    them is padding.
   * Padding rows have kind PADDING, zero lengths, state slot 0 (the null slot, all zeros and never
     written) and block table rows of block 0 (the null block). Padding tokens have id 0, position
     0 and KV write slot 0 (inside the null block). Padding copy entries are 0 -> 0 with count 0.
@@ -53,7 +55,8 @@ class BatchPlan:
     context_lens: np.ndarray              # [R] int32 tokens already in KV/state before this step; padding 0
     state_slots: np.ndarray               # [R] int32 running state slot; padding 0 (null)
     has_initial_state: np.ndarray         # [R] bool False: start from the zero state; padding False
-    block_table: np.ndarray               # [R, B] int32 KV blocks of the row (position p in block p // block_size)
+    block_table: np.ndarray               # [R, B] int32 KV blocks of the row (position p in block p // block_size);
+                                          # padding rows 0; entries past a row's last block are not meaningful
     # tokens
     token_ids: np.ndarray                 # [T] int32; padding 0
     positions: np.ndarray                 # [T] int32 absolute position; padding 0
@@ -91,6 +94,10 @@ class BatchPlan:
     @property
     def row_bucket(self) -> int:
         return int(self.row_kind.shape[0])
+
+    @property
+    def block_table_bucket(self) -> int:
+        return int(self.block_table.shape[1])
 
 
 @dataclass(frozen=True, slots=True, eq=False)

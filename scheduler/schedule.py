@@ -42,7 +42,7 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, BatchPlan]:
     admit_waiting(p)
     edit.in_flight = InFlight(edit.step, tuple(p.ready_slots), tuple(p.checkpoint_keys))
     copies = Copies(p.hit_copies, p.pair_copies, p.publishes, p.materializes)
-    plan = assemble(edit.cfg, edit.step, decode, p.prefills, copies, edit.rows.block_table)
+    plan = assemble(edit.cfg, edit.step, decode, p.prefills, copies, edit.rows.block_table, edit.rows.num_blocks)
     return edit.freeze(), plan
 
 
@@ -118,6 +118,7 @@ def _issue_materializations(p: Pass) -> None:
 
 
 def _schedule_running_prefills(p: Pass) -> None:
+    # the decode rows are already scheduled: a set lookup skips them without a numpy read per row
     for rid in [rid for rid in p.edit.running if rid not in p.scheduled]:
         row = p.edit.row_of.get(rid)
         if row is None or p.edit.rows.prefill_done[row] or p.budget <= 0:

@@ -8,7 +8,8 @@ Slot kinds:
   PENDING   a prefix state that the in-flight step writes (publish or materialise); it becomes CACHED
             in `update`, so nobody can hit a state whose writing step has not run.
   RESERVED  held by a checkpoint producer until its chunk reaches the checkpoint.
-Like `blocks.py`, a `SlotPool` value is immutable and `edit()` gives a working copy for one transition.
+Like `blocks.py`, a `SlotPool` value is immutable and `edit()` gives a working copy for one transition;
+the hash maps are persistent (`PMap`), so caching a state never copies the whole map.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import enum
 from dataclasses import dataclass
 
 import numpy as np
+
+from scheduler.persistent import PMap
 
 NULL_SLOT = 0
 
@@ -41,14 +44,14 @@ class SlotPool:
 
     kind: np.ndarray
     stamp: np.ndarray
-    hash_to_slot: dict[int, int]
-    slot_to_hash: dict[int, int]
+    hash_to_slot: PMap
+    slot_to_hash: PMap
 
     @staticmethod
     def create(num_slots: int) -> SlotPool:
         kind = np.zeros(num_slots, np.int8)
         kind[NULL_SLOT] = SlotKind.RUNNING  # never handed out; padding rows point at it
-        return SlotPool(_frozen(kind), _frozen(np.zeros(num_slots, np.int64)), {}, {})
+        return SlotPool(_frozen(kind), _frozen(np.zeros(num_slots, np.int64)), PMap(), PMap())
 
     def edit(self) -> SlotPoolEdit:
         return SlotPoolEdit(self)
@@ -64,14 +67,13 @@ class SlotPoolEdit:
     def __init__(self, pool: SlotPool) -> None:
         self.kind = pool.kind.copy()
         self.stamp = pool.stamp.copy()
-        self.hash_to_slot = pool.hash_to_slot  # copied on the first write (_own_maps)
-        self.slot_to_hash = pool.slot_to_hash
-        self._owns_maps = False
+        self.hash_to_slot = pool.hash_to_slot.edit()
+        self.slot_to_hash = pool.slot_to_hash.edit()
         self.pinned: set[int] = set()  # cached slots read by this step's hit copies: not evictable
         self.evicted: list[int] = []  # hashes evicted by this edit (checkpoint table: READY -> ABSENT)
 
     def freeze(self) -> SlotPool:
-        return SlotPool(_frozen(self.kind), _frozen(self.stamp), self.hash_to_slot, self.slot_to_hash)
+        return SlotPool(_frozen(self.kind), _frozen(self.stamp), self.hash_to_slot.freeze(), self.slot_to_hash.freeze())
 
     def ready_slot(self, key: int) -> int | None:
         return SlotPool.ready_slot(self, key)  # type: ignore[arg-type]
@@ -87,7 +89,6 @@ class SlotPoolEdit:
         slot = int(free[0]) if free.size else self._lru_victim()
         self.kind[slot] = kind
         if key is not None:
-            self._own_maps()
             assert key not in self.hash_to_slot, f"prefix state {key:#x} already has slot {self.hash_to_slot[key]}"
             self.hash_to_slot[key] = slot
             self.slot_to_hash[slot] = key
@@ -101,9 +102,8 @@ class SlotPoolEdit:
         """Free a RUNNING, RESERVED or PENDING slot (dropping any hash it was going to hold)."""
         key = self.slot_to_hash.get(slot)
         if key is not None:
-            self._own_maps()
-            del self.slot_to_hash[slot]
-            del self.hash_to_slot[key]
+            self.slot_to_hash.pop(slot)
+            self.hash_to_slot.pop(key)
         self.kind[slot] = SlotKind.FREE
 
     def make_ready(self, slot: int, clock: int) -> None:
@@ -116,13 +116,7 @@ class SlotPoolEdit:
         if cached.size == 0:
             raise RuntimeError("no free or evictable state slot")
         victim = int(cached[np.argmin(self.stamp[cached])])
-        self._own_maps()
         key = self.slot_to_hash.pop(victim)
-        del self.hash_to_slot[key]
+        self.hash_to_slot.pop(key)
         self.evicted.append(key)
         return victim
-
-    def _own_maps(self) -> None:
-        if not self._owns_maps:
-            self.hash_to_slot, self.slot_to_hash = dict(self.hash_to_slot), dict(self.slot_to_hash)
-            self._owns_maps = True

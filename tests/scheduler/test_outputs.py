@@ -1,0 +1,49 @@
+"""StepOutputs (batched update outputs) and the token tails behind them (history.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scheduler import FinishReason, RequestOutput, StepOutputs, schedule, update
+from scheduler.prefix_cache import new_hashes
+from tests.scheduler.helpers import Driver, make_config, request, result_for
+
+
+def test_update_reports_stop_reasons_through_step_outputs():
+    driver = Driver(make_config(num_spec_tokens=2))
+    driver.add(request("a", range(5, 25), max_tokens=3))
+    driver.add(request("b", range(9, 40), max_tokens=30))
+    driver.step()
+    state, plan = schedule(driver.state)
+    state, outputs = update(state, plan, result_for(plan, 2, accepted=2))
+    assert isinstance(outputs, StepOutputs) and not outputs.token_ids.flags.writeable
+    assert {out.request_id: out.finish_reason for out in outputs} == {"a": FinishReason.LENGTH, "b": None}
+    assert outputs.finished_ids == ["a"] and "a" not in state.requests
+
+
+def test_step_outputs_view_matches_arrays():
+    outputs = StepOutputs(("x", "y"), np.array([[4, 5, 6], [7, 8, 9]], np.int32), np.array([2, 3], np.int32),
+                          np.array([0, 1], np.int8))
+    assert list(outputs) == [RequestOutput("x", (4, 5), None), RequestOutput("y", (7, 8, 9), FinishReason.STOP)]
+    assert outputs.finished_ids == ["y"] and len(outputs) == 2 and outputs[1].finished
+
+
+@pytest.mark.parametrize("block_size, k", [(2, 3), (4, 3), (16, 3), (16, 0)])
+def test_token_history_and_hashes_survive_tails_of_any_block_size(block_size, k):
+    cfg = make_config(block_size=block_size, mamba_block_size=4 * block_size, num_spec_tokens=k, num_blocks=4096)
+    driver = Driver(cfg)
+    prompts = {"a": list(range(3, 3 + 21)), "b": list(range(50, 50 + 3 * block_size))}
+    for rid, prompt in prompts.items():
+        driver.add(request(rid, prompt, max_tokens=60))
+    emitted = {rid: [] for rid in prompts}
+    for step in range(12):
+        seen = len(driver.outputs)
+        driver.step(accepted=step % (k + 1))
+        for out in driver.outputs[seen:]:
+            emitted[out.request_id] += out.new_token_ids
+    for rid, prompt in prompts.items():
+        tokens = driver.state.token_ids(rid)
+        assert tokens == prompt + emitted[rid]
+        full = len(tokens) // block_size
+        assert driver.state.logs[rid].hashes[:full] == new_hashes([], tokens, full, block_size)
