@@ -155,10 +155,11 @@ class BlockPoolEdit:
 
     def register(self, block_ids: list[int], block_hashes: list[int]) -> None:
         """Publish computed blocks under their chained hashes (first writer wins on duplicates)."""
-        hash_to_block, block_to_hash = self.hash_to_block, self.block_to_hash
         fresh: dict[int, int] = {}
-        for block, block_hash in zip(block_ids, block_hashes, strict=True):
-            if block_hash not in hash_to_block and block_hash not in fresh and block not in block_to_hash:
+        for block, block_hash, new_hash, new_block in zip(block_ids, block_hashes,
+                                                          self.hash_to_block.absent(block_hashes),
+                                                          self.block_to_hash.absent(block_ids), strict=True):
+            if new_hash and new_block and block_hash not in fresh:
                 fresh[block_hash] = block
-        hash_to_block.update(fresh)
-        block_to_hash.update({block: block_hash for block_hash, block in fresh.items()})
+        self.hash_to_block.update(fresh)
+        self.block_to_hash.update({block: block_hash for block_hash, block in fresh.items()})

@@ -98,6 +98,10 @@ class PMapEdit:
     def __getitem__(self, key):
         return self._dict()[key]
 
+    def absent(self, keys: list) -> list[bool]:
+        """Whether each key is missing, in one C-level pass (a step publishes ~40 blocks at once)."""
+        return [not found for found in map(self._dict().__contains__, keys)]
+
     def __setitem__(self, key, value) -> None:
         data = self._dict()
         self._undo.append((key, data.get(key, _MISSING)))

@@ -105,12 +105,15 @@ def _issue_materializations(p: Pass) -> None:
     """Publish decode-crossed boundary states: S0 + `count` ring entries into a fresh cache slot,
     applied before this step's layers (so before its flush changes S0)."""
     edit = p.edit
+    # each allocation takes exactly one available slot, so count them once instead of per ask
+    available = edit.slots.num_available() if edit.materializations else 0
     for m in edit.materializations:
         row = edit.row_of.get(m.request_id)
         if row is None or edit.rows.running_slot[row] != m.running_slot or m.key in edit.slots.hash_to_slot:
             continue  # finished, preempted or already cached: drop it (caching is best effort)
-        if edit.slots.num_available() == 0:
+        if available == 0:
             break
+        available -= 1
         dst = edit.slots.allocate(SlotKind.PENDING, m.key)
         p.materializes.append((m.running_slot, dst, m.ring_start, m.count))
         p.ready_slots.append(dst)

@@ -38,3 +38,13 @@ def test_random_version_tree_matches_plain_dicts():
             old, want = rng.choice(versions)
             assert old.to_dict() == want
     assert all(pmap.to_dict() == want for pmap, want in versions)
+
+
+def test_absent_reads_the_edited_version():
+    base = PMap({1: "a", 2: "b"})
+    edit = base.edit()
+    edit.pop(1)
+    edit[3] = "c"
+    assert edit.absent([1, 2, 3, 4]) == [True, False, False, True]
+    edit.freeze()
+    assert base.edit().absent([1, 3]) == [False, True]
