@@ -12,7 +12,7 @@ class TrainSettings:
     vocab_size: int = 4096
     seq_len: int = 512
     batch_size: int = 4
-    num_steps: int = 800
+    num_steps: int = 1600
     warmup_steps: int = 50
     peak_lr: float = 8e-3
     final_lr_fraction: float = 0.1
