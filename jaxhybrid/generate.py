@@ -12,11 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.model import Model, contiguous_batch
-
-
-def _bucket(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
+from jaxhybrid.model import Model, contiguous_batch, length_bucket
 
 
 def _pick(logits: jax.Array, temperature: float, rng: np.random.Generator) -> int:
@@ -35,8 +31,7 @@ def generate(model: Model, prompt_ids: list[int], max_new_tokens: int, *, temper
     rng, bs = np.random.default_rng(seed), model.block_size
     max_blocks = -(-(len(prompt_ids) + max_new_tokens) // bs)
     cache = model.init_cache(1, max_blocks * bs)
-    # Pad the prefill to a power-of-two bucket so prompts of similar length share one compilation.
-    tokens = np.zeros(_bucket(len(prompt_ids)), np.int32)
+    tokens = np.zeros(length_bucket(len(prompt_ids)), np.int32)
     tokens[: len(prompt_ids)] = prompt_ids
     batch = contiguous_batch([len(prompt_ids)], [0], bs, max_blocks, num_tokens=len(tokens))
     logits, _, cache = model.step(jnp.asarray(tokens), batch, cache)

@@ -15,6 +15,11 @@ from jaxhybrid.models.hybrid import HybridLM, ModelCache, init_cache
 from jaxhybrid.models.ops import CHUNKED, ModelOps
 
 
+def length_bucket(length: int) -> int:
+    """Power-of-two token bucket (at least 16): nearby lengths share one compilation."""
+    return max(16, 1 << (length - 1).bit_length())
+
+
 def contiguous_batch(query_lens: list[int], context_before: list[int], block_size: int, max_blocks: int,
                      num_tokens: int | None = None) -> AttentionBatch:
     """Metadata for rows whose KV blocks are laid out contiguously: row r owns blocks 1 + r*max_blocks + j.
@@ -93,9 +98,8 @@ class Model:
         if np.any(token_ids < 0) or np.any(token_ids >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
         num_rows, length = token_ids.shape
-        # Rows are right-padded to a power-of-two bucket: causality keeps the real positions exact and
-        # nearby lengths share one compilation.
-        bucket = max(16, 1 << (length - 1).bit_length())
+        # Rows are right-padded to a bucket: causality keeps the real positions exact.
+        bucket = length_bucket(length)
         padded = np.zeros((num_rows, bucket), np.int32)
         padded[:, :length] = token_ids
         batch = contiguous_batch([bucket] * num_rows, [0] * num_rows, self.block_size, bucket // self.block_size)

@@ -13,14 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.persistent import PMap
+from scheduler.persistent import PMap, frozen
 
 NULL_BLOCK = 0
 
-
-def _frozen(array: np.ndarray) -> np.ndarray:
-    array.flags.writeable = False
-    return array
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +35,7 @@ class BlockPool:
     @staticmethod
     def create(num_blocks: int) -> BlockPool:
         free = np.arange(num_blocks - 1, 0, -1, dtype=np.int32)  # so block 1 is handed out first
-        return BlockPool(_frozen(np.zeros(num_blocks, np.int32)), _frozen(free), _frozen(free[:0].copy()),
+        return BlockPool(frozen(np.zeros(num_blocks, np.int32)), frozen(free), frozen(free[:0].copy()),
                          PMap(), PMap())
 
     @property
@@ -79,8 +75,8 @@ class BlockPoolEdit:
         cached = self._pool.free_cached[self._cached_start:]
         if self._owns_refs and (self._released_cached or np.any(self.ref_count[cached])):
             cached = self._merged_cached_queue(cached)
-        return BlockPool(_frozen(self.ref_count) if self._owns_refs else self.ref_count, _frozen(uncached),
-                         _frozen(cached), self.hash_to_block.freeze(), self.block_to_hash.freeze())
+        return BlockPool(frozen(self.ref_count) if self._owns_refs else self.ref_count, frozen(uncached),
+                         frozen(cached), self.hash_to_block.freeze(), self.block_to_hash.freeze())
 
     def _merged_cached_queue(self, queue: np.ndarray) -> np.ndarray:
         # drop blocks a hit referenced again; a block released again moves to the back (newest)

@@ -13,7 +13,7 @@ from scheduler.history import park_tail
 from scheduler.prefix_cache import new_hashes
 from scheduler.request import Request
 from scheduler.slots import NULL_SLOT
-from scheduler.state import SchedulerState, TokenLog, row_tokens
+from scheduler.state import SchedulerState, TokenLog, request_num_tokens, request_tokens
 
 
 class StateEdit:
@@ -41,14 +41,10 @@ class StateEdit:
                               self.logs, self.parked, self.materializations, self.in_flight, self.step)
 
     def num_tokens(self, request_id: str) -> int:
-        row = self.row_of.get(request_id)
-        return int(self.rows.num_tokens[row]) if row is not None else self.parked[request_id]
+        return request_num_tokens(self.rows, self.row_of, self.parked, request_id)
 
     def tokens(self, request_id: str) -> list[int]:
-        row, log = self.row_of.get(request_id), self.logs[request_id]
-        if row is None:
-            return log.tokens[:self.parked[request_id]]
-        return row_tokens(log, self.rows, row, self.cfg.hash_unit)
+        return request_tokens(self.rows, self.row_of, self.logs, self.parked, self.cfg.hash_unit, request_id)
 
     def hashes(self, request_id: str) -> list[int]:
         return self.logs[request_id].hashes[:self.num_tokens(request_id) // self.cfg.hash_unit]

@@ -11,6 +11,14 @@ from __future__ import annotations
 
 from itertools import repeat
 
+import numpy as np
+
+
+def frozen(array: np.ndarray) -> np.ndarray:
+    """Mark a state array read-only in place, so a later in-place write raises instead of leaking."""
+    array.flags.writeable = False
+    return array
+
 _MISSING = object()
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.persistent import PMap
+from scheduler.persistent import PMap, frozen
 
 NULL_SLOT = 0
 
@@ -31,10 +31,6 @@ class SlotKind(enum.IntEnum):
     PENDING = 3
     RESERVED = 4
 
-
-def _frozen(array: np.ndarray) -> np.ndarray:
-    array.flags.writeable = False
-    return array
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +47,7 @@ class SlotPool:
     def create(num_slots: int) -> SlotPool:
         kind = np.zeros(num_slots, np.int8)
         kind[NULL_SLOT] = SlotKind.RUNNING  # never handed out; padding rows point at it
-        return SlotPool(_frozen(kind), _frozen(np.zeros(num_slots, np.int64)), PMap(), PMap())
+        return SlotPool(frozen(kind), frozen(np.zeros(num_slots, np.int64)), PMap(), PMap())
 
     def edit(self) -> SlotPoolEdit:
         return SlotPoolEdit(self)
@@ -73,7 +69,7 @@ class SlotPoolEdit:
         self.evicted: list[int] = []  # hashes evicted by this edit (checkpoint table: READY -> ABSENT)
 
     def freeze(self) -> SlotPool:
-        return SlotPool(_frozen(self.kind), _frozen(self.stamp), self.hash_to_slot.freeze(), self.slot_to_hash.freeze())
+        return SlotPool(frozen(self.kind), frozen(self.stamp), self.hash_to_slot.freeze(), self.slot_to_hash.freeze())
 
     def ready_slot(self, key: int) -> int | None:
         return SlotPool.ready_slot(self, key)  # type: ignore[arg-type]

@@ -116,6 +116,20 @@ def row_tokens(log: TokenLog, rows: Rows, row: int, unit: int) -> list[int]:
     return log.tokens[:logged] + rows.tail[row, logged - start:total - start].tolist()
 
 
+def request_num_tokens(rows: Rows, row_of, parked, request_id: str) -> int:
+    """Committed tokens of a request: from its row while running, else from `parked` (waiting)."""
+    row = row_of.get(request_id)
+    return int(rows.num_tokens[row]) if row is not None else parked[request_id]
+
+
+def request_tokens(rows: Rows, row_of, logs, parked, unit: int, request_id: str) -> list[int]:
+    """Committed token ids of a request, running (log + row tail) or waiting (log only)."""
+    row, log = row_of.get(request_id), logs[request_id]
+    if row is None:
+        return log.tokens[:parked[request_id]]
+    return row_tokens(log, rows, row, unit)
+
+
 class InFlight(NamedTuple):
     """Commitments of the scheduled, not yet updated step: what becomes READY in `update`."""
 
@@ -152,14 +166,11 @@ class SchedulerState:
     step: int                          # steps scheduled so far; also the LRU clock
 
     def num_tokens(self, request_id: str) -> int:
-        row = self.row_of.get(request_id)
-        return int(self.rows.num_tokens[row]) if row is not None else self.parked_tokens[request_id]
+        return request_num_tokens(self.rows, self.row_of, self.parked_tokens, request_id)
 
     def token_ids(self, request_id: str) -> list[int]:
-        row, log = self.row_of.get(request_id), self.logs[request_id]
-        if row is None:
-            return log.tokens[:self.parked_tokens[request_id]]
-        return row_tokens(log, self.rows, row, self.config.hash_unit)
+        return request_tokens(self.rows, self.row_of, self.logs, self.parked_tokens, self.config.hash_unit,
+                              request_id)
 
     def has_work(self) -> bool:
         return bool(self.requests)

@@ -20,6 +20,7 @@ import numpy as np
 from scheduler.checkpoints import CheckpointEvent, advance
 from scheduler.history import append_tokens
 from scheduler.lifecycle import StateEdit, forget, release_row
+from scheduler.persistent import frozen
 from scheduler.plan import BatchPlan, RowKind, StepResult, check_step_result
 from scheduler.replay import commit, crossed_boundary, materialize_count, ring_rows
 from scheduler.request import StepOutputs
@@ -125,7 +126,7 @@ def _emit(edit: StateEdit, live: _Live, sampled: np.ndarray, counts: np.ndarray)
     keep = np.where(stop >= 0, stop + 1, keep).astype(np.int32)
     codes = np.where(stop >= 0, _STOP, np.where(before + keep >= max_len, _LENGTH, 0)).astype(np.int8)
     append_tokens(edit.logs, rows, edit.cfg.hash_unit, live.rids, live.rows, sampled, keep)
-    return StepOutputs(live.rids, _frozen(sampled), _frozen(keep), _frozen(codes))
+    return StepOutputs(live.rids, frozen(sampled), frozen(keep), frozen(codes))
 
 
 def _first_stop(edit: StateEdit, live: _Live, sampled: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -177,13 +178,9 @@ def _join(parts: list[StepOutputs], width: int) -> StepOutputs:
     if len(parts) == 1:
         return parts[0]
     if not parts:
-        return StepOutputs((), *(_frozen(np.zeros(shape, dtype)) for shape, dtype in
+        return StepOutputs((), *(frozen(np.zeros(shape, dtype)) for shape, dtype in
                                  (((0, width), np.int32), (0, np.int32), (0, np.int8))))
-    arrays = [_frozen(np.concatenate([getattr(part, name) for part in parts]))
+    arrays = [frozen(np.concatenate([getattr(part, name) for part in parts]))
               for name in ("token_ids", "num_new_tokens", "finish_codes")]
     return StepOutputs(sum((part.request_ids for part in parts), ()), *arrays)
 
-
-def _frozen(array: np.ndarray) -> np.ndarray:
-    array.flags.writeable = False
-    return array
