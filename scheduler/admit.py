@@ -120,7 +120,7 @@ def _commit(p: Pass, rid: str, plan: Admission, prefill_end: int) -> int:
         edit.slots.pin(plan.hit.slot, edit.step)  # pinned before any allocation can evict it
     row = _claim_row(p, rid, prefill_end)
     edit.blocks.take(list(plan.hit.block_ids))
-    edit.rows.block_table[row, :len(plan.hit.block_ids)] = plan.hit.block_ids
+    edit.rows.own("block_table")[row, :len(plan.hit.block_ids)] = plan.hit.block_ids
     edit.rows.num_blocks[row] = len(plan.hit.block_ids)
     edit.rows.num_computed[row] = plan.hit.num_tokens
     slot = int(edit.rows.running_slot[row])

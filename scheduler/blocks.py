@@ -9,7 +9,9 @@ it changes one. The hash maps are persistent (`PMap`), so publishing a block nev
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
+from itertools import compress
 
 import numpy as np
 
@@ -47,10 +49,8 @@ class BlockPool:
 
     def cached_prefix_length(self, hashes: list[int], limit: int) -> int:
         """Number of leading hashes (at most `limit`) whose blocks are in the prefix cache."""
-        count = 0
-        while count < limit and hashes[count] in self.hash_to_block:
-            count += 1
-        return count
+        found = list(map(self.hash_to_block.data().__contains__, hashes[:limit]))
+        return found.index(False) if False in found else len(found)
 
 
 class BlockPoolEdit:
@@ -64,6 +64,7 @@ class BlockPoolEdit:
         self._cached_start = 0                        # free_cached[start:] are still free (unless taken)
         self._released_uncached: list[int] = []
         self._released_cached: list[int] = []
+        self._revived: set[int] = set()  # cached free blocks referenced again by a hit
         self.hash_to_block = pool.hash_to_block.edit()
         self.block_to_hash = pool.block_to_hash.edit()
         self.num_free = pool.num_free
@@ -73,19 +74,19 @@ class BlockPoolEdit:
         if self._released_uncached:
             uncached = np.concatenate([uncached, np.array(self._released_uncached, np.int32)])
         cached = self._pool.free_cached[self._cached_start:]
-        if self._owns_refs and (self._released_cached or np.any(self.ref_count[cached])):
-            cached = self._merged_cached_queue(cached)
+        if self._revived:  # hits took blocks out of the queue: drop their (now stale) entries
+            taken = np.zeros(len(self.ref_count), bool)
+            taken[list(self._revived)] = True
+            cached = cached[~taken[cached]]
+        if self._released_cached:
+            cached = np.concatenate([cached, self._released_queue()])
         return BlockPool(frozen(self.ref_count) if self._owns_refs else self.ref_count, frozen(uncached),
                          frozen(cached), self.hash_to_block.freeze(), self.block_to_hash.freeze())
 
-    def _merged_cached_queue(self, queue: np.ndarray) -> np.ndarray:
-        # drop blocks a hit referenced again; a block released again moves to the back (newest)
-        queue = queue[self.ref_count[queue] == 0]
-        if not self._released_cached:
-            return queue
-        released = np.array(list(dict.fromkeys(self._released_cached)), np.int32)
-        released = released[self.ref_count[released] == 0]
-        return np.concatenate([queue[~np.isin(queue, released)], released])
+    def _released_queue(self) -> np.ndarray:
+        # a block released twice in one edit (released, hit, released) is queued at its last release
+        last_first = [b for b in dict.fromkeys(reversed(self._released_cached)) if self.ref_count[b] == 0]
+        return np.array(last_first[::-1], np.int32)
 
     def cached_prefix_length(self, hashes: list[int], limit: int) -> int:
         return BlockPool.cached_prefix_length(self, hashes, limit)  # type: ignore[arg-type]
@@ -105,6 +106,7 @@ class BlockPoolEdit:
         for block in block_ids:
             if refs[block] == 0:
                 self.num_free -= 1
+                self._revived.add(block)
             refs[block] += 1
 
     def allocate(self, count: int) -> np.ndarray:
@@ -137,25 +139,24 @@ class BlockPoolEdit:
             out.append(block)
         return out
 
-    def release(self, block_ids, clock: int = 0) -> None:
-        """Drop one reference from each block; blocks reaching 0 become free (cached ones stay hit-able)."""
+    def release(self, block_ids: np.ndarray | list[int]) -> None:
+        """Drop one reference from each (distinct) block; blocks reaching 0 become free (cached ones stay
+        hit-able)."""
+        blocks = np.array(block_ids, np.int32)
+        blocks = blocks[blocks != NULL_BLOCK]
         refs = self._refs()
-        for block in block_ids:
-            if block == NULL_BLOCK:
-                continue
-            refs[block] -= 1
-            if refs[block] == 0:
-                self.num_free += 1
-                cached = block in self.block_to_hash
-                (self._released_cached if cached else self._released_uncached).append(block)
+        refs[blocks] -= 1
+        freed = blocks[refs[blocks] == 0].tolist()
+        self.num_free += len(freed)
+        cached = list(map(self.block_to_hash.data().__contains__, freed))
+        self._released_cached += compress(freed, cached)
+        self._released_uncached += compress(freed, map(operator.not_, cached))
 
     def register(self, block_ids: list[int], block_hashes: list[int]) -> None:
         """Publish computed blocks under their chained hashes (first writer wins on duplicates)."""
-        fresh: dict[int, int] = {}
-        for block, block_hash, new_hash, new_block in zip(block_ids, block_hashes,
-                                                          self.hash_to_block.absent(block_hashes),
-                                                          self.block_to_hash.absent(block_ids), strict=True):
-            if new_hash and new_block and block_hash not in fresh:
-                fresh[block_hash] = block
+        known_hashes, known_blocks = self.hash_to_block.data(), self.block_to_hash.data()
+        # reversed, so that of two blocks with one hash the first one is written last and stays
+        fresh = {key: block for key, block in zip(reversed(block_hashes), reversed(block_ids), strict=True)
+                 if key not in known_hashes and block not in known_blocks}
         self.hash_to_block.update(fresh)
-        self.block_to_hash.update({block: block_hash for block_hash, block in fresh.items()})
+        self.block_to_hash.update(dict(zip(fresh.values(), fresh.keys(), strict=True)))

@@ -67,6 +67,12 @@ class SchedulerConfig:
         return self.block_size
 
     @property
+    def log_unit(self) -> int:
+        """Tokens a running request gathers in its row tail before they move to its TokenLog and get
+        hashed (history.py): the Mamba block, the grid on which decode states are published anyway."""
+        return self.mamba_block_size
+
+    @property
     def max_blocks_per_request(self) -> int:
         return -(-(self.max_model_len + self.num_spec_tokens) // self.block_size)
 

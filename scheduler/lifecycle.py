@@ -19,9 +19,9 @@ from scheduler.state import SchedulerState, TokenLog, request_num_tokens, reques
 class StateEdit:
     """Mutable copies of one state's parts; `freeze()` builds the next immutable state."""
 
-    def __init__(self, state: SchedulerState, shared_rows: tuple[str, ...] = ()) -> None:
+    def __init__(self, state: SchedulerState) -> None:
         self.cfg = state.config
-        self.rows = state.rows.copy(shared_rows)
+        self.rows = state.rows.copy()
         self.blocks = state.blocks.edit()
         self.slots = state.slots.edit()
         self.claims = dict(state.claims)
@@ -44,7 +44,7 @@ class StateEdit:
         return request_num_tokens(self.rows, self.row_of, self.parked, request_id)
 
     def tokens(self, request_id: str) -> list[int]:
-        return request_tokens(self.rows, self.row_of, self.logs, self.parked, self.cfg.hash_unit, request_id)
+        return request_tokens(self.rows, self.row_of, self.logs, self.parked, self.cfg.log_unit, request_id)
 
     def hashes(self, request_id: str) -> list[int]:
         return self.logs[request_id].hashes[:self.num_tokens(request_id) // self.cfg.hash_unit]
@@ -118,10 +118,13 @@ def forget(edit: StateEdit, request_id: str) -> None:
 
 def release_row(edit: StateEdit, request_id: str) -> None:
     """Free the row, KV blocks, running slot and any unfinished checkpoint claim of a running request."""
-    row = edit.row_of.pop(request_id)
-    park_tail(edit.logs, edit.rows, request_id, row, edit.cfg.hash_unit)
-    rows = edit.rows
-    edit.blocks.release(rows.block_table[row, :rows.num_blocks[row]].tolist(), edit.step)
+    row, rows, cfg = edit.row_of.pop(request_id), edit.rows, edit.cfg
+    park_tail(edit.logs, rows, request_id, row, cfg.log_unit, cfg.hash_unit)
+    # decode publishes full blocks once per log block (update.py); cache the rest before letting go
+    computed = min(int(rows.num_computed[row]), int(rows.num_tokens[row]))
+    register_blocks(edit, [(request_id, row, computed // cfg.log_unit * cfg.log_unit // cfg.hash_unit,
+                            computed // cfg.hash_unit)])
+    edit.blocks.release(rows.block_table[row, :rows.num_blocks[row]])
     if rows.running_slot[row] != NULL_SLOT:
         edit.slots.release(int(rows.running_slot[row]))
     release_claims(edit, request_id)
@@ -130,6 +133,17 @@ def release_row(edit: StateEdit, request_id: str) -> None:
     edit.parked[request_id] = int(rows.num_tokens[row])
     edit.running.remove(request_id)
     rows.clear(row)
+
+
+def register_blocks(edit: StateEdit, spans: list[tuple[str, int, int, int]]) -> None:
+    """Publish the KV blocks [first, last) of each (request, row, first, last) under their chained
+    hashes; every one of them must be full and computed by a step that has run."""
+    keys: list[int] = []
+    block_ids: list[int] = []
+    for request_id, row, first, last in spans:
+        keys += edit.logs[request_id].hashes[first:last]
+        block_ids += edit.rows.block_table[row, first:last].tolist()
+    edit.blocks.register(block_ids, keys)
 
 
 def release_claims(edit: StateEdit, request_id: str) -> None:

@@ -53,7 +53,7 @@ def make_room(p: Pass, rid: str, row: int, end: int) -> bool:
 
 def append_blocks(edit: StateEdit, row: int, count: int) -> None:
     held = int(edit.rows.num_blocks[row])
-    edit.rows.block_table[row, held:held + count] = edit.blocks.allocate(count)
+    edit.rows.own("block_table")[row, held:held + count] = edit.blocks.allocate(count)
     edit.rows.num_blocks[row] = held + count
 
 

@@ -80,6 +80,10 @@ class PMap:
     def to_dict(self) -> dict:
         return dict(_reroot(self._node))
 
+    def data(self) -> dict:
+        """The contents as a plain dict, for C-level lookups in bulk; read it, never write it."""
+        return _reroot(self._node)
+
     def edit(self) -> PMapEdit:
         return PMapEdit(self)
 
@@ -106,9 +110,9 @@ class PMapEdit:
     def __getitem__(self, key):
         return self._dict()[key]
 
-    def absent(self, keys: list) -> list[bool]:
-        """Whether each key is missing, in one C-level pass (a step publishes ~40 blocks at once)."""
-        return [not found for found in map(self._dict().__contains__, keys)]
+    def data(self) -> dict:
+        """The current contents as a plain dict, for C-level lookups in bulk; read it, never write it."""
+        return self._dict()
 
     def __setitem__(self, key, value) -> None:
         data = self._dict()

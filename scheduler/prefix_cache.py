@@ -56,15 +56,19 @@ def find_hit(blocks: BlockPool | BlockPoolEdit, slots: SlotPoolEdit, hashes: lis
     num_kv = blocks.cached_prefix_length(hashes, limit)
     if block_drop:
         num_kv = max(num_kv - 1, 0)
+    slot_of = list(map(slots.hash_to_slot.data().get, hashes[:num_kv]))
     for count in range(num_kv, 0, -1):
-        slot = slots.hash_to_slot.get(hashes[count - 1])
+        slot = slot_of[count - 1]
         if slot is None or slots.kind[slot] == SlotKind.RESERVED:
             continue
         if slots.kind[slot] == SlotKind.PENDING:
             return PrefixHit(0, (), 0, True)
-        block_ids = tuple(blocks.hash_to_block[key] for key in hashes[:count])
-        return PrefixHit(count * unit, block_ids, slot, False)
+        return PrefixHit(count * unit, _block_ids(blocks, hashes[:count]), slot, False)
     return NO_HIT
+
+
+def _block_ids(blocks: BlockPool | BlockPoolEdit, hashes: list[int]) -> tuple[int, ...]:
+    return tuple(map(blocks.hash_to_block.data().__getitem__, hashes))
 
 
 def checkpoint_hit(blocks: BlockPool | BlockPoolEdit, slots: SlotPoolEdit, hashes: list[int],
@@ -74,4 +78,4 @@ def checkpoint_hit(blocks: BlockPool | BlockPoolEdit, slots: SlotPoolEdit, hashe
     slot = slots.ready_slot(hashes[count - 1])
     if slot is None or blocks.cached_prefix_length(hashes, count) < count:
         return NO_HIT
-    return PrefixHit(position, tuple(blocks.hash_to_block[key] for key in hashes[:count]), slot, False)
+    return PrefixHit(position, _block_ids(blocks, hashes[:count]), slot, False)

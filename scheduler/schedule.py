@@ -79,15 +79,18 @@ def _schedule_decodes(p: Pass) -> DecodeBatch:
 def _grow_block_tables(p: Pass, row_ids: np.ndarray, need: np.ndarray) -> None:
     rows = p.edit.rows
     new_blocks = p.edit.blocks.allocate(int(need.sum()))
-    if need.size and need.max() == 1:  # the usual case: at most one new block per row, vectorised
+    if not new_blocks.size:
+        return
+    table = rows.own("block_table")
+    if need.max() == 1:  # the usual case: at most one new block per row, vectorised
         grow = row_ids[need == 1]
-        rows.block_table[grow, rows.num_blocks[grow]] = new_blocks
+        table[grow, rows.num_blocks[grow]] = new_blocks
         rows.num_blocks[grow] += 1
         return
     offset = 0
     for row, count in zip(row_ids[need > 0].tolist(), need[need > 0].tolist(), strict=True):
         held = int(rows.num_blocks[row])
-        rows.block_table[row, held:held + count] = new_blocks[offset:offset + count]
+        table[row, held:held + count] = new_blocks[offset:offset + count]
         rows.num_blocks[row] = held + count
         offset += count
 

@@ -22,6 +22,7 @@ import numpy as np
 from scheduler.persistent import PMap, frozen
 
 NULL_SLOT = 0
+_NEVER = np.iinfo(np.int64).max  # LRU age of a slot that cannot be evicted
 
 
 class SlotKind(enum.IntEnum):
@@ -81,8 +82,9 @@ class SlotPoolEdit:
 
     def allocate(self, kind: SlotKind, key: int | None = None) -> int:
         """One slot of `kind` (optionally owning prefix hash `key`): a free one, else evict the LRU cached."""
-        free = np.flatnonzero(self.kind == SlotKind.FREE)
-        slot = int(free[0]) if free.size else self._lru_victim()
+        slot = int(np.argmin(self.kind))  # FREE is the smallest kind: the first free slot, if any
+        if self.kind[slot] != SlotKind.FREE:
+            slot = self._lru_victim()
         self.kind[slot] = kind
         if key is not None:
             assert key not in self.hash_to_slot, f"prefix state {key:#x} already has slot {self.hash_to_slot[key]}"
@@ -107,11 +109,11 @@ class SlotPoolEdit:
         self.stamp[slot] = clock
 
     def _lru_victim(self) -> int:
-        cached = np.flatnonzero(self.kind == SlotKind.CACHED)
-        cached = np.array([s for s in cached.tolist() if s not in self.pinned], np.int64)
-        if cached.size == 0:
+        age = np.where(self.kind == SlotKind.CACHED, self.stamp, _NEVER)
+        age[list(self.pinned)] = _NEVER
+        victim = int(np.argmin(age))
+        if age[victim] == _NEVER:
             raise RuntimeError("no free or evictable state slot")
-        victim = int(cached[np.argmin(self.stamp[cached])])
         key = self.slot_to_hash.pop(victim)
         self.hash_to_slot.pop(key)
         self.evicted.append(key)

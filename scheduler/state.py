@@ -40,14 +40,14 @@ BOOL_COLUMNS = ("active", "prefill_done", "has_stop")  # has_stop: extra stop_to
 
 
 class Rows:
-    """The row table: INT_COLUMNS and BOOL_COLUMNS [S] plus drafts [S, K] int32, block_table [S, B]
-    int32, tail [S, hash_unit + K] int32 (tokens of the partial hash block, history.py) and
-    last_hash [S] int64 (chained hash of the last full block, the parent of the tail's block).
-    The int and bool columns are views of two 2D buffers, `ints` and `bools`, so a transition
-    copies two arrays instead of fifteen small ones (each copy costs ~1 µs of call overhead)."""
+    """The row table: INT_COLUMNS and BOOL_COLUMNS [S] plus the wide arrays drafts [S, K] int32,
+    block_table [S, B] int32 and tail [S, log_unit + K] int32 (tokens of the partial log block,
+    history.py). The int and bool columns are views of two 2D buffers, `ints` and `bools`, so a
+    transition copies two small arrays instead of fifteen (each copy costs ~1 µs of call overhead);
+    the wide arrays (up to ~0.5 MB) are copied only by a transition that writes them (`own`)."""
 
-    __slots__ = INT_COLUMNS + BOOL_COLUMNS + ("ints", "bools", "drafts", "block_table", "tail", "last_hash")
-    _WIDE = ("drafts", "block_table", "tail", "last_hash")
+    __slots__ = INT_COLUMNS + BOOL_COLUMNS + ("ints", "bools", "drafts", "block_table", "tail", "_owned")
+    _WIDE = ("drafts", "block_table", "tail")
 
     @staticmethod
     def create(cfg: SchedulerConfig) -> Rows:
@@ -55,8 +55,7 @@ class Rows:
         rows._bind(np.zeros((len(INT_COLUMNS), size), np.int32), np.zeros((len(BOOL_COLUMNS), size), bool))
         rows.drafts = np.zeros((size, cfg.num_spec_tokens), np.int32)
         rows.block_table = np.zeros((size, cfg.max_blocks_per_request), np.int32)
-        rows.tail = np.zeros((size, cfg.hash_unit + cfg.num_spec_tokens), np.int32)
-        rows.last_hash = np.zeros(size, np.int64)
+        rows.tail = np.zeros((size, cfg.log_unit + cfg.num_spec_tokens), np.int32)
         return rows.frozen()
 
     def _bind(self, ints: np.ndarray, bools: np.ndarray) -> None:
@@ -66,41 +65,47 @@ class Rows:
         for name, column in zip(BOOL_COLUMNS, bools, strict=True):
             setattr(self, name, column)
 
-    def copy(self, shared: tuple[str, ...] = ()) -> Rows:
-        """Writable copies of every column except `shared` wide ones, which stay read-only and shared."""
+    def copy(self) -> Rows:
+        """Writable int and bool columns; the wide arrays stay shared and read-only until `own`ed."""
         rows = Rows()
         rows._bind(self.ints.copy(), self.bools.copy())
-        for name in Rows._WIDE:
-            column = getattr(self, name)
-            setattr(rows, name, column if name in shared else column.copy())
+        rows.drafts, rows.block_table, rows.tail, rows._owned = self.drafts, self.block_table, self.tail, set()
         return rows
 
+    def own(self, name: str) -> np.ndarray:
+        """The wide array `name`, made writable by copying it on this transition's first write."""
+        if name not in self._owned:
+            self._owned.add(name)
+            setattr(self, name, getattr(self, name).copy())
+        return getattr(self, name)
+
     def frozen(self) -> Rows:
-        # a view keeps its own writeable flag, so every column view is frozen, not only the buffers
-        for name in Rows.__slots__:
-            column = getattr(self, name)
-            if column.flags.writeable:
-                column.flags.writeable = False
+        self.ints.flags.writeable = self.bools.flags.writeable = False
+        self._bind(self.ints, self.bools)  # views taken of a read-only buffer are read-only themselves
+        for name in Rows._WIDE:
+            getattr(self, name).flags.writeable = False
+        self._owned = set()
         return self
 
     def clear(self, row: int) -> None:
-        # block_table, drafts, tail and last_hash are only read below num_blocks, after a sample or
-        # after admission seeded them, so they are left as is
+        # block_table, drafts and tail are only read below num_blocks, after a sample or after
+        # admission seeded them, so they are left as is
         for name in INT_COLUMNS + BOOL_COLUMNS:
             getattr(self, name)[row] = 0
 
 
 class TokenLog:
-    """Append-only token buffer of one request plus the chained hashes of its full blocks."""
+    """Append-only token buffer of one request plus the chained hashes of its full hash units
+    (always `len(tokens) // hash_unit` of them)."""
 
     __slots__ = ("tokens", "hashes")
 
     def __init__(self, tokens: list[int], hashes: list[int]) -> None:
         self.tokens, self.hashes = tokens, hashes
 
-    def branch(self, num_tokens: int, unit: int) -> TokenLog:
+    def branch(self, num_tokens: int, hash_unit: int) -> TokenLog:
         """A private copy of the view of `num_tokens`, for a writer whose view is not the buffer's end."""
-        return TokenLog(self.tokens[:num_tokens], self.hashes[:num_tokens // unit])
+        return TokenLog(self.tokens[:num_tokens], self.hashes[:num_tokens // hash_unit])
 
 
 
@@ -169,7 +174,7 @@ class SchedulerState:
         return request_num_tokens(self.rows, self.row_of, self.parked_tokens, request_id)
 
     def token_ids(self, request_id: str) -> list[int]:
-        return request_tokens(self.rows, self.row_of, self.logs, self.parked_tokens, self.config.hash_unit,
+        return request_tokens(self.rows, self.row_of, self.logs, self.parked_tokens, self.config.log_unit,
                               request_id)
 
     def has_work(self) -> bool:

@@ -19,7 +19,7 @@ import numpy as np
 
 from scheduler.checkpoints import CheckpointEvent, advance
 from scheduler.history import append_tokens
-from scheduler.lifecycle import StateEdit, forget, release_row
+from scheduler.lifecycle import StateEdit, forget, register_blocks, release_row
 from scheduler.persistent import frozen
 from scheduler.plan import BatchPlan, RowKind, StepResult, check_step_result
 from scheduler.replay import commit, crossed_boundary, materialize_count, ring_rows
@@ -43,7 +43,7 @@ def update(state: SchedulerState, plan: BatchPlan, result: StepResult) -> tuple[
     if state.in_flight is None or state.in_flight.step_id != plan.step_id:
         raise ValueError(f"update: plan {plan.step_id} is not the step in flight ({state.in_flight})")
     check_step_result(plan, result, state.config.num_spec_tokens)
-    edit = StateEdit(state, shared_rows=("block_table",))  # update never changes a block table
+    edit = StateEdit(state)
     _complete_in_flight(edit, state.in_flight)
     edit.in_flight = None
     num_decode = int(np.count_nonzero(plan.row_kind[:plan.num_rows] >= RowKind.DECODE))
@@ -80,9 +80,7 @@ def _update_decodes(edit: StateEdit, plan: BatchPlan, result: StepResult, live: 
     before = edit.rows.num_computed[live.rows]
     _advance_trackers(edit, plan, result, live, accepted)
     outputs = _emit(edit, live, sampled, accepted)
-    _register_blocks(edit, live, before)
-    if edit.cfg.align:
-        _ask_materializations(edit, live, before)
+    _publish_crossed_blocks(edit, live, before)
     _finish_rows(edit, outputs)
     return outputs
 
@@ -95,7 +93,7 @@ def _advance_trackers(edit: StateEdit, plan: BatchPlan, result: StepResult, live
         rows.ring_start[row_ids], rows.committed[row_ids], plan.flush[live.index], accepted,
         ring_rows(cfg.ring_size, cfg.num_spec_tokens))
     rows.last_token[row_ids] = result.sampled_token_ids[live.index, accepted - 1]
-    rows.drafts[row_ids] = result.draft_token_ids[live.index]
+    rows.own("drafts")[row_ids] = result.draft_token_ids[live.index]
 
 
 def _update_prefills(edit: StateEdit, plan: BatchPlan, result: StepResult, live: _Live) -> StepOutputs:
@@ -105,9 +103,11 @@ def _update_prefills(edit: StateEdit, plan: BatchPlan, result: StepResult, live:
     sampling = _subset(live, plan.num_logits[live.index] > 0)  # the chunk ended the prefill
     rows.prefill_done[sampling.rows] = True
     rows.last_token[sampling.rows] = result.sampled_token_ids[sampling.index, 0]
-    rows.drafts[sampling.rows] = result.draft_token_ids[sampling.index]
+    rows.own("drafts")[sampling.rows] = result.draft_token_ids[sampling.index]
     outputs = _emit(edit, sampling, result.sampled_token_ids[sampling.index], np.ones(len(sampling.rids), np.int32))
-    _register_blocks(edit, live, before)
+    last = np.minimum(rows.num_computed[live.rows], rows.num_tokens[live.rows]) // edit.cfg.hash_unit
+    register_blocks(edit, list(zip(live.rids, live.rows.tolist(), (before // edit.cfg.hash_unit).tolist(),
+                                   last.tolist(), strict=True)))
     _finish_rows(edit, outputs)
     return outputs
 
@@ -125,7 +125,7 @@ def _emit(edit: StateEdit, live: _Live, sampled: np.ndarray, counts: np.ndarray)
     stop = _first_stop(edit, live, sampled, keep)
     keep = np.where(stop >= 0, stop + 1, keep).astype(np.int32)
     codes = np.where(stop >= 0, _STOP, np.where(before + keep >= max_len, _LENGTH, 0)).astype(np.int8)
-    append_tokens(edit.logs, rows, edit.cfg.hash_unit, live.rids, live.rows, sampled, keep)
+    append_tokens(edit.logs, rows, edit.cfg.log_unit, edit.cfg.hash_unit, live.rids, live.rows, sampled, keep)
     return StepOutputs(live.rids, frozen(sampled), frozen(keep), frozen(codes))
 
 
@@ -140,31 +140,35 @@ def _first_stop(edit: StateEdit, live: _Live, sampled: np.ndarray, keep: np.ndar
     return np.where(hits.any(axis=1), hits.argmax(axis=1), -1)
 
 
-def _register_blocks(edit: StateEdit, live: _Live, before: np.ndarray) -> None:
-    """Publish KV blocks that became full: their K/V were written by the step that just ran."""
-    rows, size = edit.rows, edit.cfg.block_size
-    first = before // size
-    count = np.maximum(np.minimum(rows.num_computed[live.rows], rows.num_tokens[live.rows]) // size - first, 0)
-    owner = np.repeat(np.arange(len(count)), count)  # one entry per (row, newly full block)
-    index = np.arange(len(owner)) - np.repeat(np.cumsum(count) - count, count) + first[owner]
-    block_ids = rows.block_table[live.rows[owner], index].tolist()
-    logs, rids = edit.logs, live.rids  # logs hold the hash of every full block below num_tokens
-    keys = [logs[rids[j]].hashes[i] for j, i in zip(owner.tolist(), index.tolist(), strict=True)]
-    edit.blocks.register(block_ids, keys)
-
-
-def _ask_materializations(edit: StateEdit, live: _Live, before: np.ndarray) -> None:
-    rows, row_ids = edit.rows, live.rows
+def _publish_crossed_blocks(edit: StateEdit, live: _Live, before: np.ndarray) -> None:
+    """Rows whose computed tokens crossed a log (= Mamba) block boundary publish that block's KV
+    blocks and, in align mode, ask for the boundary state. Publishing KV blocks once per log block
+    instead of once per KV block loses no hit: a hit needs a cached state, and states are cached
+    only at these boundaries (release_row publishes the rest when the request ends)."""
+    rows, row_ids, cfg = edit.rows, live.rows, edit.cfg
     after = rows.num_computed[row_ids]
-    boundary = crossed_boundary(before, after, edit.cfg.mamba_block_size)
-    count = materialize_count(boundary, after, rows.committed[row_ids])
+    boundary = crossed_boundary(before, after, cfg.log_unit)
+    # a row cut by a stop token may have computed past its last token: it ends now, release_row publishes
+    crossed = np.flatnonzero((boundary > 0) & (boundary <= rows.num_tokens[row_ids]))
+    if not crossed.size:
+        return
+    first = before[crossed] // cfg.log_unit * cfg.log_unit // cfg.hash_unit
+    register_blocks(edit, list(zip([live.rids[j] for j in crossed.tolist()], row_ids[crossed].tolist(),
+                                   first.tolist(), (boundary[crossed] // cfg.hash_unit).tolist(), strict=True)))
+    if cfg.align:
+        _ask_materializations(edit, live, crossed, boundary[crossed])
+
+
+def _ask_materializations(edit: StateEdit, live: _Live, crossed: np.ndarray, boundary: np.ndarray) -> None:
+    rows, row_ids = edit.rows, live.rows[crossed]
+    count = materialize_count(boundary, rows.num_computed[row_ids], rows.committed[row_ids])
     asks = list(edit.materializations)
-    wanted = (boundary > 0) & (boundary <= rows.num_tokens[row_ids]) & (rows.checkpoint[row_ids] == 0)
-    for j in np.flatnonzero(wanted).tolist():  # marked requests cache only their checkpoint
-        key = edit.logs[live.rids[j]].hashes[int(boundary[j]) // edit.cfg.hash_unit - 1]
+    for j in np.flatnonzero(rows.checkpoint[row_ids] == 0).tolist():  # marked requests cache only their checkpoint
+        rid = live.rids[int(crossed[j])]
+        key = edit.logs[rid].hashes[int(boundary[j]) // edit.cfg.hash_unit - 1]
         if key not in edit.slots.hash_to_slot and key not in edit.claims:
-            asks.append(Materialize(live.rids[j], int(rows.running_slot[row_ids[j]]), key,
-                                    int(rows.ring_start[row_ids[j]]), int(count[j])))
+            asks.append(Materialize(rid, int(rows.running_slot[row_ids[j]]), key, int(rows.ring_start[row_ids[j]]),
+                                    int(count[j])))
     edit.materializations = tuple(asks)
 
 

@@ -45,5 +45,7 @@ def test_token_history_and_hashes_survive_tails_of_any_block_size(block_size, k)
     for rid, prompt in prompts.items():
         tokens = driver.state.token_ids(rid)
         assert tokens == prompt + emitted[rid]
-        full = len(tokens) // block_size
-        assert driver.state.logs[rid].hashes[:full] == new_hashes([], tokens, full, block_size)
+        log = driver.state.logs[rid]  # whole log blocks (plus the prompt), hashed per KV block
+        assert len(log.tokens) >= len(tokens) // cfg.log_unit * cfg.log_unit and tokens[:len(log.tokens)] == log.tokens
+        full = len(log.tokens) // block_size
+        assert log.hashes == new_hashes([], tokens, full, block_size)

@@ -40,11 +40,11 @@ def test_random_version_tree_matches_plain_dicts():
     assert all(pmap.to_dict() == want for pmap, want in versions)
 
 
-def test_absent_reads_the_edited_version():
+def test_data_reads_the_edited_version():
     base = PMap({1: "a", 2: "b"})
     edit = base.edit()
     edit.pop(1)
     edit[3] = "c"
-    assert edit.absent([1, 2, 3, 4]) == [True, False, False, True]
+    assert edit.data() == {2: "b", 3: "c"}
     edit.freeze()
-    assert base.edit().absent([1, 3]) == [False, True]
+    assert base.edit().data() == {1: "a", 2: "b"}
