@@ -111,7 +111,7 @@ def _fits(p: Pass, plan: Admission, end: int) -> bool:
     if edit.slots.num_available() < slots_needed:
         return False
     new_blocks = -(-end // edit.cfg.block_size) - len(plan.hit.block_ids)
-    return edit.blocks.num_free_after_taking(list(plan.hit.block_ids)) >= new_blocks
+    return edit.blocks.num_free_after_taking(plan.hit.block_ids) >= new_blocks
 
 
 def _commit(p: Pass, rid: str, plan: Admission, prefill_end: int) -> int:
@@ -119,8 +119,8 @@ def _commit(p: Pass, rid: str, plan: Admission, prefill_end: int) -> int:
     if plan.hit.slot:
         edit.slots.pin(plan.hit.slot, edit.step)  # pinned before any allocation can evict it
     row = _claim_row(p, rid, prefill_end)
-    edit.blocks.take(list(plan.hit.block_ids))
-    edit.rows.own("block_table")[row, :len(plan.hit.block_ids)] = plan.hit.block_ids
+    edit.blocks.take(plan.hit.block_ids)
+    edit.rows.edit("block_table")[row, :len(plan.hit.block_ids)] = plan.hit.block_ids
     edit.rows.num_blocks[row] = len(plan.hit.block_ids)
     edit.rows.num_computed[row] = plan.hit.num_tokens
     slot = int(edit.rows.running_slot[row])

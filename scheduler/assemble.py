@@ -7,7 +7,6 @@ rows' own values are collected in Python, and a step has few of them.
 
 from __future__ import annotations
 
-from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
@@ -34,12 +33,12 @@ class PrefillRow(NamedTuple):
     row: int
     request_id: str
     start: int
-    token_ids: list[int]
+    token_ids: np.ndarray      # [n] int32
     samples: bool              # the chunk ends the prefill: one logit at its last token
     phase: int
     has_initial_state: bool
     state_slot: int
-    lookahead: list[int]
+    lookahead: np.ndarray      # [<= L] int32 the known tokens after the chunk
 
 
 class Copies(NamedTuple):
@@ -130,8 +129,8 @@ def _token_fields(cfg: SchedulerConfig, decode: DecodeBatch, prefills: list[Pref
     positions[:num_tokens] = np.repeat(context_lens - cu_seqlens[:num_rows], query_lens) + np.arange(num_tokens)
     num_decode_tokens = decode.token_ids.size
     token_ids[:num_decode_tokens] = decode.token_ids.ravel()
-    token_ids[num_decode_tokens:num_tokens] = np.fromiter(chain.from_iterable(p.token_ids for p in prefills),
-                                                          np.int32, num_tokens - num_decode_tokens)
+    if prefills:
+        token_ids[num_decode_tokens:num_tokens] = np.concatenate([p.token_ids for p in prefills])
     size = cfg.block_size
     blocks = block_table[np.repeat(row_ids, query_lens), positions[:num_tokens] // size]
     slot_mapping[:num_tokens] = blocks * size + positions[:num_tokens] % size

@@ -3,8 +3,8 @@
 Free blocks sit in two queues: `free_uncached` (no cached contents, reused first) and `free_cached`
 (still hit-able under their hash; least recently released first, so allocation evicts LRU). A
 `BlockPool` value is immutable; `schedule`/`update` call `edit()` for a private `BlockPoolEdit` and
-`freeze()` it, so a transition costs O(blocks touched) plus one copy of the ref-count column when
-it changes one. The hash maps are persistent (`PMap`), so publishing a block never copies the cache.
+`freeze()` it. The ref counts (`PArray`) and the hash maps (`PMap`) are persistent, so a transition
+costs O(blocks touched) plus slicing the free queues, never a copy of the pool.
 """
 
 from __future__ import annotations
@@ -15,20 +15,19 @@ from itertools import compress
 
 import numpy as np
 
-from scheduler.persistent import PMap, frozen
+from scheduler.persistent import PArray, PMap, frozen
 
 NULL_BLOCK = 0
 
 
-
 @dataclass(frozen=True, slots=True)
 class BlockPool:
-    """ref_count: [num_blocks] int32 live references (block-table entries) per block.
+    """refs: [num_blocks] int32 live references (block-table entries) per block (`ref_count`).
     free_uncached: [F1] int32 free blocks without a hash, taken from the end.
     free_cached: [F2] int32 free blocks that keep their hash, least recently released first.
     hash_to_block / block_to_hash: the KV prefix cache (chained block hash <-> block id)."""
 
-    ref_count: np.ndarray
+    refs: PArray
     free_uncached: np.ndarray
     free_cached: np.ndarray
     hash_to_block: PMap
@@ -37,8 +36,11 @@ class BlockPool:
     @staticmethod
     def create(num_blocks: int) -> BlockPool:
         free = np.arange(num_blocks - 1, 0, -1, dtype=np.int32)  # so block 1 is handed out first
-        return BlockPool(frozen(np.zeros(num_blocks, np.int32)), frozen(free), frozen(free[:0].copy()),
-                         PMap(), PMap())
+        return BlockPool(PArray(np.zeros(num_blocks, np.int32)), frozen(free), frozen(free[:0].copy()), PMap(), PMap())
+
+    @property
+    def ref_count(self) -> np.ndarray:
+        return self.refs.get()
 
     @property
     def num_free(self) -> int:
@@ -58,8 +60,8 @@ class BlockPoolEdit:
 
     def __init__(self, pool: BlockPool) -> None:
         self._pool = pool
-        self.ref_count = pool.ref_count
-        self._owns_refs = False
+        self.refs = pool.refs.edit()
+        self.ref_count = self.refs.view  # reads; writes go through `refs`
         self._uncached_end = len(pool.free_uncached)  # free_uncached[:end] are still free
         self._cached_start = 0                        # free_cached[start:] are still free (unless taken)
         self._released_uncached: list[int] = []
@@ -80,8 +82,8 @@ class BlockPoolEdit:
             cached = cached[~taken[cached]]
         if self._released_cached:
             cached = np.concatenate([cached, self._released_queue()])
-        return BlockPool(frozen(self.ref_count) if self._owns_refs else self.ref_count, frozen(uncached),
-                         frozen(cached), self.hash_to_block.freeze(), self.block_to_hash.freeze())
+        return BlockPool(self.refs.freeze(), frozen(uncached), frozen(cached), self.hash_to_block.freeze(),
+                         self.block_to_hash.freeze())
 
     def _released_queue(self) -> np.ndarray:
         # a block released twice in one edit (released, hit, released) is queued at its last release
@@ -91,23 +93,20 @@ class BlockPoolEdit:
     def cached_prefix_length(self, hashes: list[int], limit: int) -> int:
         return BlockPool.cached_prefix_length(self, hashes, limit)  # type: ignore[arg-type]
 
-    def _refs(self) -> np.ndarray:
-        if not self._owns_refs:
-            self.ref_count, self._owns_refs = self.ref_count.copy(), True
-        return self.ref_count
-
-    def num_free_after_taking(self, block_ids: list[int]) -> int:
+    def num_free_after_taking(self, block_ids: tuple[int, ...]) -> int:
         """Free blocks left if the cached `block_ids` (a prefix hit) get referenced."""
-        return self.num_free - sum(1 for b in block_ids if self.ref_count[b] == 0)
+        return self.num_free - int(np.count_nonzero(self.ref_count[list(block_ids)] == 0))
 
-    def take(self, block_ids: list[int]) -> None:
-        """Reference existing blocks (a prefix hit or a shared producer prefix)."""
-        refs = self._refs()
-        for block in block_ids:
-            if refs[block] == 0:
-                self.num_free -= 1
-                self._revived.add(block)
-            refs[block] += 1
+    def take(self, block_ids: tuple[int, ...]) -> None:
+        """Reference existing, distinct blocks (a prefix hit or a shared producer prefix)."""
+        if not block_ids:
+            return
+        blocks = np.array(block_ids, np.int32)
+        refs = self.ref_count[blocks]
+        revived = blocks[refs == 0].tolist()
+        self.num_free -= len(revived)
+        self._revived.update(revived)
+        self.refs[blocks] = refs + 1
 
     def allocate(self, count: int) -> np.ndarray:
         """`count` fresh blocks: uncached ones first, then the least recently released cached ones."""
@@ -120,7 +119,7 @@ class BlockPoolEdit:
         evicted = self._evict_cached(count - len(chosen) - take) if len(chosen) + take < count else []
         parts = [np.array(chosen, np.int32), block_ids, np.array(evicted, np.int32)]
         out = np.concatenate(parts) if chosen or evicted else block_ids.copy()
-        self._refs()[out] = 1
+        self.refs[out] = 1
         self.num_free -= count
         return out
 
@@ -144,9 +143,9 @@ class BlockPoolEdit:
         hit-able)."""
         blocks = np.array(block_ids, np.int32)
         blocks = blocks[blocks != NULL_BLOCK]
-        refs = self._refs()
-        refs[blocks] -= 1
-        freed = blocks[refs[blocks] == 0].tolist()
+        refs = self.ref_count[blocks] - 1
+        self.refs[blocks] = refs
+        freed = blocks[refs == 0].tolist()
         self.num_free += len(freed)
         cached = list(map(self.block_to_hash.data().__contains__, freed))
         self._released_cached += compress(freed, cached)

@@ -16,20 +16,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler.prefix_cache import new_hashes
+from scheduler.persistent import PArrayEdit
 from scheduler.state import Rows, TokenLog, num_logged
 
 
 def start_tail(log: TokenLog, rows: Rows, row: int, num_tokens: int, unit: int) -> None:
     """Seed the tail of a newly admitted row from the log's first `num_tokens` tokens."""
     start = num_tokens // unit * unit
-    rows.own("tail")[row, :num_tokens - start] = log.tokens[start:num_tokens]
+    rows.edit("tail")[row, :num_tokens - start] = log.slice(start, num_tokens)
 
 
 def append_tokens(logs: dict[str, TokenLog], rows: Rows, unit: int, hash_unit: int, request_ids: tuple[str, ...],
                   row_ids: np.ndarray, token_ids: np.ndarray, counts: np.ndarray) -> None:
     """Commit the first counts[i] of token_ids[i] (shape [n, W], W <= 1 + K) to each row."""
-    tail = rows.own("tail")
+    tail = rows.edit("tail")
     before = rows.num_tokens[row_ids]
     block_start = before // unit * unit
     # the whole width is stored: entries past counts[i] land beyond num_tokens, where nobody reads
@@ -43,20 +43,21 @@ def append_tokens(logs: dict[str, TokenLog], rows: Rows, unit: int, hash_unit: i
             _log_block(logs, tail, rows, request_ids[j], row, block_start_j, unit, hash_unit)
 
 
-def _log_block(logs: dict[str, TokenLog], tail: np.ndarray, rows: Rows, request_id: str, row: int, start: int,
+def _log_block(logs: dict[str, TokenLog], tail: PArrayEdit, rows: Rows, request_id: str, row: int, start: int,
                unit: int, hash_unit: int) -> None:
     """Move the row's full first tail block [start, start + unit) into its log and shift the tail left."""
     logged = max(start, int(rows.prefill_end[row]))
-    _append_to_log(logs, request_id, logged, tail[row, logged - start:unit].tolist(), hash_unit)
+    _append_to_log(logs, request_id, logged, tail[row, logged - start:unit], hash_unit)
     tail[row, :-unit] = tail[row, unit:]
 
 
-def _append_to_log(logs: dict[str, TokenLog], request_id: str, logged: int, tokens: list[int], hash_unit: int) -> None:
+def _append_to_log(logs: dict[str, TokenLog], request_id: str, logged: int, tokens: np.ndarray,
+                   hash_unit: int) -> None:
+    """Append a copy of `tokens` to the request's log, which holds `logged` tokens in this state's view."""
     log = logs[request_id]
-    if len(log.tokens) != logged:  # another state appended to this buffer first: branch off a copy
+    if log.length != logged:  # another state appended to this buffer first: branch off a copy
         log = logs[request_id] = log.branch(logged, hash_unit)
-    log.tokens += tokens
-    log.hashes += new_hashes(log.hashes, log.tokens, len(log.tokens) // hash_unit, hash_unit)
+    log.extend(tokens.copy(), hash_unit)
 
 
 def park_tail(logs: dict[str, TokenLog], rows: Rows, request_id: str, row: int, unit: int, hash_unit: int) -> None:
@@ -64,4 +65,4 @@ def park_tail(logs: dict[str, TokenLog], rows: Rows, request_id: str, row: int, 
     total, logged = int(rows.num_tokens[row]), int(num_logged(rows, row, unit))
     if total > logged:
         start = total // unit * unit
-        _append_to_log(logs, request_id, logged, rows.tail[row, logged - start:total - start].tolist(), hash_unit)
+        _append_to_log(logs, request_id, logged, rows.tail[row, logged - start:total - start], hash_unit)

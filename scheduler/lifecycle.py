@@ -10,10 +10,9 @@ import numpy as np
 
 from scheduler.checkpoints import CheckpointEvent, CheckpointStatus, advance
 from scheduler.history import park_tail
-from scheduler.prefix_cache import new_hashes
 from scheduler.request import Request
 from scheduler.slots import NULL_SLOT
-from scheduler.state import SchedulerState, TokenLog, request_num_tokens, request_tokens
+from scheduler.state import SchedulerState, TokenLog, request_num_tokens
 
 
 class StateEdit:
@@ -43,9 +42,6 @@ class StateEdit:
     def num_tokens(self, request_id: str) -> int:
         return request_num_tokens(self.rows, self.row_of, self.parked, request_id)
 
-    def tokens(self, request_id: str) -> list[int]:
-        return request_tokens(self.rows, self.row_of, self.logs, self.parked, self.cfg.log_unit, request_id)
-
     def hashes(self, request_id: str) -> list[int]:
         return self.logs[request_id].hashes[:self.num_tokens(request_id) // self.cfg.hash_unit]
 
@@ -54,11 +50,9 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
     """Queue a request; raises ValueError (state unchanged) if it is malformed or can never fit."""
     _validate_request(state, request)
     edit = StateEdit(state)
-    tokens = list(request.prompt_token_ids)
-    unit = state.config.hash_unit
-    edit.logs[request.request_id] = TokenLog(tokens, new_hashes([], tokens, len(tokens) // unit, unit))
+    edit.logs[request.request_id] = TokenLog.create(request.prompt_token_ids, state.config.hash_unit)
     edit.requests[request.request_id] = request
-    edit.parked[request.request_id] = len(tokens)
+    edit.parked[request.request_id] = request.num_prompt_tokens
     edit.waiting.append(request.request_id)
     return edit.freeze()
 
@@ -164,4 +158,4 @@ def preempt(edit: StateEdit, request_id: str) -> None:
 
 
 def free_row(edit: StateEdit) -> int:
-    return int(np.flatnonzero(~edit.rows.active)[0])
+    return int(np.argmin(edit.rows.active))  # the first inactive row (False < True)

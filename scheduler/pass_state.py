@@ -53,7 +53,7 @@ def make_room(p: Pass, rid: str, row: int, end: int) -> bool:
 
 def append_blocks(edit: StateEdit, row: int, count: int) -> None:
     held = int(edit.rows.num_blocks[row])
-    edit.rows.own("block_table")[row, held:held + count] = edit.blocks.allocate(count)
+    edit.rows.edit("block_table")[row, held:held + count] = edit.blocks.allocate(count)
     edit.rows.num_blocks[row] = held + count
 
 
@@ -62,10 +62,10 @@ def emit_prefill(p: Pass, rid: str, row: int, start: int, n: int) -> None:
     edit, end = p.edit, start + n
     prefill_end = int(edit.rows.prefill_end[row])
     phase = _publish_chunk_end(p, rid, row, end) if edit.cfg.align else 2
-    tokens = edit.tokens(rid)
+    log = edit.logs[rid]  # a prefill reads only tokens below prefill_end, all in the log
     samples = end == prefill_end
-    lookahead = [] if samples else tokens[end:min(end + edit.cfg.num_lookahead, prefill_end)]
-    p.prefills.append(PrefillRow(row, rid, start, tokens[start:end], samples, phase, start > 0,
+    lookahead = log.slice(end, end if samples else min(end + edit.cfg.num_lookahead, prefill_end))
+    p.prefills.append(PrefillRow(row, rid, start, log.slice(start, end), samples, phase, start > 0,
                                  int(edit.rows.running_slot[row]), lookahead))
     p.budget -= n
     p.scheduled.add(rid)

@@ -1,14 +1,16 @@
-"""PMap: a persistent dict (Baker's rerooting), so a transition changes a large map in O(changes).
+"""Persistent values for the scheduler state: PMap (a dict) and PArray (a numpy array).
 
-The newest version owns the real dict; every older version is a chain of undo entries that ends at
-it. Reading or editing an older version first "reroots" the chain (moves the real dict to that
-version and turns the newer ones into undo chains), so every version keeps seeing exactly its own
-contents: successive states never observe each other's changes, and the linear use of the
-scheduler (each state edited once) costs O(1) per read and per write.
+Both use Baker's rerooting, so a transition changes a large map or array in O(entries written).
+The newest version owns the real dict or array; every older version is a chain of undo entries
+that ends at it. Reading or editing an older version first "reroots" the chain (moves the real
+data to that version and turns the newer ones into undo chains), so every version keeps seeing
+exactly its own contents: successive states never observe each other's changes, and the linear
+use of the scheduler (each state edited once) costs O(1) per read and per write.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import repeat
 
 import numpy as np
@@ -19,33 +21,55 @@ def frozen(array: np.ndarray) -> np.ndarray:
     array.flags.writeable = False
     return array
 
+
 _MISSING = object()
 
 
 class _Node:
     __slots__ = ("data", "undo", "next")
 
-    def __init__(self, data: dict | None, undo: list | None = None, nxt: _Node | None = None) -> None:
+    def __init__(self, data, undo: list | None = None, nxt: _Node | None = None) -> None:
         self.data, self.undo, self.next = data, undo, nxt
 
 
-def _reroot(node: _Node) -> dict:
+def _reroot(node: _Node, revert: Callable[[object, list], list]):
+    """Make `node`'s version the one holding the data; returns the data."""
     path = []
     while node.data is None:
         path.append(node)
         node = node.next
     for older in reversed(path):
-        data, redo = node.data, []
-        for key, value in reversed(older.undo):
-            redo.append((key, data.get(key, _MISSING)))
-            if value is _MISSING:
-                del data[key]
-            else:
-                data[key] = value
-        node.data, node.undo, node.next = None, redo, older
+        data = node.data
+        node.data, node.undo, node.next = None, revert(data, older.undo), older
         older.data, older.undo, older.next = data, None, None
         node = older
     return node.data
+
+
+def _advance(base: _Node, data, undo: list) -> _Node:
+    """The node of a new version written on top of `base` (which becomes an undo chain)."""
+    new = _Node(data)
+    base.data, base.undo, base.next = None, undo, new
+    return new
+
+
+def _revert_dict(data: dict, undo: list) -> list:
+    redo = []
+    for key, value in reversed(undo):
+        redo.append((key, data.get(key, _MISSING)))
+        if value is _MISSING:
+            del data[key]
+        else:
+            data[key] = value
+    return redo
+
+
+def _revert_array(array: np.ndarray, undo: list) -> list:
+    redo = []
+    for index, values in reversed(undo):
+        redo.append((index, array[index].copy()))
+        array[index] = values
+    return redo
 
 
 class PMap:
@@ -57,32 +81,32 @@ class PMap:
         self._node = node if node is not None else _Node(dict(data or {}))
 
     def get(self, key, default=None):
-        return _reroot(self._node).get(key, default)
+        return _reroot(self._node, _revert_dict).get(key, default)
 
     def __contains__(self, key) -> bool:
-        return key in _reroot(self._node)
+        return key in _reroot(self._node, _revert_dict)
 
     def __getitem__(self, key):
-        return _reroot(self._node)[key]
+        return _reroot(self._node, _revert_dict)[key]
 
     def __len__(self) -> int:
-        return len(_reroot(self._node))
+        return len(_reroot(self._node, _revert_dict))
 
     def __iter__(self):
-        return iter(list(_reroot(self._node)))
+        return iter(list(_reroot(self._node, _revert_dict)))
 
     def keys(self):
-        return list(_reroot(self._node))
+        return list(_reroot(self._node, _revert_dict))
 
     def items(self):
-        return list(_reroot(self._node).items())
+        return list(_reroot(self._node, _revert_dict).items())
 
     def to_dict(self) -> dict:
-        return dict(_reroot(self._node))
+        return dict(_reroot(self._node, _revert_dict))
 
     def data(self) -> dict:
         """The contents as a plain dict, for C-level lookups in bulk; read it, never write it."""
-        return _reroot(self._node)
+        return _reroot(self._node, _revert_dict)
 
     def edit(self) -> PMapEdit:
         return PMapEdit(self)
@@ -98,7 +122,7 @@ class PMapEdit:
 
     def _dict(self) -> dict:
         if self._data is None:
-            self._data = _reroot(self._base._node)
+            self._data = _reroot(self._base._node, _revert_dict)
         return self._data
 
     def get(self, key, default=None):
@@ -134,7 +158,52 @@ class PMapEdit:
     def freeze(self) -> PMap:
         if not self._undo:
             return self._base
-        old, new = self._base._node, _Node(self._data)
-        old.data, old.undo, old.next = None, self._undo, new
-        self._undo = []
-        return PMap(node=new)
+        node, self._undo = _advance(self._base._node, self._data, self._undo), []
+        return PMap(node=node)
+
+
+class PArray:
+    """An immutable numpy array value. All versions of one array share one buffer, so `get()` returns
+    the same read-only view for each of them: read it before reading another version, never keep it
+    across one (copy what must outlive that)."""
+
+    __slots__ = ("_node", "_view")
+
+    def __init__(self, array: np.ndarray, node: _Node | None = None, view: np.ndarray | None = None) -> None:
+        self._node = node if node is not None else _Node(array)
+        self._view = view if view is not None else frozen(array.view())
+
+    def get(self) -> np.ndarray:
+        _reroot(self._node, _revert_array)
+        return self._view
+
+    def edit(self) -> PArrayEdit:
+        return PArrayEdit(self)
+
+
+class PArrayEdit:
+    """Writes (`edit[index] = values`) go straight into the shared buffer, recording the old values.
+    An index must not be changed by the caller after the write (the undo entry keeps it)."""
+
+    __slots__ = ("_base", "_array", "_undo")
+
+    def __init__(self, base: PArray) -> None:
+        self._base, self._array, self._undo = base, _reroot(base._node, _revert_array), []
+
+    @property
+    def view(self) -> np.ndarray:
+        """Read-only view of the array as edited so far."""
+        return self._base._view
+
+    def __getitem__(self, index) -> np.ndarray:
+        return self._array[index]
+
+    def __setitem__(self, index, values) -> None:
+        self._undo.append((index, self._array[index].copy()))
+        self._array[index] = values
+
+    def freeze(self) -> PArray:
+        if not self._undo:
+            return self._base
+        node, self._undo = _advance(self._base._node, self._array, self._undo), []
+        return PArray(self._array, node, self._base._view)

@@ -1,8 +1,10 @@
 """Chained block hashes and the align-mode prefix hit: KV blocks plus a READY state slot at one position.
 
-Hashes are chained (`hash((parent, block tokens))`), so hash i names the whole prefix [0, (i+1) h)
-and two requests share it iff they share those tokens. Python's tuple-of-int hash is not salted, so
-hashes (and with them every scheduling decision) are the same across runs.
+Hashes are chained (`hash((parent, digest of the block's tokens))`), so hash i names the whole prefix
+[0, (i+1) h) and two requests share it iff they share those tokens (up to 64-bit collisions: these
+hashes are not built to resist crafted prompts, like vLLM's builtin-hash option). Neither the
+digest nor Python's int-tuple hash is salted, so hashes (and with them every scheduling decision)
+are the same across runs.
 
 A hit at position p needs the KV blocks [0, p) cached and a READY state slot keyed by hash p/h - 1
 (I1: that slot holds exactly the state after p tokens). Hits are taken only where such a state
@@ -14,7 +16,10 @@ is still PENDING (being written by this very step) defers the request by one ste
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
+
+import numpy as np
 
 from scheduler.blocks import BlockPool, BlockPoolEdit
 from scheduler.slots import SlotKind, SlotPoolEdit
@@ -22,18 +27,21 @@ from scheduler.slots import SlotKind, SlotPoolEdit
 ROOT_HASH = 0x6A68  # parent of the first block
 
 
-def new_hashes(hashes: list[int], tokens, num_full_blocks: int, unit: int) -> list[int]:
-    """Chained hashes of blocks [len(hashes), num_full_blocks), continuing the chain `hashes`."""
-    out, parent = [], hashes[-1] if hashes else ROOT_HASH
-    for index in range(len(hashes), num_full_blocks):
-        parent = hash((parent, tuple(tokens[index * unit:(index + 1) * unit])))
+@functools.cache
+def _weights(unit: int) -> np.ndarray:
+    return np.random.default_rng(ROOT_HASH).integers(0, 2**63, unit, dtype=np.uint64) * 2 + 1  # odd
+
+
+def chain_hashes(parent: int, tokens: np.ndarray, unit: int) -> list[int]:
+    """Chained hashes of the consecutive full units of `tokens` (a multiple of `unit` long), the
+    first one's parent being `parent`. A unit's digest is a random-weighted sum of its tokens
+    (mod 2^64, one numpy call for all units); the chain step is Python's unsalted tuple hash."""
+    digests = (tokens.reshape(-1, unit).astype(np.uint64) * _weights(unit)).sum(axis=1).tolist()
+    out = []
+    for digest in digests:
+        parent = hash((parent, digest))
         out.append(parent)
     return out
-
-
-def hash_at(hashes: list[int], position: int, unit: int) -> int:
-    """Key of the prefix [0, position); position is a positive multiple of the hash unit."""
-    return hashes[position // unit - 1]
 
 
 class PrefixHit(NamedTuple):

@@ -81,7 +81,7 @@ def _grow_block_tables(p: Pass, row_ids: np.ndarray, need: np.ndarray) -> None:
     new_blocks = p.edit.blocks.allocate(int(need.sum()))
     if not new_blocks.size:
         return
-    table = rows.own("block_table")
+    table = rows.edit("block_table")
     if need.max() == 1:  # the usual case: at most one new block per row, vectorised
         grow = row_ids[need == 1]
         table[grow, rows.num_blocks[grow]] = new_blocks

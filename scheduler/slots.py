@@ -76,9 +76,8 @@ class SlotPoolEdit:
         return SlotPool.ready_slot(self, key)  # type: ignore[arg-type]
 
     def num_available(self) -> int:
-        free = int(np.count_nonzero(self.kind == SlotKind.FREE))
-        cached = int(np.count_nonzero(self.kind == SlotKind.CACHED))
-        return free + cached - len(self.pinned)
+        count = np.bincount(self.kind, minlength=len(SlotKind))
+        return int(count[SlotKind.FREE] + count[SlotKind.CACHED]) - len(self.pinned)
 
     def allocate(self, kind: SlotKind, key: int | None = None) -> int:
         """One slot of `kind` (optionally owning prefix hash `key`): a free one, else evict the LRU cached."""

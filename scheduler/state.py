@@ -10,6 +10,7 @@ table's `tail` instead (see history.py).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -18,6 +19,8 @@ import numpy as np
 from scheduler.blocks import BlockPool
 from scheduler.checkpoints import Claim
 from scheduler.config import SchedulerConfig
+from scheduler.persistent import PArray, PArrayEdit, frozen
+from scheduler.prefix_cache import ROOT_HASH, chain_hashes
 from scheduler.request import Request
 from scheduler.slots import SlotPool
 
@@ -40,23 +43,32 @@ BOOL_COLUMNS = ("active", "prefill_done", "has_stop")  # has_stop: extra stop_to
 
 
 class Rows:
-    """The row table: INT_COLUMNS and BOOL_COLUMNS [S] plus the wide arrays drafts [S, K] int32,
-    block_table [S, B] int32 and tail [S, log_unit + K] int32 (tokens of the partial log block,
-    history.py). The int and bool columns are views of two 2D buffers, `ints` and `bools`, so a
-    transition copies two small arrays instead of fifteen (each copy costs ~1 µs of call overhead);
-    the wide arrays (up to ~0.5 MB) are copied only by a transition that writes them (`own`)."""
+    """The row table: INT_COLUMNS and BOOL_COLUMNS [S], drafts [S, K] int32, and two persistent
+    tables: block_table [S, B] int32 and tail [S, log_unit + K] int32 (tokens of the partial log
+    block, history.py). The int and bool columns are views of two 2D buffers, `ints` and `bools`,
+    so a transition copies two small arrays instead of fifteen (each copy costs ~1 µs of call
+    overhead); the tables (up to ~0.5 MB each) are `PArray`s, so a transition pays only for the
+    entries it writes, through `rows.edit(name)`."""
 
-    __slots__ = INT_COLUMNS + BOOL_COLUMNS + ("ints", "bools", "drafts", "block_table", "tail", "_owned")
-    _WIDE = ("drafts", "block_table", "tail")
+    __slots__ = INT_COLUMNS + BOOL_COLUMNS + ("ints", "bools", "drafts", "_tables", "_edits")
 
     @staticmethod
     def create(cfg: SchedulerConfig) -> Rows:
         rows, size = Rows(), cfg.max_num_seqs
         rows._bind(np.zeros((len(INT_COLUMNS), size), np.int32), np.zeros((len(BOOL_COLUMNS), size), bool))
         rows.drafts = np.zeros((size, cfg.num_spec_tokens), np.int32)
-        rows.block_table = np.zeros((size, cfg.max_blocks_per_request), np.int32)
-        rows.tail = np.zeros((size, cfg.log_unit + cfg.num_spec_tokens), np.int32)
+        rows._tables = {"block_table": PArray(np.zeros((size, cfg.max_blocks_per_request), np.int32)),
+                        "tail": PArray(np.zeros((size, cfg.log_unit + cfg.num_spec_tokens), np.int32))}
+        rows._edits = {}
         return rows.frozen()
+
+    @property
+    def block_table(self) -> np.ndarray:
+        return self._tables["block_table"].get()
+
+    @property
+    def tail(self) -> np.ndarray:
+        return self._tables["tail"].get()
 
     def _bind(self, ints: np.ndarray, bools: np.ndarray) -> None:
         self.ints, self.bools = ints, bools
@@ -66,47 +78,87 @@ class Rows:
             setattr(self, name, column)
 
     def copy(self) -> Rows:
-        """Writable int and bool columns; the wide arrays stay shared and read-only until `own`ed."""
+        """Writable columns and drafts; the tables are written through `edit`."""
         rows = Rows()
         rows._bind(self.ints.copy(), self.bools.copy())
-        rows.drafts, rows.block_table, rows.tail, rows._owned = self.drafts, self.block_table, self.tail, set()
+        rows.drafts, rows._tables, rows._edits = self.drafts.copy(), self._tables, {}
         return rows
 
-    def own(self, name: str) -> np.ndarray:
-        """The wide array `name`, made writable by copying it on this transition's first write."""
-        if name not in self._owned:
-            self._owned.add(name)
-            setattr(self, name, getattr(self, name).copy())
-        return getattr(self, name)
+    def edit(self, name: str) -> PArrayEdit:
+        """The writer of table `name` for this transition."""
+        if name not in self._edits:
+            self._edits[name] = self._tables[name].edit()
+        return self._edits[name]
 
     def frozen(self) -> Rows:
-        self.ints.flags.writeable = self.bools.flags.writeable = False
+        self.ints.flags.writeable = self.bools.flags.writeable = self.drafts.flags.writeable = False
         self._bind(self.ints, self.bools)  # views taken of a read-only buffer are read-only themselves
-        for name in Rows._WIDE:
-            getattr(self, name).flags.writeable = False
-        self._owned = set()
+        if self._edits:
+            self._tables = self._tables | {name: edit.freeze() for name, edit in self._edits.items()}
+            self._edits = {}
         return self
 
     def clear(self, row: int) -> None:
         # block_table, drafts and tail are only read below num_blocks, after a sample or after
         # admission seeded them, so they are left as is
-        for name in INT_COLUMNS + BOOL_COLUMNS:
-            getattr(self, name)[row] = 0
+        self.ints[:, row] = 0
+        self.bools[:, row] = False
+
+
+_NO_TOKENS = frozen(np.zeros(0, np.int32))
 
 
 class TokenLog:
-    """Append-only token buffer of one request plus the chained hashes of its full hash units
-    (always `len(tokens) // hash_unit` of them)."""
+    """Append-only token history of one request, as read-only int32 chunks (the prompt, then log
+    blocks and parked tails), plus the chained hashes of its full hash units (always
+    `length // hash_unit` of them). States share one TokenLog and each reads only the prefix it
+    knows; `history.py` branches off a copy when a writer's view is not the buffer's end."""
 
-    __slots__ = ("tokens", "hashes")
+    __slots__ = ("chunks", "ends", "hashes")
 
-    def __init__(self, tokens: list[int], hashes: list[int]) -> None:
-        self.tokens, self.hashes = tokens, hashes
+    def __init__(self, chunks: list[np.ndarray], ends: list[int], hashes: list[int]) -> None:
+        self.chunks, self.ends, self.hashes = chunks, ends, hashes
+
+    @staticmethod
+    def create(tokens, hash_unit: int) -> TokenLog:
+        log = TokenLog([], [], [])
+        log.extend(np.asarray(tokens, np.int32), hash_unit)
+        return log
+
+    @property
+    def length(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def extend(self, tokens: np.ndarray, hash_unit: int) -> None:
+        """Append `tokens` (taken over, made read-only) and hash the hash units they complete."""
+        first = len(self.hashes) * hash_unit
+        self.chunks.append(frozen(tokens))
+        self.ends.append(self.length + len(tokens))
+        last = self.length // hash_unit * hash_unit
+        if last > first:
+            parent = self.hashes[-1] if self.hashes else ROOT_HASH
+            self.hashes += chain_hashes(parent, self.slice(first, last), hash_unit)
+
+    def slice(self, start: int, end: int) -> np.ndarray:
+        """Tokens [start, end) (end <= length) as one array: a view when they lie in one chunk."""
+        if start >= end:
+            return _NO_TOKENS
+        i = bisect.bisect_right(self.ends, start)  # the chunk holding token `start`
+        begin = self.ends[i - 1] if i else 0
+        if end <= self.ends[i]:
+            return self.chunks[i][start - begin:end - begin]
+        j = bisect.bisect_left(self.ends, end)  # the chunk holding token `end - 1`
+        return np.concatenate([self.chunks[i][start - begin:], *self.chunks[i + 1:j],
+                               self.chunks[j][:end - self.ends[j - 1]]])
 
     def branch(self, num_tokens: int, hash_unit: int) -> TokenLog:
         """A private copy of the view of `num_tokens`, for a writer whose view is not the buffer's end."""
-        return TokenLog(self.tokens[:num_tokens], self.hashes[:num_tokens // hash_unit])
-
+        keep = bisect.bisect_right(self.ends, num_tokens)
+        chunks, ends = self.chunks[:keep], self.ends[:keep]
+        if num_tokens > (ends[-1] if ends else 0):
+            chunks.append(self.slice(ends[-1] if ends else 0, num_tokens))
+            ends.append(num_tokens)
+        return TokenLog(chunks, ends, self.hashes[:num_tokens // hash_unit])
 
 
 def num_logged(rows: Rows, row_ids, unit: int):
@@ -118,7 +170,7 @@ def row_tokens(log: TokenLog, rows: Rows, row: int, unit: int) -> list[int]:
     """All committed tokens of the request running in `row`: the log's part, then the tail's."""
     total, logged = int(rows.num_tokens[row]), int(num_logged(rows, row, unit))
     start = total // unit * unit
-    return log.tokens[:logged] + rows.tail[row, logged - start:total - start].tolist()
+    return log.slice(0, logged).tolist() + rows.tail[row, logged - start:total - start].tolist()
 
 
 def request_num_tokens(rows: Rows, row_of, parked, request_id: str) -> int:
@@ -131,7 +183,7 @@ def request_tokens(rows: Rows, row_of, logs, parked, unit: int, request_id: str)
     """Committed token ids of a request, running (log + row tail) or waiting (log only)."""
     row, log = row_of.get(request_id), logs[request_id]
     if row is None:
-        return log.tokens[:parked[request_id]]
+        return log.slice(0, parked[request_id]).tolist()
     return row_tokens(log, rows, row, unit)
 
 

@@ -93,7 +93,7 @@ def _advance_trackers(edit: StateEdit, plan: BatchPlan, result: StepResult, live
         rows.ring_start[row_ids], rows.committed[row_ids], plan.flush[live.index], accepted,
         ring_rows(cfg.ring_size, cfg.num_spec_tokens))
     rows.last_token[row_ids] = result.sampled_token_ids[live.index, accepted - 1]
-    rows.own("drafts")[row_ids] = result.draft_token_ids[live.index]
+    rows.drafts[row_ids] = result.draft_token_ids[live.index]
 
 
 def _update_prefills(edit: StateEdit, plan: BatchPlan, result: StepResult, live: _Live) -> StepOutputs:
@@ -103,7 +103,7 @@ def _update_prefills(edit: StateEdit, plan: BatchPlan, result: StepResult, live:
     sampling = _subset(live, plan.num_logits[live.index] > 0)  # the chunk ended the prefill
     rows.prefill_done[sampling.rows] = True
     rows.last_token[sampling.rows] = result.sampled_token_ids[sampling.index, 0]
-    rows.own("drafts")[sampling.rows] = result.draft_token_ids[sampling.index]
+    rows.drafts[sampling.rows] = result.draft_token_ids[sampling.index]
     outputs = _emit(edit, sampling, result.sampled_token_ids[sampling.index], np.ones(len(sampling.rids), np.int32))
     last = np.minimum(rows.num_computed[live.rows], rows.num_tokens[live.rows]) // edit.cfg.hash_unit
     register_blocks(edit, list(zip(live.rids, live.rows.tolist(), (before // edit.cfg.hash_unit).tolist(),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from scheduler import FinishReason, RequestOutput, StepOutputs, schedule, update
-from scheduler.prefix_cache import new_hashes
+from scheduler.prefix_cache import ROOT_HASH, chain_hashes
 from tests.scheduler.helpers import Driver, make_config, request, result_for
 
 
@@ -46,6 +46,7 @@ def test_token_history_and_hashes_survive_tails_of_any_block_size(block_size, k)
         tokens = driver.state.token_ids(rid)
         assert tokens == prompt + emitted[rid]
         log = driver.state.logs[rid]  # whole log blocks (plus the prompt), hashed per KV block
-        assert len(log.tokens) >= len(tokens) // cfg.log_unit * cfg.log_unit and tokens[:len(log.tokens)] == log.tokens
-        full = len(log.tokens) // block_size
-        assert log.hashes == new_hashes([], tokens, full, block_size)
+        assert log.length >= len(tokens) // cfg.log_unit * cfg.log_unit
+        assert log.slice(0, log.length).tolist() == tokens[:log.length]
+        full = log.length // block_size
+        assert log.hashes == chain_hashes(ROOT_HASH, np.array(tokens[:full * block_size]), block_size)

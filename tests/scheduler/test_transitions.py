@@ -21,12 +21,14 @@ from scheduler import (
 )
 from scheduler.invariants import check_drained, check_invariants
 from scheduler.slots import SlotKind
+from scheduler.state import BOOL_COLUMNS, INT_COLUMNS
 from tests.scheduler.helpers import Driver, make_config, request, result_for
 
 
 def snapshot(state) -> dict:
     """Everything observable about a state, deep-copied (numpy columns included)."""
-    rows = {name: getattr(state.rows, name).copy() for name in state.rows.__slots__}
+    names = INT_COLUMNS + BOOL_COLUMNS + ("drafts", "block_table", "tail")
+    rows = {name: getattr(state.rows, name).copy() for name in names}
     logs = {rid: (state.token_ids(rid), list(state.logs[rid].hashes[:state.num_tokens(rid) // 16]))
             for rid in state.requests}
     return copy.deepcopy(dict(
