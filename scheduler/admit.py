@@ -139,7 +139,7 @@ def _claim_row(p: Pass, rid: str, prefill_end: int) -> int:
     row, rows = free_row(edit), edit.rows
     rows.active[row] = True
     rows.num_tokens[row] = rows.prefill_end[row] = prefill_end
-    start_tail(edit.logs[rid], rows, row, prefill_end, edit.cfg.hash_unit)
+    start_tail(edit.logs[rid], rows, row, prefill_end, edit.cfg.log_unit)
     rows.num_prompt[row] = request.num_prompt_tokens
     rows.max_len[row] = min(request.num_prompt_tokens + request.sampling_params.max_tokens, edit.cfg.max_model_len)
     rows.checkpoint[row] = (request.checkpoint_position or 0) if edit.cfg.align else 0

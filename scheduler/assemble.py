@@ -1,8 +1,9 @@
 """Turn one pass's decisions (a vectorised decode batch, prefill rows, copy lists) into a BatchPlan.
 
-Runs every step, so it is written for few numpy calls: the [R] int32 fields share one zero-filled
-buffer, and decode and prefill rows go through the same vectorised packing code; only the prefill
-rows' own values are collected in Python, and a step has few of them.
+Runs every step, so it is written for few numpy calls: decode rows (all 1 + K tokens) are packed
+through [n, 1 + K] views of the output arrays, straight from the one column gather `schedule` made;
+prefill rows (a few per step) are collected in Python and packed with np.repeat. The [R] int32
+fields share one buffer, the [T] ones another, and each buffer is frozen once.
 """
 
 from __future__ import annotations
@@ -13,20 +14,19 @@ import numpy as np
 
 from scheduler.buckets import pick_bucket
 from scheduler.config import SchedulerConfig
+from scheduler.persistent import frozen
 from scheduler.plan import BatchPlan, RowKind
+from scheduler.state import COMMITTED, LAST_TOKEN, NUM_COMPUTED, RING_START, RUNNING_SLOT
 
 
 class DecodeBatch(NamedTuple):
-    """Running decode/verify rows, all with 1 + K tokens. Arrays are [n] unless noted."""
+    """Running decode/verify rows, all with 1 + K tokens."""
 
-    rows: np.ndarray           # row ids into the state's row table
+    rows: np.ndarray           # [n] row ids into the state's row table
     request_ids: list[str]
-    context_lens: np.ndarray
-    token_ids: np.ndarray      # [n, 1+K] last sampled token, then drafts
-    state_slots: np.ndarray
-    ring_start: np.ndarray
-    committed: np.ndarray
-    flush: np.ndarray
+    cols: np.ndarray           # [C, n] int32 the rows' columns (state.INT_COLUMNS) before this step
+    drafts: np.ndarray         # [n, K] int32 the drafts to verify
+    flush: np.ndarray          # [n] bool
 
 
 class PrefillRow(NamedTuple):
@@ -48,8 +48,10 @@ class Copies(NamedTuple):
     materialize: list[tuple[int, int, int, int]]   # (src, dst, ring_start, count)
 
 
-_ROW_FIELDS = ("query_lens", "context_lens", "state_slots", "num_logits", "num_lookahead_tokens", "ring_start",
-               "ring_committed")
+# the [R] int32 fields, in buffer order: decode rows fill 0-1 with 1 + K and 2-5 from their columns
+_ROW_FIELDS = ("query_lens", "num_logits", "context_lens", "state_slots", "ring_start", "ring_committed",
+               "num_lookahead_tokens")
+_FROM_COLUMNS = [NUM_COMPUTED, RUNNING_SLOT, RING_START, COMMITTED]
 _COPY_FIELDS = ("hit_copy_src", "hit_copy_dst", "pair_copy_src", "pair_copy_dst", "publish_src", "publish_dst",
                 "materialize_src", "materialize_dst", "materialize_ring_start", "materialize_count")
 
@@ -58,96 +60,102 @@ def assemble(cfg: SchedulerConfig, step_id: int, decode: DecodeBatch, prefills: 
              copies: Copies, block_table: np.ndarray, num_blocks: np.ndarray) -> BatchPlan:
     """Build the padded plan; decode rows come first, then prefill rows in scheduling order.
     `block_table` / `num_blocks` are the state's columns, already grown for this step."""
-    row_ids = np.concatenate([decode.rows, np.array([p.row for p in prefills], np.int64)]) if prefills else decode.rows
+    n, q = len(decode.rows), 1 + cfg.num_spec_tokens
+    row_ids = np.concatenate([decode.rows, [p.row for p in prefills]]) if prefills else decode.rows
     rows_b = pick_bucket(cfg.row_buckets, max(len(row_ids), *map(len, copies)))
     ints = np.zeros((len(_ROW_FIELDS) + len(_COPY_FIELDS), rows_b), np.int32)
-    fields = dict(zip(_ROW_FIELDS + _COPY_FIELDS, ints, strict=True))
-    flags = _fill_rows(cfg, fields, decode, prefills, rows_b)
-    _fill_copies(fields, copies)
+    ints[:2, :n] = q
+    ints[2:6, :n] = decode.cols[_FROM_COLUMNS]
+    if prefills:
+        ints[[0, 1, 2, 3, 6], n:len(row_ids)] = np.array(
+            [(len(p.token_ids), p.samples, p.start, p.state_slot, len(p.lookahead)) for p in prefills]).T
+    _fill_copies(ints[len(_ROW_FIELDS):], copies)
     cu_seqlens = np.zeros(rows_b + 1, np.int32)
-    np.cumsum(fields["query_lens"], out=cu_seqlens[1:])
+    np.cumsum(ints[0], out=cu_seqlens[1:])
     tokens = _token_fields(cfg, decode, prefills, row_ids, cu_seqlens, block_table)
-    sampling = _sampling_fields(cfg, decode, prefills, cu_seqlens, fields)
-    width = pick_bucket(cfg.block_table_buckets, int(num_blocks[row_ids].max(initial=0)))
-    table = np.zeros((rows_b, width), np.int32)  # padding rows: the null block everywhere
-    table[:len(row_ids)] = block_table[row_ids, :width]
-    for array in (row_ids, cu_seqlens, table, *fields.values(), *flags.values(), *tokens.values(),
-                  *sampling.values()):
-        array.flags.writeable = False
-    request_ids = tuple(decode.request_ids) + tuple(p.request_id for p in prefills)
-    return BatchPlan(step_id=step_id, num_rows=len(row_ids), num_tokens=int(cu_seqlens[-1]),
-                     request_ids=request_ids, row_ids=row_ids, cu_seqlens=cu_seqlens, block_table=table,
-                     **flags, **tokens, **sampling, **fields, **{f"num_{name}": len(c) for name, c in zip(
+    table = _block_table(cfg, row_ids, block_table, num_blocks, rows_b)
+    fields = dict(zip(_ROW_FIELDS + _COPY_FIELDS, frozen(ints), strict=True))  # views of a frozen buffer
+    return BatchPlan(step_id=step_id, num_rows=len(row_ids), num_tokens=int(cu_seqlens[len(row_ids)]),
+                     request_ids=tuple(decode.request_ids) + tuple(p.request_id for p in prefills),
+                     row_ids=frozen(row_ids), cu_seqlens=frozen(cu_seqlens), block_table=frozen(table),
+                     **_row_flags(cfg, decode, prefills, rows_b), **tokens,
+                     **_sampling_fields(cfg, decode, prefills, cu_seqlens), **fields,
+                     **{f"num_{name}": len(c) for name, c in zip(
                          ("hit_copies", "pair_copies", "publishes", "materializations"), copies, strict=True)})
 
 
-def _fill_rows(cfg: SchedulerConfig, fields: dict, decode: DecodeBatch, prefills: list[PrefillRow],
-               rows_b: int) -> dict:
-    """Write the per-row int32 fields; returns the int8/bool ones (row_kind, phase, ...)."""
-    n, q = len(decode.rows), 1 + cfg.num_spec_tokens
+def _block_table(cfg: SchedulerConfig, row_ids: np.ndarray, block_table: np.ndarray, num_blocks: np.ndarray,
+                 rows_b: int) -> np.ndarray:
+    n = len(row_ids)
+    first = int(row_ids[0]) if n else 0
+    # rows admitted in order and never reshuffled (a steady decode batch) are one slice: a memcpy
+    # instead of an element-wise gather of up to R x max_blocks entries
+    in_order = n and int(row_ids[-1]) == first + n - 1 and bool((np.diff(row_ids) == 1).all())
+    rows = slice(first, first + n) if in_order else row_ids
+    width = pick_bucket(cfg.block_table_buckets, int(num_blocks[rows].max(initial=0)))
+    table = np.empty((rows_b, width), np.int32)
+    table[:n] = block_table[rows, :width]
+    table[n:] = 0  # padding rows: the null block everywhere
+    return table
+
+
+def _row_flags(cfg: SchedulerConfig, decode: DecodeBatch, prefills: list[PrefillRow], rows_b: int) -> dict:
+    n, end = len(decode.rows), len(decode.rows) + len(prefills)
     kinds = np.zeros(rows_b, np.int8)
     kinds[:n] = RowKind.VERIFY if cfg.num_spec_tokens else RowKind.DECODE
     phase = np.full(rows_b, 2, np.int8)  # decode, padding and ordinary prefill rows run in phase 2
     has_initial_state, flush = np.zeros((2, rows_b), bool)
-    for name, values in (("query_lens", q), ("num_logits", q), ("context_lens", decode.context_lens),
-                         ("state_slots", decode.state_slots), ("ring_start", decode.ring_start),
-                         ("ring_committed", decode.committed)):
-        fields[name][:n] = values
-    has_initial_state[:n] = decode.context_lens > 0
+    has_initial_state[:n] = decode.cols[NUM_COMPUTED] > 0
     flush[:n] = decode.flush
     if prefills:
-        end = n + len(prefills)
         kinds[n:end] = RowKind.PREFILL
         phase[n:end] = [p.phase for p in prefills]
         has_initial_state[n:end] = [p.has_initial_state for p in prefills]
-        fields["query_lens"][n:end] = [len(p.token_ids) for p in prefills]
-        fields["num_logits"][n:end] = [p.samples for p in prefills]
-        fields["context_lens"][n:end] = [p.start for p in prefills]
-        fields["state_slots"][n:end] = [p.state_slot for p in prefills]
-        fields["num_lookahead_tokens"][n:end] = [len(p.lookahead) for p in prefills]
-    return dict(row_kind=kinds, phase=phase, has_initial_state=has_initial_state, flush=flush)
+    return dict(row_kind=frozen(kinds), phase=frozen(phase), has_initial_state=frozen(has_initial_state),
+                flush=frozen(flush))
 
 
-def _fill_copies(fields: dict, copies: Copies) -> None:
-    for prefix, pairs in (("hit_copy", copies.hit), ("pair_copy", copies.pair), ("publish", copies.publish)):
+def _fill_copies(fields: np.ndarray, copies: Copies) -> None:
+    """fields: the [10, R] copy-list rows of the int buffer, in _COPY_FIELDS order."""
+    for index, pairs in enumerate(copies):
         if pairs:
-            fields[f"{prefix}_src"][:len(pairs)], fields[f"{prefix}_dst"][:len(pairs)] = zip(*pairs, strict=True)
-    if copies.materialize:
-        for name, values in zip(_COPY_FIELDS[-4:], zip(*copies.materialize, strict=True), strict=True):
-            fields[name][:len(values)] = values
+            first = 2 * index
+            fields[first:first + len(pairs[0]), :len(pairs)] = np.array(pairs).T
 
 
 def _token_fields(cfg: SchedulerConfig, decode: DecodeBatch, prefills: list[PrefillRow], row_ids: np.ndarray,
                   cu_seqlens: np.ndarray, block_table: np.ndarray) -> dict:
-    num_rows = len(row_ids)
-    num_tokens = int(cu_seqlens[num_rows])
-    tokens_b = pick_bucket(cfg.token_buckets, num_tokens)
-    token_ids, positions, slot_mapping = np.zeros((3, tokens_b), np.int32)
-    query_lens = cu_seqlens[1:num_rows + 1] - cu_seqlens[:num_rows]
-    context_lens = np.concatenate([decode.context_lens, np.array([p.start for p in prefills], np.int32)])
-    # position of token t of row r: context_lens[r] + (t - cu_seqlens[r])
-    positions[:num_tokens] = np.repeat(context_lens - cu_seqlens[:num_rows], query_lens) + np.arange(num_tokens)
-    num_decode_tokens = decode.token_ids.size
-    token_ids[:num_decode_tokens] = decode.token_ids.ravel()
+    n, q, size = len(decode.rows), 1 + cfg.num_spec_tokens, cfg.block_size
+    num_tokens = int(cu_seqlens[len(row_ids)])
+    buffer = np.zeros((3, pick_bucket(cfg.token_buckets, num_tokens)), np.int32)
+    token_ids, positions, slot_mapping = buffer[:, :n * q].reshape(3, n, q)  # the decode rows' tokens
+    token_ids[:, 0] = decode.cols[LAST_TOKEN]
+    token_ids[:, 1:] = decode.drafts
+    np.add(decode.cols[NUM_COMPUTED][:, None], np.arange(q, dtype=np.int32), out=positions)
+    slot_mapping[:] = block_table[decode.rows[:, None], positions // size] * size + positions % size
     if prefills:
-        token_ids[num_decode_tokens:num_tokens] = np.concatenate([p.token_ids for p in prefills])
-    size = cfg.block_size
-    blocks = block_table[np.repeat(row_ids, query_lens), positions[:num_tokens] // size]
-    slot_mapping[:num_tokens] = blocks * size + positions[:num_tokens] % size
+        rows, starts = row_ids[n:], cu_seqlens[n:len(row_ids)]
+        lens = cu_seqlens[n + 1:len(row_ids) + 1] - starts
+        first = np.repeat(np.array([p.start for p in prefills]) - starts, lens)  # position - token index
+        position = first + np.arange(n * q, num_tokens, dtype=np.int32)
+        buffer[0, n * q:num_tokens] = np.concatenate([p.token_ids for p in prefills])
+        buffer[1, n * q:num_tokens] = position
+        buffer[2, n * q:num_tokens] = block_table[np.repeat(rows, lens), position // size] * size + position % size
+    token_ids, positions, slot_mapping = frozen(buffer)
     return dict(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping)
 
 
-def _sampling_fields(cfg: SchedulerConfig, decode: DecodeBatch, prefills: list[PrefillRow], cu_seqlens: np.ndarray,
-                     fields: dict) -> dict:
+def _sampling_fields(cfg: SchedulerConfig, decode: DecodeBatch, prefills: list[PrefillRow],
+                     cu_seqlens: np.ndarray) -> dict:
     k, n = cfg.num_spec_tokens, len(decode.rows)
     rows_b = len(cu_seqlens) - 1
     logits = np.zeros((rows_b, 1 + k), np.int32)
-    logits[:n] = cu_seqlens[:n, None] + np.arange(1 + k)
+    logits[:n] = np.arange(n * (1 + k), dtype=np.int32).reshape(n, 1 + k)  # decode rows are packed first
     drafts = np.zeros((rows_b, k), np.int32)
-    drafts[:n] = decode.token_ids[:, 1:]
+    drafts[:n] = decode.drafts
     lookahead = np.zeros((rows_b, max(cfg.num_lookahead, 1)), np.int32)
     for i, p in enumerate(prefills, start=n):
         if p.samples:
             logits[i, 0] = cu_seqlens[i + 1] - 1
         lookahead[i, :len(p.lookahead)] = p.lookahead
-    return dict(logits_indices=logits, draft_token_ids=drafts, lookahead_token_ids=lookahead)
+    return dict(logits_indices=frozen(logits), draft_token_ids=frozen(drafts), lookahead_token_ids=frozen(lookahead))

@@ -1,5 +1,7 @@
 """Paged KV block pool: allocate, ref-count, free, hash-cache and LRU-evict blocks; block 0 is null.
 
+A block's chained hash is kept both ways: `hash_to_block` (a `PMap`, for prefix lookups) and
+`block_hash` (a `PArray`, 0 = none, so that releasing or publishing many blocks is vectorised).
 Free blocks sit in two queues: `free_uncached` (no cached contents, reused first) and `free_cached`
 (still hit-able under their hash; least recently released first, so allocation evicts LRU). A
 `BlockPool` value is immutable; `schedule`/`update` call `edit()` for a private `BlockPoolEdit` and
@@ -10,8 +12,8 @@ costs O(blocks touched) plus slicing the free queues, never a copy of the pool.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 from itertools import compress
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,23 +22,24 @@ from scheduler.persistent import PArray, PMap, frozen
 NULL_BLOCK = 0
 
 
-@dataclass(frozen=True, slots=True)
-class BlockPool:
+class BlockPool(NamedTuple):
     """refs: [num_blocks] int32 live references (block-table entries) per block (`ref_count`).
     free_uncached: [F1] int32 free blocks without a hash, taken from the end.
     free_cached: [F2] int32 free blocks that keep their hash, least recently released first.
-    hash_to_block / block_to_hash: the KV prefix cache (chained block hash <-> block id)."""
+    hash_to_block: the KV prefix cache (chained block hash -> block id).
+    block_hash: [num_blocks] int64 the hash each cached block is published under, 0 if none."""
 
     refs: PArray
     free_uncached: np.ndarray
     free_cached: np.ndarray
     hash_to_block: PMap
-    block_to_hash: PMap
+    block_hash: PArray
 
     @staticmethod
     def create(num_blocks: int) -> BlockPool:
         free = np.arange(num_blocks - 1, 0, -1, dtype=np.int32)  # so block 1 is handed out first
-        return BlockPool(PArray(np.zeros(num_blocks, np.int32)), frozen(free), frozen(free[:0].copy()), PMap(), PMap())
+        return BlockPool(PArray(np.zeros(num_blocks, np.int32)), frozen(free), frozen(free[:0].copy()), PMap(),
+                         PArray(np.zeros(num_blocks, np.int64)))
 
     @property
     def ref_count(self) -> np.ndarray:
@@ -68,7 +71,8 @@ class BlockPoolEdit:
         self._released_cached: list[int] = []
         self._revived: set[int] = set()  # cached free blocks referenced again by a hit
         self.hash_to_block = pool.hash_to_block.edit()
-        self.block_to_hash = pool.block_to_hash.edit()
+        self.hashes = pool.block_hash.edit()
+        self.block_hash = self.hashes.view  # reads; writes go through `hashes`
         self.num_free = pool.num_free
 
     def freeze(self) -> BlockPool:
@@ -83,7 +87,7 @@ class BlockPoolEdit:
         if self._released_cached:
             cached = np.concatenate([cached, self._released_queue()])
         return BlockPool(self.refs.freeze(), frozen(uncached), frozen(cached), self.hash_to_block.freeze(),
-                         self.block_to_hash.freeze())
+                         self.hashes.freeze())
 
     def _released_queue(self) -> np.ndarray:
         # a block released twice in one edit (released, hit, released) is queued at its last release
@@ -132,9 +136,10 @@ class BlockPoolEdit:
                 self._cached_start += 1
             else:
                 block = self._released_cached.pop(0)
-            if self.ref_count[block] or block not in self.block_to_hash:
+            if self.ref_count[block] or not self.block_hash[block]:
                 continue  # referenced again by a hit, or a stale duplicate entry
-            self.hash_to_block.pop(self.block_to_hash.pop(block))
+            self.hash_to_block.pop(int(self.block_hash[block]))
+            self.hashes[block] = 0
             out.append(block)
         return out
 
@@ -145,17 +150,20 @@ class BlockPoolEdit:
         blocks = blocks[blocks != NULL_BLOCK]
         refs = self.ref_count[blocks] - 1
         self.refs[blocks] = refs
-        freed = blocks[refs == 0].tolist()
+        freed = blocks[refs == 0]
         self.num_free += len(freed)
-        cached = list(map(self.block_to_hash.data().__contains__, freed))
-        self._released_cached += compress(freed, cached)
-        self._released_uncached += compress(freed, map(operator.not_, cached))
+        cached = self.block_hash[freed] != 0
+        self._released_cached += freed[cached].tolist()
+        self._released_uncached += freed[~cached].tolist()
 
     def register(self, block_ids: list[int], block_hashes: list[int]) -> None:
         """Publish computed blocks under their chained hashes (first writer wins on duplicates)."""
-        known_hashes, known_blocks = self.hash_to_block.data(), self.block_to_hash.data()
-        # reversed, so that of two blocks with one hash the first one is written last and stays
-        fresh = {key: block for key, block in zip(reversed(block_hashes), reversed(block_ids), strict=True)
-                 if key not in known_hashes and block not in known_blocks}
-        self.hash_to_block.update(fresh)
-        self.block_to_hash.update(dict(zip(fresh.values(), fresh.keys(), strict=True)))
+        unknown = map(operator.not_, map(self.hash_to_block.data().__contains__, block_hashes))
+        fresh = (np.fromiter(unknown, bool, len(block_hashes)) & (self.block_hash[block_ids] == 0)).tolist()
+        if not any(fresh):
+            return
+        keys, blocks = compress(block_hashes, fresh), compress(block_ids, fresh)
+        # built from the back, so that of two blocks with one hash the first one is written last and stays
+        published = dict(zip(reversed(list(keys)), reversed(list(blocks)), strict=True))
+        self.hash_to_block.update(published)
+        self.hashes[np.fromiter(published.values(), np.int64)] = np.fromiter(published, np.int64)

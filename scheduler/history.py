@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from scheduler.persistent import PArrayEdit
+from scheduler.prefix_cache import unit_digests
 from scheduler.state import Rows, TokenLog, num_logged
 
 
@@ -27,37 +28,42 @@ def start_tail(log: TokenLog, rows: Rows, row: int, num_tokens: int, unit: int) 
 
 
 def append_tokens(logs: dict[str, TokenLog], rows: Rows, unit: int, hash_unit: int, request_ids: tuple[str, ...],
-                  row_ids: np.ndarray, token_ids: np.ndarray, counts: np.ndarray) -> None:
-    """Commit the first counts[i] of token_ids[i] (shape [n, W], W <= 1 + K) to each row."""
+                  row_ids: np.ndarray, token_ids: np.ndarray, before: np.ndarray, counts: np.ndarray) -> None:
+    """Commit the first counts[i] of token_ids[i] (shape [n, W], W <= 1 + K) to rows holding before[i]."""
     tail = rows.edit("tail")
-    before = rows.num_tokens[row_ids]
-    block_start = before // unit * unit
+    offset = before % unit  # where the row's tail ends
     # the whole width is stored: entries past counts[i] land beyond num_tokens, where nobody reads
-    tail[row_ids[:, None], (before - block_start)[:, None] + np.arange(token_ids.shape[1])] = token_ids
-    after = before + counts
-    rows.num_tokens[row_ids] = after
-    full = np.flatnonzero(after - block_start >= unit)
-    for j, row, start, end in zip(full.tolist(), row_ids[full].tolist(), block_start[full].tolist(),
-                                  after[full].tolist(), strict=True):
-        for block_start_j in range(start, end - unit + 1, unit):  # more than one only when 1 + K > unit
-            _log_block(logs, tail, rows, request_ids[j], row, block_start_j, unit, hash_unit)
+    tail[row_ids[:, None], offset[:, None] + np.arange(token_ids.shape[1], dtype=np.int32)] = token_ids
+    rows.num_tokens[row_ids] = before + counts
+    full = np.flatnonzero(offset + counts >= unit)
+    while full.size:  # more than one round only when 1 + K > unit
+        _log_blocks(logs, tail, rows, [request_ids[j] for j in full.tolist()], row_ids[full],
+                    (before - offset)[full], unit, hash_unit)
+        offset[full] -= unit
+        full = full[offset[full] + counts[full] >= unit]
 
 
-def _log_block(logs: dict[str, TokenLog], tail: PArrayEdit, rows: Rows, request_id: str, row: int, start: int,
-               unit: int, hash_unit: int) -> None:
-    """Move the row's full first tail block [start, start + unit) into its log and shift the tail left."""
-    logged = max(start, int(rows.prefill_end[row]))
-    _append_to_log(logs, request_id, logged, tail[row, logged - start:unit], hash_unit)
-    tail[row, :-unit] = tail[row, unit:]
+def _log_blocks(logs: dict[str, TokenLog], tail: PArrayEdit, rows: Rows, request_ids: list[str],
+                row_ids: np.ndarray, starts: np.ndarray, unit: int, hash_unit: int) -> None:
+    """Move each row's full first tail block [start, start + unit) into its log, hashing all the
+    blocks in one call, and shift the tails left by a block."""
+    blocks = tail[row_ids, :unit]
+    digests = unit_digests(blocks, hash_unit).tolist()
+    tail[row_ids, :-unit] = tail[row_ids, unit:]
+    logged = np.maximum(starts, rows.prefill_end[row_ids])  # the prompt part is in the log already
+    for request_id, block, block_digests, start, end in zip(request_ids, blocks, digests, starts.tolist(),
+                                                           logged.tolist(), strict=True):
+        log = _writable_log(logs, request_id, end, hash_unit)
+        log.append_block(block[end - start:], block_digests[end // hash_unit - start // hash_unit:])
 
 
-def _append_to_log(logs: dict[str, TokenLog], request_id: str, logged: int, tokens: np.ndarray,
-                   hash_unit: int) -> None:
-    """Append a copy of `tokens` to the request's log, which holds `logged` tokens in this state's view."""
+def _writable_log(logs: dict[str, TokenLog], request_id: str, logged: int, hash_unit: int) -> TokenLog:
+    """The request's log, to append to a view of `logged` tokens: a private copy if another state
+    appended to the shared buffer first."""
     log = logs[request_id]
-    if log.length != logged:  # another state appended to this buffer first: branch off a copy
+    if log.length != logged:
         log = logs[request_id] = log.branch(logged, hash_unit)
-    log.extend(tokens.copy(), hash_unit)
+    return log
 
 
 def park_tail(logs: dict[str, TokenLog], rows: Rows, request_id: str, row: int, unit: int, hash_unit: int) -> None:
@@ -65,4 +71,5 @@ def park_tail(logs: dict[str, TokenLog], rows: Rows, request_id: str, row: int, 
     total, logged = int(rows.num_tokens[row]), int(num_logged(rows, row, unit))
     if total > logged:
         start = total // unit * unit
-        _append_to_log(logs, request_id, logged, rows.tail[row, logged - start:total - start], hash_unit)
+        _writable_log(logs, request_id, logged, hash_unit).extend(rows.tail[row, logged - start:total - start].copy(),
+                                                                 hash_unit)

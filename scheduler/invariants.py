@@ -38,10 +38,11 @@ def _blocks(state: SchedulerState) -> list[str]:
     free = np.concatenate([pool.free_uncached, pool.free_cached])
     if np.unique(free).size != free.size or set(free.tolist()) != set(np.flatnonzero(pool.ref_count == 0)) - {0}:
         errors.append("free queues differ from the unreferenced blocks")
-    to_block = pool.hash_to_block.to_dict()
-    if {b: h for h, b in to_block.items()} != pool.block_to_hash.to_dict():
+    block_hash = pool.block_hash.get()
+    published = {int(b): int(block_hash[b]) for b in np.flatnonzero(block_hash)}
+    if {b: h for h, b in pool.hash_to_block.to_dict().items()} != published:
         errors.append("KV hash maps are not inverse")
-    if any(b not in pool.block_to_hash for b in pool.free_cached.tolist()):
+    if not block_hash[pool.free_cached].all():
         errors.append("a block in free_cached holds no hash")
     return errors
 

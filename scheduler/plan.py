@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -38,9 +39,9 @@ class RowKind(enum.IntEnum):
     VERIFY = 3   # K > 0: last sampled token + K drafts, 1 + K logits
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class BatchPlan:
-    """One device step. All arrays are read-only numpy; see the module docstring for conventions."""
+class BatchPlan(NamedTuple):
+    """One device step. All arrays are read-only numpy; see the module docstring for conventions.
+    (A NamedTuple, not a frozen dataclass: it is built every step, and this builds in one C call.)"""
 
     step_id: int
     num_rows: int
@@ -125,7 +126,7 @@ def check_step_result(plan: BatchPlan, result: StepResult, num_spec_tokens: int)
         raise ValueError(f"num_accepted must be in [0, {num_spec_tokens}] for {rows} rows")
     if result.draft_token_ids.shape[0] < rows or result.draft_token_ids.shape[1] != num_spec_tokens:
         raise ValueError(f"draft_token_ids shape {result.draft_token_ids.shape} does not fit K={num_spec_tokens}")
-    echoed = np.arange(num_spec_tokens) < accepted[:, None]
+    echoed = np.arange(num_spec_tokens, dtype=accepted.dtype) < accepted[:, None]
     mismatch = echoed & (result.sampled_token_ids[:rows, :num_spec_tokens] != plan.draft_token_ids[:rows])
     if mismatch.any():
         raise ValueError(f"rows {np.flatnonzero(mismatch.any(axis=1)).tolist()}: accepted drafts must be echoed "

@@ -32,14 +32,18 @@ def _weights(unit: int) -> np.ndarray:
     return np.random.default_rng(ROOT_HASH).integers(0, 2**63, unit, dtype=np.uint64) * 2 + 1  # odd
 
 
-def chain_hashes(parent: int, tokens: np.ndarray, unit: int) -> list[int]:
-    """Chained hashes of the consecutive full units of `tokens` (a multiple of `unit` long), the
-    first one's parent being `parent`. A unit's digest is a random-weighted sum of its tokens
-    (mod 2^64, one numpy call for all units); the chain step is Python's unsalted tuple hash."""
-    digests = (tokens.reshape(-1, unit).astype(np.uint64) * _weights(unit)).sum(axis=1).tolist()
+def unit_digests(tokens: np.ndarray, unit: int) -> np.ndarray:
+    """uint64 digest of each run of `unit` tokens along the last axis (its length a multiple of
+    `unit`): a random-weighted sum of the tokens mod 2^64, one numpy call for any number of units."""
+    return (tokens.reshape(*tokens.shape[:-1], -1, unit).astype(np.uint64) * _weights(unit)).sum(axis=-1)
+
+
+def chain_hashes(parent: int, digests: list[int]) -> list[int]:
+    """Chained hashes of consecutive units given their digests, the first unit's parent being `parent`;
+    the chain step is Python's unsalted int-tuple hash."""
     out = []
     for digest in digests:
-        parent = hash((parent, digest))
+        parent = hash((parent, digest)) or 1  # 0 means "no hash" in BlockPool.block_hash
         out.append(parent)
     return out
 

@@ -26,7 +26,7 @@ from scheduler.plan import BatchPlan
 from scheduler.replay import flush_flags
 from scheduler.slots import SlotKind
 from scheduler.split import SplitInput, split_chunk
-from scheduler.state import InFlight, SchedulerState
+from scheduler.state import COMMITTED, NUM_BLOCKS, NUM_COMPUTED, InFlight, SchedulerState
 
 
 def schedule(state: SchedulerState) -> tuple[SchedulerState, BatchPlan]:
@@ -48,60 +48,45 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, BatchPlan]:
 
 def _decode_rows(p: Pass) -> tuple[list[str], np.ndarray]:
     """Running requests past their prefill, oldest first, as many as the budget holds."""
-    # map over bound C methods, not a generator: a Python frame per running request costs ~1 us
-    running = p.edit.running
-    all_rows = np.fromiter(map(p.edit.row_of.__getitem__, running), np.int64, len(running))
+    running, all_rows = p.edit.running, p.edit.running_rows()
     index = np.flatnonzero(p.edit.rows.prefill_done[all_rows])[:p.budget // p.query_len]
     if len(index) == len(running):
         return list(running), all_rows
     return list(map(running.__getitem__, index.tolist())), all_rows[index]
 
 
-def _decode_needs(p: Pass, row_ids: np.ndarray) -> np.ndarray:
-    rows = p.edit.rows
-    want = -(-(rows.num_computed[row_ids] + p.query_len) // p.edit.cfg.block_size)
-    return np.maximum(want - rows.num_blocks[row_ids], 0)
-
-
 def _schedule_decodes(p: Pass) -> DecodeBatch:
-    ids, row_ids = _decode_rows(p)
-    need = _decode_needs(p, row_ids)
-    while int(need.sum()) > p.edit.blocks.num_free:
-        preempt(p.edit, p.edit.running[-1])  # the newest running request gives its memory back
+    rows, size = p.edit.rows, p.edit.cfg.block_size
+    while True:
         ids, row_ids = _decode_rows(p)
-        need = _decode_needs(p, row_ids)
-    _grow_block_tables(p, row_ids, need)
+        cols = rows.ints[:, row_ids]  # every column of the decode rows in one gather
+        need = np.maximum(-(-(cols[NUM_COMPUTED] + p.query_len) // size) - cols[NUM_BLOCKS], 0)
+        if int(need.sum()) <= p.edit.blocks.num_free:
+            break
+        preempt(p.edit, p.edit.running[-1])  # the newest running request gives its memory back
+    _grow_block_tables(p, row_ids, need, cols[NUM_BLOCKS])
     p.budget -= len(ids) * p.query_len
     p.scheduled.update(ids)
-    return _decode_batch(p, ids, row_ids)
+    flush = flush_flags(cols[COMMITTED], p.query_len, p.edit.cfg.ring_size)
+    return DecodeBatch(row_ids, ids, cols, rows.drafts[row_ids], flush)
 
 
-def _grow_block_tables(p: Pass, row_ids: np.ndarray, need: np.ndarray) -> None:
-    rows = p.edit.rows
+def _grow_block_tables(p: Pass, row_ids: np.ndarray, need: np.ndarray, held: np.ndarray) -> None:
     new_blocks = p.edit.blocks.allocate(int(need.sum()))
     if not new_blocks.size:
         return
-    table = rows.edit("block_table")
+    rows, table = p.edit.rows, p.edit.rows.edit("block_table")
     if need.max() == 1:  # the usual case: at most one new block per row, vectorised
-        grow = row_ids[need == 1]
-        table[grow, rows.num_blocks[grow]] = new_blocks
-        rows.num_blocks[grow] += 1
+        grow = np.flatnonzero(need)
+        table[row_ids[grow], held[grow]] = new_blocks
+        rows.num_blocks[row_ids[grow]] += 1
         return
     offset = 0
     for row, count in zip(row_ids[need > 0].tolist(), need[need > 0].tolist(), strict=True):
-        held = int(rows.num_blocks[row])
-        table[row, held:held + count] = new_blocks[offset:offset + count]
-        rows.num_blocks[row] = held + count
+        start = int(rows.num_blocks[row])
+        table[row, start:start + count] = new_blocks[offset:offset + count]
+        rows.num_blocks[row] = start + count
         offset += count
-
-
-def _decode_batch(p: Pass, ids: list[str], row_ids: np.ndarray) -> DecodeBatch:
-    rows = p.edit.rows
-    tokens = np.concatenate([rows.last_token[row_ids, None], rows.drafts[row_ids]], axis=1)
-    committed = rows.committed[row_ids]
-    flush = flush_flags(committed, p.query_len, p.edit.cfg.ring_size)
-    return DecodeBatch(row_ids, ids, rows.num_computed[row_ids], tokens, rows.running_slot[row_ids],
-                       rows.ring_start[row_ids], committed, flush)
 
 
 def _issue_materializations(p: Pass) -> None:

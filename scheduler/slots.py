@@ -15,7 +15,7 @@ the hash maps are persistent (`PMap`), so caching a state never copies the whole
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -34,8 +34,7 @@ class SlotKind(enum.IntEnum):
 
 
 
-@dataclass(frozen=True, slots=True)
-class SlotPool:
+class SlotPool(NamedTuple):
     """kind: [num_state_slots] int8 SlotKind. stamp: [num_state_slots] int64 LRU clock of CACHED slots.
     hash_to_slot / slot_to_hash: prefix states of kind CACHED, PENDING or RESERVED."""
 

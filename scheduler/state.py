@@ -11,7 +11,6 @@ table's `tail` instead (see history.py).
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -20,7 +19,7 @@ from scheduler.blocks import BlockPool
 from scheduler.checkpoints import Claim
 from scheduler.config import SchedulerConfig
 from scheduler.persistent import PArray, PArrayEdit, frozen
-from scheduler.prefix_cache import ROOT_HASH, chain_hashes
+from scheduler.prefix_cache import ROOT_HASH, chain_hashes, unit_digests
 from scheduler.request import Request
 from scheduler.slots import SlotPool
 
@@ -40,22 +39,26 @@ INT_COLUMNS = (
     "eos",            # eos token id that stops the request, -1 if none (or ignore_eos)
 )
 BOOL_COLUMNS = ("active", "prefill_done", "has_stop")  # has_stop: extra stop_token_ids to check
+# row indices of the columns in `Rows.ints`, for hot paths that gather every column of many rows at once
+(NUM_COMPUTED, NUM_TOKENS, PREFILL_END, NUM_PROMPT, MAX_LEN, RUNNING_SLOT, RING_START, COMMITTED, NUM_BLOCKS,
+ LAST_TOKEN, CHECKPOINT, EOS) = range(len(INT_COLUMNS))
 
 
 class Rows:
-    """The row table: INT_COLUMNS and BOOL_COLUMNS [S], drafts [S, K] int32, and two persistent
-    tables: block_table [S, B] int32 and tail [S, log_unit + K] int32 (tokens of the partial log
-    block, history.py). The int and bool columns are views of two 2D buffers, `ints` and `bools`,
-    so a transition copies two small arrays instead of fifteen (each copy costs ~1 µs of call
-    overhead); the tables (up to ~0.5 MB each) are `PArray`s, so a transition pays only for the
-    entries it writes, through `rows.edit(name)`."""
+    """The row table: INT_COLUMNS and BOOL_COLUMNS [S] (read as attributes, e.g. `rows.num_computed`,
+    each a view of one row of the `ints` or `bools` buffer, so a transition copies two small arrays
+    instead of fifteen and hot paths gather every column of many rows in one call), drafts [S, K]
+    int32, and two persistent tables: block_table [S, B] int32 and tail [S, log_unit + K] int32
+    (tokens of the partial log block, history.py). The tables (up to ~0.5 MB each) are `PArray`s,
+    so a transition pays only for the entries it writes, through `rows.edit(name)`."""
 
-    __slots__ = INT_COLUMNS + BOOL_COLUMNS + ("ints", "bools", "drafts", "_tables", "_edits")
+    __slots__ = ("ints", "bools", "drafts", "_tables", "_edits")
 
     @staticmethod
     def create(cfg: SchedulerConfig) -> Rows:
         rows, size = Rows(), cfg.max_num_seqs
-        rows._bind(np.zeros((len(INT_COLUMNS), size), np.int32), np.zeros((len(BOOL_COLUMNS), size), bool))
+        rows.ints = np.zeros((len(INT_COLUMNS), size), np.int32)
+        rows.bools = np.zeros((len(BOOL_COLUMNS), size), bool)
         rows.drafts = np.zeros((size, cfg.num_spec_tokens), np.int32)
         rows._tables = {"block_table": PArray(np.zeros((size, cfg.max_blocks_per_request), np.int32)),
                         "tail": PArray(np.zeros((size, cfg.log_unit + cfg.num_spec_tokens), np.int32))}
@@ -70,18 +73,11 @@ class Rows:
     def tail(self) -> np.ndarray:
         return self._tables["tail"].get()
 
-    def _bind(self, ints: np.ndarray, bools: np.ndarray) -> None:
-        self.ints, self.bools = ints, bools
-        for name, column in zip(INT_COLUMNS, ints, strict=True):
-            setattr(self, name, column)
-        for name, column in zip(BOOL_COLUMNS, bools, strict=True):
-            setattr(self, name, column)
-
     def copy(self) -> Rows:
         """Writable columns and drafts; the tables are written through `edit`."""
         rows = Rows()
-        rows._bind(self.ints.copy(), self.bools.copy())
-        rows.drafts, rows._tables, rows._edits = self.drafts.copy(), self._tables, {}
+        rows.ints, rows.bools, rows.drafts = self.ints.copy(), self.bools.copy(), self.drafts.copy()
+        rows._tables, rows._edits = self._tables, {}
         return rows
 
     def edit(self, name: str) -> PArrayEdit:
@@ -91,8 +87,8 @@ class Rows:
         return self._edits[name]
 
     def frozen(self) -> Rows:
+        # column views are taken on each read, so freezing the buffers freezes every view
         self.ints.flags.writeable = self.bools.flags.writeable = self.drafts.flags.writeable = False
-        self._bind(self.ints, self.bools)  # views taken of a read-only buffer are read-only themselves
         if self._edits:
             self._tables = self._tables | {name: edit.freeze() for name, edit in self._edits.items()}
             self._edits = {}
@@ -103,6 +99,19 @@ class Rows:
         # admission seeded them, so they are left as is
         self.ints[:, row] = 0
         self.bools[:, row] = False
+
+
+def _add_column_properties() -> None:
+    """`rows.<column>` for every name in INT_COLUMNS and BOOL_COLUMNS: that row of its buffer."""
+    def column(buffer: str, index: int) -> property:
+        return property(lambda rows: getattr(rows, buffer)[index])
+
+    for buffer, names in (("ints", INT_COLUMNS), ("bools", BOOL_COLUMNS)):
+        for index, name in enumerate(names):
+            setattr(Rows, name, column(buffer, index))
+
+
+_add_column_properties()
 
 
 _NO_TOKENS = frozen(np.zeros(0, np.int32))
@@ -132,12 +141,23 @@ class TokenLog:
     def extend(self, tokens: np.ndarray, hash_unit: int) -> None:
         """Append `tokens` (taken over, made read-only) and hash the hash units they complete."""
         first = len(self.hashes) * hash_unit
-        self.chunks.append(frozen(tokens))
-        self.ends.append(self.length + len(tokens))
+        self._append(tokens)
         last = self.length // hash_unit * hash_unit
         if last > first:
-            parent = self.hashes[-1] if self.hashes else ROOT_HASH
-            self.hashes += chain_hashes(parent, self.slice(first, last), hash_unit)
+            self._chain(unit_digests(self.slice(first, last), hash_unit).tolist())
+
+    def append_block(self, tokens: np.ndarray, digests: list[int]) -> None:
+        """Append `tokens` (taken over) whose hash units, with any logged tokens of the first one,
+        have the digests `digests` (history.py computes them for many rows in one call)."""
+        self._append(tokens)
+        self._chain(digests)
+
+    def _append(self, tokens: np.ndarray) -> None:
+        self.chunks.append(frozen(tokens))
+        self.ends.append(self.length + len(tokens))
+
+    def _chain(self, digests: list[int]) -> None:
+        self.hashes += chain_hashes(self.hashes[-1] if self.hashes else ROOT_HASH, digests)
 
     def slice(self, start: int, end: int) -> np.ndarray:
         """Tokens [start, end) (end <= length) as one array: a view when they lie in one chunk."""
@@ -205,12 +225,16 @@ class Materialize(NamedTuple):
     count: int
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class SchedulerState:
+class SchedulerState(NamedTuple):
+    """The whole control-plane state: an immutable value (a NamedTuple: built in one C call per step).
+    Its dicts are private to this version (each transition copies the ones it changes) and must not
+    be mutated by callers."""
+
     config: SchedulerConfig
     requests: dict[str, Request]       # every live request, waiting or running
     waiting: tuple[str, ...]           # FCFS; preempted requests go back to the front
     running: tuple[str, ...]           # admission order; the newest is preempted first
+    running_rows: np.ndarray           # [len(running)] int64 read-only: the row of each running request
     row_of: dict[str, int]
     rows: Rows
     blocks: BlockPool
@@ -234,5 +258,6 @@ class SchedulerState:
 
 
 def init_state(config: SchedulerConfig) -> SchedulerState:
-    return SchedulerState(config, {}, (), (), {}, Rows.create(config), BlockPool.create(config.num_blocks),
-                          SlotPool.create(config.num_state_slots), {}, {}, {}, (), None, 0)
+    return SchedulerState(config, {}, (), (), frozen(np.zeros(0, np.int64)), {}, Rows.create(config),
+                          BlockPool.create(config.num_blocks), SlotPool.create(config.num_state_slots), {}, {}, {}, (),
+                          None, 0)

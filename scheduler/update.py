@@ -25,9 +25,21 @@ from scheduler.plan import BatchPlan, RowKind, StepResult, check_step_result
 from scheduler.replay import commit, crossed_boundary, materialize_count, ring_rows
 from scheduler.request import StepOutputs
 from scheduler.slots import SlotKind
-from scheduler.state import InFlight, Materialize, SchedulerState
+from scheduler.state import (
+    COMMITTED,
+    EOS,
+    LAST_TOKEN,
+    MAX_LEN,
+    NUM_COMPUTED,
+    NUM_TOKENS,
+    RING_START,
+    InFlight,
+    Materialize,
+    SchedulerState,
+)
 
 _STOP, _LENGTH = 1, 2  # StepOutputs.finish_codes: indices into request.FINISH_REASONS
+_TRACKERS = np.array([NUM_COMPUTED, RING_START, COMMITTED, LAST_TOKEN])[:, None]  # written by a verify row
 
 
 class _Live(NamedTuple):
@@ -75,25 +87,20 @@ def _complete_in_flight(edit: StateEdit, in_flight: InFlight) -> None:
 
 
 def _update_decodes(edit: StateEdit, plan: BatchPlan, result: StepResult, live: _Live) -> StepOutputs:
+    rows, cfg = edit.rows, edit.cfg
+    cols = rows.ints[:, live.rows]  # every column of the step's rows in one gather
     sampled = result.sampled_token_ids[live.index]
     accepted = result.num_accepted[live.index].astype(np.int32) + 1  # committed tokens incl. the bonus
-    before = edit.rows.num_computed[live.rows]
-    _advance_trackers(edit, plan, result, live, accepted)
-    outputs = _emit(edit, live, sampled, accepted)
-    _publish_crossed_blocks(edit, live, before)
+    computed = cols[NUM_COMPUTED] + accepted
+    ring_start, committed = commit(cols[RING_START], cols[COMMITTED], plan.flush[live.index], accepted,
+                                   ring_rows(cfg.ring_size, cfg.num_spec_tokens))
+    last_token = sampled[np.arange(len(accepted)), accepted - 1]
+    rows.ints[_TRACKERS, live.rows] = (computed, ring_start, committed, last_token)
+    rows.drafts[live.rows] = result.draft_token_ids[live.index]
+    outputs = _emit(edit, live, cols, sampled, accepted)
+    _publish_crossed_blocks(edit, live, cols[NUM_COMPUTED], computed, cols[NUM_TOKENS] + outputs.num_new_tokens)
     _finish_rows(edit, outputs)
     return outputs
-
-
-def _advance_trackers(edit: StateEdit, plan: BatchPlan, result: StepResult, live: _Live,
-                      accepted: np.ndarray) -> None:
-    rows, cfg, row_ids = edit.rows, edit.cfg, live.rows
-    rows.num_computed[row_ids] += accepted
-    rows.ring_start[row_ids], rows.committed[row_ids] = commit(
-        rows.ring_start[row_ids], rows.committed[row_ids], plan.flush[live.index], accepted,
-        ring_rows(cfg.ring_size, cfg.num_spec_tokens))
-    rows.last_token[row_ids] = result.sampled_token_ids[live.index, accepted - 1]
-    rows.drafts[row_ids] = result.draft_token_ids[live.index]
 
 
 def _update_prefills(edit: StateEdit, plan: BatchPlan, result: StepResult, live: _Live) -> StepOutputs:
@@ -104,7 +111,8 @@ def _update_prefills(edit: StateEdit, plan: BatchPlan, result: StepResult, live:
     rows.prefill_done[sampling.rows] = True
     rows.last_token[sampling.rows] = result.sampled_token_ids[sampling.index, 0]
     rows.drafts[sampling.rows] = result.draft_token_ids[sampling.index]
-    outputs = _emit(edit, sampling, result.sampled_token_ids[sampling.index], np.ones(len(sampling.rids), np.int32))
+    outputs = _emit(edit, sampling, rows.ints[:, sampling.rows], result.sampled_token_ids[sampling.index],
+                    np.ones(len(sampling.rids), np.int32))
     last = np.minimum(rows.num_computed[live.rows], rows.num_tokens[live.rows]) // edit.cfg.hash_unit
     register_blocks(edit, list(zip(live.rids, live.rows.tolist(), (before // edit.cfg.hash_unit).tolist(),
                                    last.tolist(), strict=True)))
@@ -117,39 +125,39 @@ def _subset(live: _Live, mask: np.ndarray) -> _Live:
     return _Live(live.index[keep], tuple(live.rids[j] for j in keep.tolist()), live.rows[keep])
 
 
-def _emit(edit: StateEdit, live: _Live, sampled: np.ndarray, counts: np.ndarray) -> StepOutputs:
-    """Commit each row's emitted tokens, cut at max_len and after the first eos/stop token."""
-    rows = edit.rows
-    before, max_len = rows.num_tokens[live.rows], rows.max_len[live.rows]
+def _emit(edit: StateEdit, live: _Live, cols: np.ndarray, sampled: np.ndarray, counts: np.ndarray) -> StepOutputs:
+    """Commit each row's emitted tokens, cut at max_len and after the first eos/stop token.
+    `cols` holds the rows' columns from before the step."""
+    before, max_len = cols[NUM_TOKENS], cols[MAX_LEN]
     keep = np.minimum(counts, max_len - before)
-    stop = _first_stop(edit, live, sampled, keep)
+    stop = _first_stop(edit, live, cols[EOS], sampled, keep)
     keep = np.where(stop >= 0, stop + 1, keep).astype(np.int32)
     codes = np.where(stop >= 0, _STOP, np.where(before + keep >= max_len, _LENGTH, 0)).astype(np.int8)
-    append_tokens(edit.logs, rows, edit.cfg.log_unit, edit.cfg.hash_unit, live.rids, live.rows, sampled, keep)
+    append_tokens(edit.logs, edit.rows, edit.cfg.log_unit, edit.cfg.hash_unit, live.rids, live.rows, sampled,
+                  before, keep)
     return StepOutputs(live.rids, frozen(sampled), frozen(keep), frozen(codes))
 
 
-def _first_stop(edit: StateEdit, live: _Live, sampled: np.ndarray, keep: np.ndarray) -> np.ndarray:
+def _first_stop(edit: StateEdit, live: _Live, eos: np.ndarray, sampled: np.ndarray, keep: np.ndarray) -> np.ndarray:
     """[n] index of the first kept eos/stop token per row, -1 if none (eos vectorised)."""
-    rows = edit.rows
-    kept = np.arange(sampled.shape[1]) < keep[:, None]
-    hits = kept & (sampled == rows.eos[live.rows][:, None])
-    for j in np.flatnonzero(rows.has_stop[live.rows]).tolist():  # extra stop ids: rare, per row
+    hits = (np.arange(sampled.shape[1], dtype=np.int32) < keep[:, None]) & (sampled == eos[:, None])
+    for j in np.flatnonzero(edit.rows.has_stop[live.rows]).tolist():  # extra stop ids: rare, per row
         stop_ids = edit.requests[live.rids[j]].sampling_params.stop_ids
-        hits[j] |= kept[j] & np.isin(sampled[j], list(stop_ids))
-    return np.where(hits.any(axis=1), hits.argmax(axis=1), -1)
+        hits[j, :keep[j]] |= np.isin(sampled[j, :keep[j]], list(stop_ids))
+    first = hits.argmax(axis=1)
+    return np.where(hits[np.arange(len(first)), first], first, -1)
 
 
-def _publish_crossed_blocks(edit: StateEdit, live: _Live, before: np.ndarray) -> None:
+def _publish_crossed_blocks(edit: StateEdit, live: _Live, before: np.ndarray, after: np.ndarray,
+                            num_tokens: np.ndarray) -> None:
     """Rows whose computed tokens crossed a log (= Mamba) block boundary publish that block's KV
     blocks and, in align mode, ask for the boundary state. Publishing KV blocks once per log block
     instead of once per KV block loses no hit: a hit needs a cached state, and states are cached
     only at these boundaries (release_row publishes the rest when the request ends)."""
-    rows, row_ids, cfg = edit.rows, live.rows, edit.cfg
-    after = rows.num_computed[row_ids]
+    row_ids, cfg = live.rows, edit.cfg
     boundary = crossed_boundary(before, after, cfg.log_unit)
     # a row cut by a stop token may have computed past its last token: it ends now, release_row publishes
-    crossed = np.flatnonzero((boundary > 0) & (boundary <= rows.num_tokens[row_ids]))
+    crossed = np.flatnonzero((boundary > 0) & (boundary <= num_tokens))
     if not crossed.size:
         return
     first = before[crossed] // cfg.log_unit * cfg.log_unit // cfg.hash_unit

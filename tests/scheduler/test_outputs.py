@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from scheduler import FinishReason, RequestOutput, StepOutputs, schedule, update
-from scheduler.prefix_cache import ROOT_HASH, chain_hashes
+from scheduler.prefix_cache import ROOT_HASH, chain_hashes, unit_digests
 from tests.scheduler.helpers import Driver, make_config, request, result_for
 
 
@@ -49,4 +49,5 @@ def test_token_history_and_hashes_survive_tails_of_any_block_size(block_size, k)
         assert log.length >= len(tokens) // cfg.log_unit * cfg.log_unit
         assert log.slice(0, log.length).tolist() == tokens[:log.length]
         full = log.length // block_size
-        assert log.hashes == chain_hashes(ROOT_HASH, np.array(tokens[:full * block_size]), block_size)
+        digests = unit_digests(np.array(tokens[:full * block_size]), block_size).tolist()
+        assert log.hashes == chain_hashes(ROOT_HASH, digests)
