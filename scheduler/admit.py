@@ -17,6 +17,17 @@ from scheduler.pass_state import Pass, append_blocks, emit_prefill
 from scheduler.prefix_cache import NO_HIT, PrefixHit, checkpoint_hit, find_hit
 from scheduler.slots import SlotKind
 from scheduler.split import SplitInput, split_chunk
+from scheduler.state import (
+    CHECKPOINT,
+    EOS,
+    MAX_LEN,
+    NUM_BLOCKS,
+    NUM_COMPUTED,
+    NUM_PROMPT,
+    NUM_TOKENS,
+    PREFILL_END,
+    RUNNING_SLOT,
+)
 
 
 class Verdict(enum.Enum):
@@ -118,12 +129,10 @@ def _commit(p: Pass, rid: str, plan: Admission, prefill_end: int) -> int:
     edit = p.edit
     if plan.hit.slot:
         edit.slots.pin(plan.hit.slot, edit.step)  # pinned before any allocation can evict it
-    row = _claim_row(p, rid, prefill_end)
+    slot = edit.slots.allocate(SlotKind.RUNNING)
+    row = _claim_row(p, rid, plan.hit, prefill_end, slot)
     edit.blocks.take(plan.hit.block_ids)
     edit.rows.edit("block_table")[row, :len(plan.hit.block_ids)] = plan.hit.block_ids
-    edit.rows.num_blocks[row] = len(plan.hit.block_ids)
-    edit.rows.num_computed[row] = plan.hit.num_tokens
-    slot = int(edit.rows.running_slot[row])
     if plan.hit.slot:
         p.hit_copies.append((plan.hit.slot, slot))  # copy on use: the cached slot is only read
     if plan.role is Role.PAIRED:
@@ -134,19 +143,22 @@ def _commit(p: Pass, rid: str, plan: Admission, prefill_end: int) -> int:
     return row
 
 
-def _claim_row(p: Pass, rid: str, prefill_end: int) -> int:
-    edit, request = p.edit, p.edit.requests[rid]
+_ADMISSION_COLUMNS = [NUM_COMPUTED, NUM_BLOCKS, NUM_TOKENS, PREFILL_END, NUM_PROMPT, MAX_LEN, CHECKPOINT, EOS,
+                      RUNNING_SLOT]
+
+
+def _claim_row(p: Pass, rid: str, hit: PrefixHit, prefill_end: int, slot: int) -> int:
+    edit, request, cfg = p.edit, p.edit.requests[rid], p.edit.cfg
+    params, num_prompt = request.sampling_params, request.num_prompt_tokens
     row, rows = free_row(edit), edit.rows
+    eos = -1 if params.ignore_eos or params.eos_token_id is None else params.eos_token_id
+    checkpoint = (request.checkpoint_position or 0) if cfg.align else 0
+    rows.ints[_ADMISSION_COLUMNS, row] = (hit.num_tokens, len(hit.block_ids), prefill_end, prefill_end, num_prompt,
+                                          min(num_prompt + params.max_tokens, cfg.max_model_len), checkpoint, eos,
+                                          slot)
     rows.active[row] = True
-    rows.num_tokens[row] = rows.prefill_end[row] = prefill_end
-    start_tail(edit.logs[rid], rows, row, prefill_end, edit.cfg.log_unit)
-    rows.num_prompt[row] = request.num_prompt_tokens
-    rows.max_len[row] = min(request.num_prompt_tokens + request.sampling_params.max_tokens, edit.cfg.max_model_len)
-    rows.checkpoint[row] = (request.checkpoint_position or 0) if edit.cfg.align else 0
-    params = request.sampling_params
-    rows.eos[row] = -1 if params.ignore_eos or params.eos_token_id is None else params.eos_token_id
     rows.has_stop[row] = bool(params.stop_token_ids)
-    rows.running_slot[row] = edit.slots.allocate(SlotKind.RUNNING)
+    start_tail(edit.logs[rid], rows, row, prefill_end, cfg.log_unit)
     edit.row_of[rid] = row
     edit.waiting.remove(rid)
     edit.running.append(rid)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler.persistent import PArrayEdit
+from scheduler.persistent import PArrayEdit, frozen
 from scheduler.prefix_cache import unit_digests
 from scheduler.state import Rows, TokenLog, num_logged
 
@@ -47,7 +47,7 @@ def _log_blocks(logs: dict[str, TokenLog], tail: PArrayEdit, rows: Rows, request
                 row_ids: np.ndarray, starts: np.ndarray, unit: int, hash_unit: int) -> None:
     """Move each row's full first tail block [start, start + unit) into its log, hashing all the
     blocks in one call, and shift the tails left by a block."""
-    blocks = tail[row_ids, :unit]
+    blocks = frozen(tail[row_ids, :unit])  # the logs keep views of its rows
     digests = unit_digests(blocks, hash_unit).tolist()
     tail[row_ids, :-unit] = tail[row_ids, unit:]
     logged = np.maximum(starts, rows.prefill_end[row_ids])  # the prompt part is in the log already
@@ -71,5 +71,5 @@ def park_tail(logs: dict[str, TokenLog], rows: Rows, request_id: str, row: int, 
     total, logged = int(rows.num_tokens[row]), int(num_logged(rows, row, unit))
     if total > logged:
         start = total // unit * unit
-        _writable_log(logs, request_id, logged, hash_unit).extend(rows.tail[row, logged - start:total - start].copy(),
-                                                                 hash_unit)
+        _writable_log(logs, request_id, logged, hash_unit).extend(
+            frozen(rows.tail[row, logged - start:total - start].copy()), hash_unit)

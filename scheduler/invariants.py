@@ -44,6 +44,8 @@ def _blocks(state: SchedulerState) -> list[str]:
         errors.append("KV hash maps are not inverse")
     if not block_hash[pool.free_cached].all():
         errors.append("a block in free_cached holds no hash")
+    if pool.num_cached_free != len(pool.free_cached):
+        errors.append(f"num_cached_free {pool.num_cached_free} != {len(pool.free_cached)} live queue entries")
     return errors
 
 
@@ -83,6 +85,8 @@ def _queues(state: SchedulerState) -> list[str]:
     errors = []
     if waiting & running or waiting | running != set(state.requests) or running != set(state.row_of):
         errors.append("waiting/running do not partition the live requests")
+    if state.running_rows.tolist() != [state.row_of.get(rid) for rid in state.running]:
+        errors.append("running_rows differ from the rows of the running requests")
     if int(np.count_nonzero(state.rows.active)) != len(running):
         errors.append("active rows != running requests")
     return errors

@@ -27,8 +27,8 @@ class StateEdit:
         self.claims = dict(state.claims)
         self.requests = dict(state.requests)
         self.waiting = list(state.waiting)
-        self._running, self._running_rows = state.running, state.running_rows
         self.running = list(state.running)
+        self._running_rows, self._rows_valid = state.running_rows, len(state.running)  # a valid prefix
         self.row_of = dict(state.row_of)
         self.logs = dict(state.logs)
         self.parked = dict(state.parked_tokens)
@@ -37,11 +37,19 @@ class StateEdit:
         self.step = state.step
 
     def running_rows(self) -> np.ndarray:
-        """The row of each running request, in running order."""
-        if len(self.running) <= len(self._running) and self._running[:len(self.running)] == tuple(self.running):
-            return self._running_rows[:len(self.running)]  # unchanged, or only the newest preempted
-        # map over a bound C method, not a generator: a Python frame per request costs ~1 us
-        return frozen(np.fromiter(map(self.row_of.__getitem__, self.running), np.int64, len(self.running)))
+        """The row of each running request, in running order (recomputed only past the first change)."""
+        valid, total = self._rows_valid, len(self.running)
+        if valid < total or len(self._running_rows) != total:
+            # map over a bound C method, not a generator: a Python frame per request costs ~1 us
+            rest = np.fromiter(map(self.row_of.__getitem__, self.running[valid:]), np.int64, total - valid)
+            self._running_rows = frozen(np.concatenate([self._running_rows[:valid], rest]))
+            self._rows_valid = total
+        return self._running_rows
+
+    def remove_running(self, request_id: str) -> None:
+        index = self.running.index(request_id)
+        del self.running[index]
+        self._rows_valid = min(self._rows_valid, index)
 
     def freeze(self) -> SchedulerState:
         return SchedulerState(self.cfg, self.requests, tuple(self.waiting), tuple(self.running), self.running_rows(),
@@ -134,7 +142,7 @@ def release_row(edit: StateEdit, request_id: str) -> None:
     # its running slot (the materialisation source) is gone: drop the asks
     edit.materializations = tuple(m for m in edit.materializations if m.request_id != request_id)
     edit.parked[request_id] = int(rows.num_tokens[row])
-    edit.running.remove(request_id)
+    edit.remove_running(request_id)
     rows.clear(row)
 
 
@@ -143,9 +151,10 @@ def register_blocks(edit: StateEdit, spans: list[tuple[str, int, int, int]]) -> 
     hashes; every one of them must be full and computed by a step that has run."""
     keys: list[int] = []
     block_ids: list[int] = []
+    table = edit.rows.block_table
     for request_id, row, first, last in spans:
         keys += edit.logs[request_id].hashes[first:last]
-        block_ids += edit.rows.block_table[row, first:last].tolist()
+        block_ids += table[row, first:last].tolist()
     edit.blocks.register(block_ids, keys)
 
 

@@ -92,20 +92,21 @@ def _grow_block_tables(p: Pass, row_ids: np.ndarray, need: np.ndarray, held: np.
 def _issue_materializations(p: Pass) -> None:
     """Publish decode-crossed boundary states: S0 + `count` ring entries into a fresh cache slot,
     applied before this step's layers (so before its flush changes S0)."""
-    edit = p.edit
-    # each allocation takes exactly one available slot, so count them once instead of per ask
-    available = edit.slots.num_available() if edit.materializations else 0
-    for m in edit.materializations:
-        row = edit.row_of.get(m.request_id)
-        if row is None or edit.rows.running_slot[row] != m.running_slot or m.key in edit.slots.hash_to_slot:
-            continue  # finished, preempted or already cached: drop it (caching is best effort)
-        if available == 0:
-            break
-        available -= 1
-        dst = edit.slots.allocate(SlotKind.PENDING, m.key)
-        p.materializes.append((m.running_slot, dst, m.ring_start, m.count))
-        p.ready_slots.append(dst)
+    edit, asks = p.edit, p.edit.materializations
     edit.materializations = ()
+    rows = [edit.row_of.get(m.request_id) for m in asks]
+    asks = [m for m, row in zip(asks, rows, strict=True) if row is not None]  # finished or preempted: dropped
+    if not asks:
+        return
+    running_slots = edit.rows.running_slot[[edit.row_of[m.request_id] for m in asks]].tolist()
+    cached, wanted = edit.slots.hash_to_slot.data(), {}
+    for m, slot in zip(asks, running_slots, strict=True):  # caching is best effort: skip what is cached
+        if slot == m.running_slot and m.key not in cached and m.key not in wanted:
+            wanted[m.key] = m
+    asks = list(wanted.values())[:edit.slots.num_available()]
+    dsts = edit.slots.allocate_many(SlotKind.PENDING, len(asks), [m.key for m in asks])
+    p.materializes += [(m.running_slot, dst, m.ring_start, m.count) for m, dst in zip(asks, dsts, strict=True)]
+    p.ready_slots += dsts
 
 
 def _schedule_running_prefills(p: Pass) -> None:

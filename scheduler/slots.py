@@ -80,15 +80,25 @@ class SlotPoolEdit:
 
     def allocate(self, kind: SlotKind, key: int | None = None) -> int:
         """One slot of `kind` (optionally owning prefix hash `key`): a free one, else evict the LRU cached."""
-        slot = int(np.argmin(self.kind))  # FREE is the smallest kind: the first free slot, if any
-        if self.kind[slot] != SlotKind.FREE:
-            slot = self._lru_victim()
-        self.kind[slot] = kind
-        if key is not None:
-            assert key not in self.hash_to_slot, f"prefix state {key:#x} already has slot {self.hash_to_slot[key]}"
-            self.hash_to_slot[key] = slot
-            self.slot_to_hash[slot] = key
-        return slot
+        return self.allocate_many(kind, 1, None if key is None else [key])[0]
+
+    def allocate_many(self, kind: SlotKind, count: int, keys: list[int] | None = None) -> list[int]:
+        """`count` slots of `kind` (owning the distinct prefix hashes `keys`, if given): free ones first,
+        then LRU-evicted cached ones."""
+        if count == 1:  # the common case: FREE is the smallest kind, so argmin finds the first free slot
+            first = int(np.argmin(self.kind))
+            slots = [first] if self.kind[first] == SlotKind.FREE else []
+        else:
+            slots = np.flatnonzero(self.kind == SlotKind.FREE)[:count].tolist()
+        self.kind[slots] = kind
+        for _ in range(count - len(slots)):
+            slots.append(self._lru_victim())
+            self.kind[slots[-1]] = kind
+        if keys is not None:
+            assert not any(map(self.hash_to_slot.data().__contains__, keys)), "a prefix state already has a slot"
+            self.hash_to_slot.update(dict(zip(keys, slots, strict=True)))
+            self.slot_to_hash.update(dict(zip(slots, keys, strict=True)))
+        return slots
 
     def pin(self, slot: int, clock: int) -> None:
         self.pinned.add(slot)

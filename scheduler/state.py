@@ -131,7 +131,7 @@ class TokenLog:
     @staticmethod
     def create(tokens, hash_unit: int) -> TokenLog:
         log = TokenLog([], [], [])
-        log.extend(np.asarray(tokens, np.int32), hash_unit)
+        log.extend(frozen(np.array(tokens, np.int32)), hash_unit)
         return log
 
     @property
@@ -139,7 +139,7 @@ class TokenLog:
         return self.ends[-1] if self.ends else 0
 
     def extend(self, tokens: np.ndarray, hash_unit: int) -> None:
-        """Append `tokens` (taken over, made read-only) and hash the hash units they complete."""
+        """Append the read-only `tokens` (kept, not copied) and hash the hash units they complete."""
         first = len(self.hashes) * hash_unit
         self._append(tokens)
         last = self.length // hash_unit * hash_unit
@@ -147,13 +147,13 @@ class TokenLog:
             self._chain(unit_digests(self.slice(first, last), hash_unit).tolist())
 
     def append_block(self, tokens: np.ndarray, digests: list[int]) -> None:
-        """Append `tokens` (taken over) whose hash units, with any logged tokens of the first one,
+        """Append the read-only `tokens` whose hash units, with any logged tokens of the first one,
         have the digests `digests` (history.py computes them for many rows in one call)."""
         self._append(tokens)
         self._chain(digests)
 
     def _append(self, tokens: np.ndarray) -> None:
-        self.chunks.append(frozen(tokens))
+        self.chunks.append(tokens)
         self.ends.append(self.length + len(tokens))
 
     def _chain(self, digests: list[int]) -> None:
@@ -176,7 +176,7 @@ class TokenLog:
         keep = bisect.bisect_right(self.ends, num_tokens)
         chunks, ends = self.chunks[:keep], self.ends[:keep]
         if num_tokens > (ends[-1] if ends else 0):
-            chunks.append(self.slice(ends[-1] if ends else 0, num_tokens))
+            chunks.append(frozen(self.slice(ends[-1] if ends else 0, num_tokens)))
             ends.append(num_tokens)
         return TokenLog(chunks, ends, self.hashes[:num_tokens // hash_unit])
 

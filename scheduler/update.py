@@ -26,6 +26,7 @@ from scheduler.replay import commit, crossed_boundary, materialize_count, ring_r
 from scheduler.request import StepOutputs
 from scheduler.slots import SlotKind
 from scheduler.state import (
+    CHECKPOINT,
     COMMITTED,
     EOS,
     LAST_TOKEN,
@@ -33,6 +34,7 @@ from scheduler.state import (
     NUM_COMPUTED,
     NUM_TOKENS,
     RING_START,
+    RUNNING_SLOT,
     InFlight,
     Materialize,
     SchedulerState,
@@ -168,15 +170,17 @@ def _publish_crossed_blocks(edit: StateEdit, live: _Live, before: np.ndarray, af
 
 
 def _ask_materializations(edit: StateEdit, live: _Live, crossed: np.ndarray, boundary: np.ndarray) -> None:
-    rows, row_ids = edit.rows, live.rows[crossed]
-    count = materialize_count(boundary, rows.num_computed[row_ids], rows.committed[row_ids])
-    asks = list(edit.materializations)
-    for j in np.flatnonzero(rows.checkpoint[row_ids] == 0).tolist():  # marked requests cache only their checkpoint
-        rid = live.rids[int(crossed[j])]
-        key = edit.logs[rid].hashes[int(boundary[j]) // edit.cfg.hash_unit - 1]
-        if key not in edit.slots.hash_to_slot and key not in edit.claims:
-            asks.append(Materialize(rid, int(rows.running_slot[row_ids[j]]), key, int(rows.ring_start[row_ids[j]]),
-                                    int(count[j])))
+    cols = edit.rows.ints[:, live.rows[crossed]]
+    count = materialize_count(boundary, cols[NUM_COMPUTED], cols[COMMITTED])
+    cached, unit, asks = edit.slots.hash_to_slot.data(), edit.cfg.hash_unit, list(edit.materializations)
+    for j, position, slot, ring_start, entries, marked in zip(
+            crossed.tolist(), boundary.tolist(), cols[RUNNING_SLOT].tolist(), cols[RING_START].tolist(),
+            count.tolist(), cols[CHECKPOINT].tolist(), strict=True):
+        if marked:
+            continue  # marked requests cache only their checkpoint
+        key = edit.logs[live.rids[j]].hashes[position // unit - 1]
+        if key not in cached and key not in edit.claims:
+            asks.append(Materialize(live.rids[j], slot, key, ring_start, entries))
     edit.materializations = tuple(asks)
 
 
