@@ -2,15 +2,15 @@
 
 A block's chained hash is kept both ways: `hash_to_block` (a `PMap`, for prefix lookups) and
 `block_hash` (a `PArray`, 0 = none, so that releasing or publishing many blocks is vectorised).
-Free blocks sit in two queues: `free_uncached` (no cached contents, reused first, a stack) and the
-cached queue (still hit-able under their hash; least recently released first, so allocation evicts
-LRU). The cached queue deletes lazily: entry i of `cached_queue` is the queue position
-`queue_head + i`, and it is live only while `queue_pos[block]` says so; a hit that takes a free
-cached block, or a second release, just moves `queue_pos`, and eviction skips dead entries. So no
-transition filters the queue (compaction is amortised), and the order is exact LRU.
+Free blocks are either uncached (no hash; a stack, reused first, last released first) or cached
+(still hit-able under their hash; a FIFO ring, least recently released evicted first). The ring
+deletes lazily: the block at ring position p (absolute, `queue_head <= p < queue_end`, stored at
+`p % capacity`) is live only while `queue_pos[block] == p`; a hit that takes a free cached block,
+or a second release, just moves `queue_pos`, and eviction skips dead entries. Full rings are
+compacted (amortised), and the order is exact LRU.
 A `BlockPool` value is immutable; `schedule`/`update` call `edit()` for a private `BlockPoolEdit`
-and `freeze()` it. Ref counts, hashes and queue positions are persistent (`PArray`, `PMap`), so a
-transition costs O(blocks touched) plus one copy of the queues' tails, never a copy of the pool.
+and `freeze()` it. Every array is persistent (`PArray`, `PMap`), so a transition costs O(blocks
+touched), never a copy of the pool (a large GPU pool has ~10^5-10^6 blocks).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from scheduler.persistent import PArray, PMap, frozen
+from scheduler.persistent import PArray, PMap
 
 NULL_BLOCK = 0
 _NOT_QUEUED = -1
@@ -29,18 +29,19 @@ _NOT_QUEUED = -1
 
 class BlockPool(NamedTuple):
     """refs: [num_blocks] int32 live references (block-table entries) per block (`ref_count`).
-    free_uncached: [F] int32 free blocks without a hash, taken from the end.
-    cached_queue: [Q] int32 released cached blocks, oldest first, dead entries included.
-    queue_head: queue position of cached_queue[0].
-    queue_pos: [num_blocks] int64 queue position of the block's live entry, -1 if none.
-    num_cached_free: live entries (free blocks that are still hit-able).
+    uncached: [num_blocks] int32 stack; its first `num_uncached` entries are the free uncached blocks.
+    ring: [2 num_blocks] int32 the cached queue, positions [queue_head, queue_end) at `p % len(ring)`.
+    queue_pos: [num_blocks] int64 ring position of the block's live entry, -1 if none.
+    num_cached_free: live ring entries (free blocks that are still hit-able).
     hash_to_block: the KV prefix cache (chained block hash -> block id).
     block_hash: [num_blocks] int64 the hash each cached block is published under, 0 if none."""
 
     refs: PArray
-    free_uncached: np.ndarray
-    cached_queue: np.ndarray
+    uncached: PArray
+    num_uncached: int
+    ring: PArray
     queue_head: int
+    queue_end: int
     queue_pos: PArray
     num_cached_free: int
     hash_to_block: PMap
@@ -48,8 +49,9 @@ class BlockPool(NamedTuple):
 
     @staticmethod
     def create(num_blocks: int) -> BlockPool:
-        free = np.arange(num_blocks - 1, 0, -1, dtype=np.int32)  # so block 1 is handed out first
-        return BlockPool(PArray(np.zeros(num_blocks, np.int32)), frozen(free), frozen(free[:0].copy()), 0,
+        stack = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)  # block 1 on top: handed out first
+        return BlockPool(PArray(np.zeros(num_blocks, np.int32)), PArray(stack), num_blocks - 1,
+                         PArray(np.zeros(2 * num_blocks, np.int32)), 0, 0,
                          PArray(np.full(num_blocks, _NOT_QUEUED, np.int64)), 0, PMap(),
                          PArray(np.zeros(num_blocks, np.int64)))
 
@@ -59,13 +61,19 @@ class BlockPool(NamedTuple):
 
     @property
     def num_free(self) -> int:
-        return len(self.free_uncached) + self.num_cached_free
+        return self.num_uncached + self.num_cached_free
+
+    @property
+    def free_uncached(self) -> np.ndarray:
+        """The free uncached blocks, the next one to be handed out last."""
+        return self.uncached.get()[:self.num_uncached].copy()
 
     @property
     def free_cached(self) -> np.ndarray:
-        """The live entries of the cached queue: free cached blocks, least recently released first."""
-        queue = self.cached_queue
-        return queue[self.queue_pos.get()[queue] == self.queue_head + np.arange(len(queue))]
+        """The free cached blocks, least recently released first."""
+        positions = np.arange(self.queue_head, self.queue_end)
+        queue = self.ring.get()[positions % len(self.ring.get())]
+        return queue[self.queue_pos.get()[queue] == positions]
 
     def edit(self) -> BlockPoolEdit:
         return BlockPoolEdit(self)
@@ -80,39 +88,22 @@ class BlockPoolEdit:
     """A private, mutable working copy of a BlockPool inside one transition."""
 
     def __init__(self, pool: BlockPool) -> None:
-        self._pool = pool
-        self.refs = pool.refs.edit()
-        self.ref_count = self.refs.view  # reads; writes go through `refs`
-        self.positions = pool.queue_pos.edit()
-        self.queue_pos = self.positions.view
-        self._uncached_end = len(pool.free_uncached)  # free_uncached[:end] are still free
-        self._consumed = 0                            # cached_queue[:consumed] were popped by evictions
-        self._queue_end = pool.queue_head + len(pool.cached_queue)  # the next release's queue position
-        self._released_uncached: list[int] = []
-        self._released_cached: list[int] = []         # queue positions [pool end, _queue_end) ...
-        self._released_consumed = 0                   # ... of which the first ones were evicted
+        self.refs, self.stack, self.ring = pool.refs.edit(), pool.uncached.edit(), pool.ring.edit()
+        self.positions, self.hashes = pool.queue_pos.edit(), pool.block_hash.edit()
+        # reads go through these read-only views, writes through the edits above
+        self.ref_count, self.queue_pos, self.block_hash = self.refs.view, self.positions.view, self.hashes.view
         self.hash_to_block = pool.hash_to_block.edit()
-        self.hashes = pool.block_hash.edit()
-        self.block_hash = self.hashes.view  # reads; writes go through `hashes`
-        self.num_free = pool.num_free
-        self.num_cached_free = pool.num_cached_free
+        self.num_uncached, self.num_cached_free = pool.num_uncached, pool.num_cached_free
+        self.queue_head, self.queue_end = pool.queue_head, pool.queue_end
+
+    @property
+    def num_free(self) -> int:
+        return self.num_uncached + self.num_cached_free
 
     def freeze(self) -> BlockPool:
-        pool = self._pool
-        uncached = pool.free_uncached[:self._uncached_end]
-        if self._released_uncached:
-            uncached = np.concatenate([uncached, np.array(self._released_uncached, np.int32)])
-        queue = pool.cached_queue[self._consumed:]
-        head = pool.queue_head + self._consumed + self._released_consumed
-        if len(self._released_cached) > self._released_consumed:
-            released = np.array(self._released_cached[self._released_consumed:], np.int32)
-            queue = np.concatenate([queue, released])
-        if len(queue) > 2 * self.num_cached_free + 1024:  # mostly dead entries: keep the live ones
-            queue = queue[self.queue_pos[queue] == head + np.arange(len(queue))]
-            head = self._queue_end
-            self.positions[queue] = head + np.arange(len(queue))
-        return BlockPool(self.refs.freeze(), frozen(uncached), frozen(queue), head, self.positions.freeze(),
-                         self.num_cached_free, self.hash_to_block.freeze(), self.hashes.freeze())
+        return BlockPool(self.refs.freeze(), self.stack.freeze(), self.num_uncached, self.ring.freeze(),
+                         self.queue_head, self.queue_end, self.positions.freeze(), self.num_cached_free,
+                         self.hash_to_block.freeze(), self.hashes.freeze())
 
     def cached_prefix_length(self, hashes: list[int], limit: int) -> int:
         return BlockPool.cached_prefix_length(self, hashes, limit)  # type: ignore[arg-type]
@@ -128,7 +119,6 @@ class BlockPoolEdit:
         blocks = np.array(block_ids, np.int32)
         refs = self.ref_count[blocks]
         revived = blocks[refs == 0]  # free cached blocks leave the queue: their entries die
-        self.num_free -= len(revived)
         self.num_cached_free -= len(revived)
         self.positions[revived] = _NOT_QUEUED
         self.refs[blocks] = refs + 1
@@ -137,36 +127,30 @@ class BlockPoolEdit:
         """`count` fresh blocks: uncached ones first, then the least recently released cached ones."""
         if count > self.num_free:
             raise RuntimeError(f"allocate({count}) with only {self.num_free} free blocks")
-        chosen = [self._released_uncached.pop() for _ in range(min(count, len(self._released_uncached)))]
-        take = min(count - len(chosen), self._uncached_end)
-        block_ids = self._pool.free_uncached[self._uncached_end - take:self._uncached_end][::-1]
-        self._uncached_end -= take
-        evicted = self._evict_cached(count - len(chosen) - take) if len(chosen) + take < count else []
-        parts = [np.array(chosen, np.int32), block_ids, np.array(evicted, np.int32)]
-        out = np.concatenate(parts) if chosen or evicted else block_ids.copy()
+        take = min(count, self.num_uncached)
+        out = self.stack.view[self.num_uncached - take:self.num_uncached][::-1].copy()  # not a view: kept
+        self.num_uncached -= take
+        if take < count:
+            out = np.concatenate([out, self._evict_cached(count - take)])
         self.refs[out] = 1
-        self.num_free -= count
         return out
 
-    def _evict_cached(self, count: int) -> list[int]:
+    def _evict_cached(self, count: int) -> np.ndarray:
         out: list[int] = []
-        queue, head = self._pool.cached_queue, self._pool.queue_head
+        ring, capacity = self.ring.view, len(self.ring.view)
         while len(out) < count:
-            if self._consumed < len(queue):
-                block, position = int(queue[self._consumed]), head + self._consumed
-                self._consumed += 1
-            else:  # the whole old queue is consumed: go on with this edit's releases
-                block = self._released_cached[self._released_consumed]
-                position = head + len(queue) + self._released_consumed
-                self._released_consumed += 1
+            position = self.queue_head
+            block = int(ring[position % capacity])
+            self.queue_head += 1
             if self.queue_pos[block] != position:
                 continue  # a dead entry: the block was hit or released again since
             self.hash_to_block.pop(int(self.block_hash[block]))
-            self.hashes[block] = 0
-            self.positions[block] = _NOT_QUEUED
-            self.num_cached_free -= 1
             out.append(block)
-        return out
+        evicted = np.array(out, np.int32)
+        self.hashes[evicted] = 0
+        self.positions[evicted] = _NOT_QUEUED
+        self.num_cached_free -= count
+        return evicted
 
     def release(self, block_ids: np.ndarray | list[int]) -> None:
         """Drop one reference from each (distinct) block; blocks reaching 0 become free (cached ones stay
@@ -176,14 +160,30 @@ class BlockPoolEdit:
         refs = self.ref_count[blocks] - 1
         self.refs[blocks] = refs
         freed = blocks[refs == 0]
-        self.num_free += len(freed)
         cached = self.block_hash[freed] != 0
-        queued = freed[cached]
-        self.positions[queued] = self._queue_end + np.arange(len(queued))
-        self._queue_end += len(queued)
-        self.num_cached_free += len(queued)
-        self._released_cached += queued.tolist()
-        self._released_uncached += freed[~cached].tolist()
+        uncached = freed[~cached]
+        self.stack[self.num_uncached:self.num_uncached + len(uncached)] = uncached
+        self.num_uncached += len(uncached)
+        self._enqueue(freed[cached])
+
+    def _enqueue(self, blocks: np.ndarray) -> None:
+        capacity = len(self.ring.view)
+        if self.queue_end + len(blocks) - self.queue_head > capacity:
+            self._compact()  # leaves at most num_blocks live entries in a ring of 2 num_blocks
+        positions = self.queue_end + np.arange(len(blocks))
+        self.ring[positions % capacity] = blocks
+        self.positions[blocks] = positions
+        self.queue_end += len(blocks)
+        self.num_cached_free += len(blocks)
+
+    def _compact(self) -> None:
+        """Move the live entries to fresh positions after queue_end, dropping the dead ones."""
+        positions = np.arange(self.queue_head, self.queue_end)
+        queue = self.ring.view[positions % len(self.ring.view)]
+        live = queue[self.queue_pos[queue] == positions]
+        self.queue_head = self.queue_end
+        self.num_cached_free -= len(live)
+        self._enqueue(live)
 
     def register(self, block_ids: list[int], block_hashes: list[int]) -> None:
         """Publish computed blocks under their chained hashes (first writer wins on duplicates)."""
