@@ -100,6 +100,10 @@ class BlockPoolEdit:
     def num_free(self) -> int:
         return self.num_uncached + self.num_cached_free
 
+    def rollback(self) -> None:
+        for edit in (self.refs, self.stack, self.ring, self.positions, self.hashes, self.hash_to_block):
+            edit.rollback()
+
     def freeze(self) -> BlockPool:
         return BlockPool(self.refs.freeze(), self.stack.freeze(), self.num_uncached, self.ring.freeze(),
                          self.queue_head, self.queue_end, self.positions.freeze(), self.num_cached_free,

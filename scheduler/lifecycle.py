@@ -17,7 +17,9 @@ from scheduler.state import SchedulerState, TokenLog, request_num_tokens
 
 
 class StateEdit:
-    """Mutable copies of one state's parts; `freeze()` builds the next immutable state."""
+    """Mutable copies of one state's parts; `freeze()` builds the next immutable state. Used as a
+    context manager: if the transition raises, the writes it made to the shared persistent arrays
+    and maps are undone, so the input state stays whole."""
 
     def __init__(self, state: SchedulerState) -> None:
         self.cfg = state.config
@@ -35,6 +37,15 @@ class StateEdit:
         self.materializations = state.materializations
         self.in_flight = state.in_flight
         self.step = state.step
+
+    def __enter__(self) -> StateEdit:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if error is not None:
+            self.rows.rollback()
+            self.blocks.rollback()
+            self.slots.rollback()
 
     def running_rows(self) -> np.ndarray:
         """The row of each running request, in running order (recomputed only past the first change)."""
@@ -66,12 +77,12 @@ class StateEdit:
 def add_request(state: SchedulerState, request: Request) -> SchedulerState:
     """Queue a request; raises ValueError (state unchanged) if it is malformed or can never fit."""
     _validate_request(state, request)
-    edit = StateEdit(state)
-    edit.logs[request.request_id] = TokenLog.create(request.prompt_token_ids, state.config.hash_unit)
-    edit.requests[request.request_id] = request
-    edit.parked[request.request_id] = request.num_prompt_tokens
-    edit.waiting.append(request.request_id)
-    return edit.freeze()
+    with StateEdit(state) as edit:
+        edit.logs[request.request_id] = TokenLog.create(request.prompt_token_ids, state.config.hash_unit)
+        edit.requests[request.request_id] = request
+        edit.parked[request.request_id] = request.num_prompt_tokens
+        edit.waiting.append(request.request_id)
+        return edit.freeze()
 
 
 def _validate_request(state: SchedulerState, request: Request) -> None:
@@ -102,13 +113,13 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
     """Remove a request and free what it holds; raises KeyError (state unchanged) if unknown."""
     if request_id not in state.requests:
         raise KeyError(f"abort_request: unknown request_id {request_id!r}")
-    edit = StateEdit(state)
-    if request_id in edit.row_of:
-        release_row(edit, request_id)
-    else:
-        edit.waiting.remove(request_id)
-    forget(edit, request_id)
-    return edit.freeze()
+    with StateEdit(state) as edit:
+        if request_id in edit.row_of:
+            release_row(edit, request_id)
+        else:
+            edit.waiting.remove(request_id)
+        forget(edit, request_id)
+        return edit.freeze()
 
 
 def preempt_request(state: SchedulerState, request_id: str) -> SchedulerState:
@@ -117,9 +128,9 @@ def preempt_request(state: SchedulerState, request_id: str) -> SchedulerState:
         raise KeyError(f"preempt_request: {request_id!r} is not running")
     if state.in_flight is not None:
         raise RuntimeError("preempt_request: a step is in flight; call update first")
-    edit = StateEdit(state)
-    preempt(edit, request_id)
-    return edit.freeze()
+    with StateEdit(state) as edit:
+        preempt(edit, request_id)
+        return edit.freeze()
 
 
 def forget(edit: StateEdit, request_id: str) -> None:

@@ -155,6 +155,12 @@ class PMapEdit:
         self._undo.append((key, value))
         return value
 
+    def rollback(self) -> None:
+        """Undo this edit's writes (a transition that raised): the base version is whole again."""
+        if self._undo:
+            _revert_dict(self._data, self._undo)
+            self._undo = []
+
     def freeze(self) -> PMap:
         if not self._undo:
             return self._base
@@ -201,6 +207,11 @@ class PArrayEdit:
     def __setitem__(self, index, values) -> None:
         self._undo.append((index, self._array[index].copy()))
         self._array[index] = values
+
+    def rollback(self) -> None:
+        """Undo this edit's writes (a transition that raised): the base version is whole again."""
+        _revert_array(self._array, self._undo)
+        self._undo = []
 
     def freeze(self) -> PArray:
         if not self._undo:

@@ -33,17 +33,17 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, BatchPlan]:
     """Choose the next step. Raises RuntimeError if the previous plan has not been `update`d."""
     if state.in_flight is not None:
         raise RuntimeError(f"schedule: step {state.in_flight.step_id} is still in flight; call update first")
-    edit = StateEdit(state)
-    edit.step += 1
-    p = Pass(edit)
-    decode = _schedule_decodes(p)
-    _issue_materializations(p)
-    _schedule_running_prefills(p)
-    admit_waiting(p)
-    edit.in_flight = InFlight(edit.step, tuple(p.ready_slots), tuple(p.checkpoint_keys))
-    copies = Copies(p.hit_copies, p.pair_copies, p.publishes, p.materializes)
-    plan = assemble(edit.cfg, edit.step, decode, p.prefills, copies, edit.rows.block_table, edit.rows.num_blocks)
-    return edit.freeze(), plan
+    with StateEdit(state) as edit:
+        edit.step += 1
+        p = Pass(edit)
+        decode = _schedule_decodes(p)
+        _issue_materializations(p)
+        _schedule_running_prefills(p)
+        admit_waiting(p)
+        edit.in_flight = InFlight(edit.step, tuple(p.ready_slots), tuple(p.checkpoint_keys))
+        copies = Copies(p.hit_copies, p.pair_copies, p.publishes, p.materializes)
+        plan = assemble(edit.cfg, edit.step, decode, p.prefills, copies, edit.rows.block_table, edit.rows.num_blocks)
+        return edit.freeze(), plan
 
 
 def _decode_rows(p: Pass) -> tuple[list[str], np.ndarray]:

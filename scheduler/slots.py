@@ -68,6 +68,10 @@ class SlotPoolEdit:
         self.pinned: set[int] = set()  # cached slots read by this step's hit copies: not evictable
         self.evicted: list[int] = []  # hashes evicted by this edit (checkpoint table: READY -> ABSENT)
 
+    def rollback(self) -> None:
+        self.hash_to_slot.rollback()
+        self.slot_to_hash.rollback()
+
     def freeze(self) -> SlotPool:
         return SlotPool(frozen(self.kind), frozen(self.stamp), self.hash_to_slot.freeze(), self.slot_to_hash.freeze())
 

@@ -86,6 +86,10 @@ class Rows:
             self._edits[name] = self._tables[name].edit()
         return self._edits[name]
 
+    def rollback(self) -> None:
+        for edit in self._edits.values():
+            edit.rollback()
+
     def frozen(self) -> Rows:
         # column views are taken on each read, so freezing the buffers freezes every view
         self.ints.flags.writeable = self.bools.flags.writeable = self.drafts.flags.writeable = False

@@ -57,16 +57,16 @@ def update(state: SchedulerState, plan: BatchPlan, result: StepResult) -> tuple[
     if state.in_flight is None or state.in_flight.step_id != plan.step_id:
         raise ValueError(f"update: plan {plan.step_id} is not the step in flight ({state.in_flight})")
     check_step_result(plan, result, state.config.num_spec_tokens)
-    edit = StateEdit(state)
-    _complete_in_flight(edit, state.in_flight)
-    edit.in_flight = None
-    num_decode = int(np.count_nonzero(plan.row_kind[:plan.num_rows] >= RowKind.DECODE))
-    outputs = []
-    if num_decode:
-        outputs.append(_update_decodes(edit, plan, result, _live(edit, plan, 0, num_decode)))
-    if plan.num_rows > num_decode:
-        outputs.append(_update_prefills(edit, plan, result, _live(edit, plan, num_decode, plan.num_rows)))
-    return edit.freeze(), _join(outputs, 1 + state.config.num_spec_tokens)
+    with StateEdit(state) as edit:
+        _complete_in_flight(edit, state.in_flight)
+        edit.in_flight = None
+        num_decode = int(np.count_nonzero(plan.row_kind[:plan.num_rows] >= RowKind.DECODE))
+        outputs = []
+        if num_decode:
+            outputs.append(_update_decodes(edit, plan, result, _live(edit, plan, 0, num_decode)))
+        if plan.num_rows > num_decode:
+            outputs.append(_update_prefills(edit, plan, result, _live(edit, plan, num_decode, plan.num_rows)))
+        return edit.freeze(), _join(outputs, 1 + state.config.num_spec_tokens)
 
 
 def _live(edit: StateEdit, plan: BatchPlan, lo: int, hi: int) -> _Live:

@@ -4,6 +4,8 @@ running slot per request and no per-draft state columns)."""
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler import schedule
 from scheduler.blocks import BlockPool
@@ -102,3 +104,111 @@ def test_waiting_request_without_memory_waits_instead_of_failing():
     assert plan.request_ids == ("a",)
     state, _ = __import__("scheduler").update(state, plan, result_for(plan, 0))
     assert "b" in state.waiting
+
+
+class _PoolModel:
+    """Plain-Python block pool with the same rules: uncached stack first, then exact LRU eviction."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.refs = [0] * num_blocks
+        self.stack = list(range(num_blocks - 1, 0, -1))
+        self.lru: list[int] = []
+        self.hash_of: dict[int, int] = {}
+
+    def copy(self) -> _PoolModel:
+        model = _PoolModel(0)
+        model.refs, model.stack, model.lru, model.hash_of = list(self.refs), list(self.stack), list(self.lru), dict(
+            self.hash_of)
+        return model
+
+    def allocate(self, count: int) -> list[int]:
+        out = [self.stack.pop() for _ in range(min(count, len(self.stack)))]
+        while len(out) < count:
+            block = self.lru.pop(0)
+            del self.hash_of[block]
+            out.append(block)
+        for block in out:
+            self.refs[block] = 1
+        return out
+
+    def release(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.refs[block] -= 1
+            if not self.refs[block]:
+                (self.lru if block in self.hash_of else self.stack).append(block)
+
+    def take(self, blocks: list[int]) -> None:
+        for block in blocks:
+            if not self.refs[block]:
+                self.lru.remove(block)
+            self.refs[block] += 1
+
+    def register(self, blocks: list[int], keys: list[int]) -> None:
+        for block, key in zip(blocks, keys, strict=True):
+            if key not in self.hash_of.values() and block not in self.hash_of:
+                self.hash_of[block] = key
+
+
+def _assert_pool_matches(pool: BlockPool, model: _PoolModel) -> None:
+    assert pool.ref_count.tolist() == model.refs
+    assert pool.free_uncached.tolist() == model.stack
+    assert pool.free_cached.tolist() == model.lru and pool.num_free == len(model.stack) + len(model.lru)
+    assert pool.hash_to_block.to_dict() == {key: block for block, key in model.hash_of.items()}
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_block_pool_versions_match_a_plain_model(data):
+    """Random allocate / release / hit / publish on random versions (branching included) of a small
+    pool, so that the cached ring wraps and compacts: every version keeps matching its own model."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    versions = [(BlockPool.create(6), _PoolModel(6))]
+    next_key = iter(range(1, 10**6))
+    for _ in range(data.draw(st.integers(1, 150))):
+        pool, model = versions[rng.integers(len(versions))]
+        edit, model = pool.edit(), model.copy()
+        for _ in range(rng.integers(1, 4)):
+            held = [b for b in range(1, 6) if model.refs[b]]
+            hit = [b for b in model.lru if rng.random() < 0.3] + [b for b in held if rng.random() < 0.2]
+            choice = rng.choice(4, p=[0.15, 0.35, 0.35, 0.15])  # hits and releases leave dead ring entries
+            if choice == 0 and model.stack + model.lru:
+                count = int(rng.integers(1, len(model.stack) + len(model.lru) + 1))
+                assert edit.allocate(count).tolist() == model.allocate(count)
+            elif choice == 1 and held:
+                gone = [b for b in held if rng.random() < 0.5]
+                edit.release(gone)
+                model.release(gone)
+            elif choice == 2 and hit:
+                edit.take(tuple(hit))
+                model.take(hit)
+            elif held:
+                keys = [next(next_key) if rng.random() < 0.8 else 1 for _ in held]
+                edit.register(held, keys)
+                model.register(held, keys)
+            assert edit.num_free == len(model.stack) + len(model.lru)
+        versions.append((edit.freeze(), model))
+        _assert_pool_matches(*versions[rng.integers(len(versions))])
+    for pool, model in versions:
+        _assert_pool_matches(pool, model)
+
+
+def test_cached_ring_compacts_dead_entries_and_keeps_lru_order():
+    pool = BlockPool.create(4)  # a ring of 8 positions
+    edit = pool.edit()
+    blocks = edit.allocate(3).tolist()
+    edit.register(blocks, [101, 102, 103])
+    versions = []
+    for cycle in range(6):  # each cycle leaves 3 dead entries: the ring must compact to go on
+        order = blocks[cycle % 3:] + blocks[:cycle % 3]
+        for block in order:
+            edit.release([block])
+        versions.append((edit.freeze(), order))
+        if cycle < 5:
+            edit = versions[-1][0].edit()
+            edit.take(tuple(blocks))
+    assert max(v[0].queue_end - v[0].queue_head for v in versions) <= 8 < versions[-1][0].queue_end
+    for frozen_pool, order in versions:  # every version still sees its own LRU order
+        assert frozen_pool.free_cached.tolist() == order and frozen_pool.num_free == 3
+        edit = frozen_pool.edit()
+        assert edit.allocate(3).tolist() == order  # evicted oldest first
+        assert edit.freeze().num_free == 0 and frozen_pool.free_cached.tolist() == order

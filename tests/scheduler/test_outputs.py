@@ -1,12 +1,16 @@
-"""StepOutputs (batched update outputs) and the token tails behind them (history.py)."""
+"""StepOutputs (batched update outputs), the token tails behind them (history.py) and TokenLog."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler import FinishReason, RequestOutput, StepOutputs, schedule, update
+from scheduler.persistent import frozen
 from scheduler.prefix_cache import ROOT_HASH, chain_hashes, unit_digests
+from scheduler.state import TokenLog
 from tests.scheduler.helpers import Driver, make_config, request, result_for
 
 
@@ -51,3 +55,23 @@ def test_token_history_and_hashes_survive_tails_of_any_block_size(block_size, k)
         full = log.length // block_size
         digests = unit_digests(np.array(tokens[:full * block_size]), block_size).tolist()
         assert log.hashes == chain_hashes(ROOT_HASH, digests)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 50), min_size=1, max_size=9), min_size=1, max_size=6),
+       st.integers(1, 4), st.data())
+def test_token_log_slices_branches_and_hashes_like_one_list(chunks, hash_unit, data):
+    log = TokenLog.create(chunks[0], hash_unit)
+    for chunk in chunks[1:]:
+        log.extend(frozen(np.array(chunk, np.int32)), hash_unit)
+    tokens = [t for chunk in chunks for t in chunk]
+    full = len(tokens) // hash_unit * hash_unit
+    assert log.length == len(tokens)
+    assert log.hashes == chain_hashes(ROOT_HASH, unit_digests(np.array(tokens[:full]), hash_unit).tolist())
+    start = data.draw(st.integers(0, len(tokens)))
+    end = data.draw(st.integers(start, len(tokens)))
+    assert log.slice(start, end).tolist() == tokens[start:end]
+    branch = log.branch(end, hash_unit)
+    assert branch.slice(0, end).tolist() == tokens[:end] and branch.hashes == log.hashes[:end // hash_unit]
+    branch.extend(frozen(np.array([7, 7, 7], np.int32)), hash_unit)  # the branch writes only its own copy
+    assert log.slice(0, log.length).tolist() == tokens and branch.length == end + 3

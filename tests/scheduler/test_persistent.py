@@ -1,10 +1,14 @@
-"""PMap: every version keeps its own contents however the versions are edited and read."""
+"""PMap and PArray: every version keeps its own contents however the versions are edited and read."""
 
 from __future__ import annotations
 
 import random
 
-from scheduler.persistent import PMap
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.persistent import PArray, PMap
 
 
 def test_branches_do_not_see_each_other():
@@ -48,3 +52,43 @@ def test_data_reads_the_edited_version():
     assert edit.data() == {2: "b", 3: "c"}
     edit.freeze()
     assert base.edit().data() == {1: "a", 2: "b"}
+
+
+def test_parray_branches_do_not_see_each_other():
+    base = PArray(np.arange(6, dtype=np.int32))
+    edit = base.edit()
+    edit[np.array([1, 4])] = 9
+    assert edit.view.tolist() == [0, 9, 2, 3, 9, 5] and not edit.view.flags.writeable
+    left = edit.freeze()
+    edit = base.edit()
+    edit[2:4] = edit[0:2] + 7
+    right = edit.freeze()
+    assert base.get().tolist() == [0, 1, 2, 3, 4, 5]
+    assert left.get().tolist() == [0, 9, 2, 3, 9, 5]
+    assert right.get().tolist() == [0, 1, 7, 8, 4, 5]
+    assert base.edit().freeze() is base  # nothing written: the same version
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_parray_random_version_tree_matches_plain_copies(data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    versions = [(PArray(np.zeros((4, 6), np.int64)), np.zeros((4, 6), np.int64))]
+    for _ in range(data.draw(st.integers(1, 60))):
+        parray, expected = versions[rng.integers(len(versions))]
+        edit, expected = parray.edit(), expected.copy()
+        for _ in range(rng.integers(0, 4)):
+            value = int(rng.integers(1, 100))
+            if rng.random() < 0.5:  # basic slice of one row
+                row, lo = int(rng.integers(4)), int(rng.integers(6))
+                index = (row, slice(lo, lo + int(rng.integers(1, 4))))
+            else:  # 2-D fancy index with broadcasting, duplicates allowed
+                rows = rng.integers(0, 4, 3)
+                index = (rows[:, None], rng.integers(0, 6, 2)[None, :])
+            edit[index] = value
+            expected[index] = value
+        versions.append((edit.freeze(), expected))
+        old, want = versions[rng.integers(len(versions))]
+        np.testing.assert_array_equal(old.get(), want)
+    for parray, want in versions:
+        np.testing.assert_array_equal(parray.get(), want)

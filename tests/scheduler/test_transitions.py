@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 
 import numpy as np
 import pytest
@@ -79,6 +80,25 @@ def test_transitions_leave_the_old_state_unchanged_and_are_deterministic():
         s3 = snapshot(s2)
         mutate(s2)
         assert_same(s3, snapshot(s2))
+
+
+def test_a_transition_that_raises_midway_leaves_the_state_whole(monkeypatch):
+    """Transitions write the shared persistent tables in place; an error after some writes (here a
+    failing plan assembly, after blocks were allocated and tables grown) must undo them."""
+    s0 = _busy_state().state
+    before = snapshot(s0)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("plan assembly failed")
+    monkeypatch.setattr(sys.modules["scheduler.schedule"], "assemble", broken)
+    with pytest.raises(RuntimeError, match="assembly failed"):
+        schedule(s0)
+    monkeypatch.undo()
+    assert_same(before, snapshot(s0))
+    s1, plan = schedule(s0)  # the same step as from an identical state that never failed
+    reference, reference_plan = schedule(_busy_state().state)
+    assert_same(snapshot(reference), snapshot(s1))
+    assert np.array_equal(plan.slot_mapping, reference_plan.slot_mapping) and check_invariants(s1) == []
 
 
 def test_state_columns_are_read_only():
