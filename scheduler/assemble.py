@@ -71,7 +71,7 @@ def assemble(cfg: SchedulerConfig, step_id: int, decode: DecodeBatch, prefills: 
             [(len(p.token_ids), p.samples, p.start, p.state_slot, len(p.lookahead)) for p in prefills]).T
     _fill_copies(ints[len(_ROW_FIELDS):], copies)
     cu_seqlens = np.zeros(rows_b + 1, np.int32)
-    np.cumsum(ints[0], out=cu_seqlens[1:])
+    ints[0].cumsum(out=cu_seqlens[1:])
     tokens = _token_fields(cfg, decode, prefills, row_ids, cu_seqlens, block_table)
     table = _block_table(cfg, row_ids, block_table, num_blocks, rows_b)
     fields = dict(zip(_ROW_FIELDS + _COPY_FIELDS, frozen(ints), strict=True))  # views of a frozen buffer
@@ -90,7 +90,7 @@ def _block_table(cfg: SchedulerConfig, row_ids: np.ndarray, block_table: np.ndar
     first = int(row_ids[0]) if n else 0
     # rows admitted in order and never reshuffled (a steady decode batch) are one slice: a memcpy
     # instead of an element-wise gather of up to R x max_blocks entries
-    in_order = n and int(row_ids[-1]) == first + n - 1 and bool((np.diff(row_ids) == 1).all())
+    in_order = n and int(row_ids[-1]) == first + n - 1 and bool((row_ids[1:] > row_ids[:-1]).all())
     rows = slice(first, first + n) if in_order else row_ids
     width = pick_bucket(cfg.block_table_buckets, int(num_blocks[rows].max(initial=0)))
     table = np.empty((rows_b, width), np.int32)
@@ -103,7 +103,8 @@ def _row_flags(cfg: SchedulerConfig, decode: DecodeBatch, prefills: list[Prefill
     n, end = len(decode.rows), len(decode.rows) + len(prefills)
     kinds = np.zeros(rows_b, np.int8)
     kinds[:n] = RowKind.VERIFY if cfg.num_spec_tokens else RowKind.DECODE
-    phase = np.full(rows_b, 2, np.int8)  # decode, padding and ordinary prefill rows run in phase 2
+    phase = np.empty(rows_b, np.int8)
+    phase.fill(2)  # decode, padding and ordinary prefill rows run in phase 2
     has_initial_state, flush = np.zeros((2, rows_b), bool)
     has_initial_state[:n] = decode.cols[NUM_COMPUTED] > 0
     flush[:n] = decode.flush
@@ -136,11 +137,11 @@ def _token_fields(cfg: SchedulerConfig, decode: DecodeBatch, prefills: list[Pref
     if prefills:
         rows, starts = row_ids[n:], cu_seqlens[n:len(row_ids)]
         lens = cu_seqlens[n + 1:len(row_ids) + 1] - starts
-        first = np.repeat(np.array([p.start for p in prefills]) - starts, lens)  # position - token index
+        first = (np.array([p.start for p in prefills]) - starts).repeat(lens)  # position - token index
         position = first + np.arange(n * q, num_tokens, dtype=np.int32)
         buffer[0, n * q:num_tokens] = np.concatenate([p.token_ids for p in prefills])
         buffer[1, n * q:num_tokens] = position
-        buffer[2, n * q:num_tokens] = block_table[np.repeat(rows, lens), position // size] * size + position % size
+        buffer[2, n * q:num_tokens] = block_table[rows.repeat(lens), position // size] * size + position % size
     token_ids, positions, slot_mapping = frozen(buffer)
     return dict(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping)
 

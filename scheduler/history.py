@@ -35,7 +35,7 @@ def append_tokens(logs: dict[str, TokenLog], rows: Rows, unit: int, hash_unit: i
     # the whole width is stored: entries past counts[i] land beyond num_tokens, where nobody reads
     tail[row_ids[:, None], offset[:, None] + np.arange(token_ids.shape[1], dtype=np.int32)] = token_ids
     rows.num_tokens[row_ids] = before + counts
-    full = np.flatnonzero(offset + counts >= unit)
+    full = (offset + counts >= unit).nonzero()[0]
     while full.size:  # more than one round only when 1 + K > unit
         _log_blocks(logs, tail, rows, [request_ids[j] for j in full.tolist()], row_ids[full],
                     (before - offset)[full], unit, hash_unit)

@@ -187,4 +187,4 @@ def preempt(edit: StateEdit, request_id: str) -> None:
 
 
 def free_row(edit: StateEdit) -> int:
-    return int(np.argmin(edit.rows.active))  # the first inactive row (False < True)
+    return int(edit.rows.active.argmin())  # the first inactive row (False < True)

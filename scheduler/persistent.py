@@ -18,7 +18,7 @@ import numpy as np
 
 def frozen(array: np.ndarray) -> np.ndarray:
     """Mark a state array read-only in place, so a later in-place write raises instead of leaking."""
-    array.flags.writeable = False
+    array.setflags(write=False)
     return array
 
 

@@ -122,7 +122,7 @@ def check_step_result(plan: BatchPlan, result: StepResult, num_spec_tokens: int)
         raise ValueError(f"sampled_token_ids shape {result.sampled_token_ids.shape} does not fit "
                          f"{rows} rows x {1 + num_spec_tokens}")
     accepted = result.num_accepted[:rows]
-    if accepted.shape[0] < rows or np.any(accepted < 0) or np.any(accepted > num_spec_tokens):
+    if accepted.shape[0] < rows or rows and (accepted.min() < 0 or accepted.max() > num_spec_tokens):
         raise ValueError(f"num_accepted must be in [0, {num_spec_tokens}] for {rows} rows")
     if result.draft_token_ids.shape[0] < rows or result.draft_token_ids.shape[1] != num_spec_tokens:
         raise ValueError(f"draft_token_ids shape {result.draft_token_ids.shape} does not fit K={num_spec_tokens}")

@@ -106,4 +106,4 @@ class StepOutputs:
     @property
     def finished_ids(self) -> list[str]:
         """Requests that ended in this step (their rows and memory are already released)."""
-        return [self.request_ids[i] for i in np.flatnonzero(self.finish_codes).tolist()]
+        return [self.request_ids[i] for i in self.finish_codes.nonzero()[0].tolist()]

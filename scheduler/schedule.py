@@ -49,7 +49,7 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, BatchPlan]:
 def _decode_rows(p: Pass) -> tuple[list[str], np.ndarray]:
     """Running requests past their prefill, oldest first, as many as the budget holds."""
     running, all_rows = p.edit.running, p.edit.running_rows()
-    index = np.flatnonzero(p.edit.rows.prefill_done[all_rows])[:p.budget // p.query_len]
+    index = p.edit.rows.prefill_done[all_rows].nonzero()[0][:p.budget // p.query_len]
     if len(index) == len(running):
         return list(running), all_rows
     return list(map(running.__getitem__, index.tolist())), all_rows[index]
@@ -77,7 +77,7 @@ def _grow_block_tables(p: Pass, row_ids: np.ndarray, need: np.ndarray, held: np.
         return
     rows, table = p.edit.rows, p.edit.rows.edit("block_table")
     if need.max() == 1:  # the usual case: at most one new block per row, vectorised
-        grow = np.flatnonzero(need)
+        grow = need.nonzero()[0]
         table[row_ids[grow], held[grow]] = new_blocks
         rows.num_blocks[row_ids[grow]] += 1
         return

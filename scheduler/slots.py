@@ -90,10 +90,10 @@ class SlotPoolEdit:
         """`count` slots of `kind` (owning the distinct prefix hashes `keys`, if given): free ones first,
         then LRU-evicted cached ones."""
         if count == 1:  # the common case: FREE is the smallest kind, so argmin finds the first free slot
-            first = int(np.argmin(self.kind))
+            first = int(self.kind.argmin())
             slots = [first] if self.kind[first] == SlotKind.FREE else []
         else:
-            slots = np.flatnonzero(self.kind == SlotKind.FREE)[:count].tolist()
+            slots = (self.kind == SlotKind.FREE).nonzero()[0][:count].tolist()
         self.kind[slots] = kind
         for _ in range(count - len(slots)):
             slots.append(self._lru_victim())
@@ -123,7 +123,7 @@ class SlotPoolEdit:
     def _lru_victim(self) -> int:
         age = np.where(self.kind == SlotKind.CACHED, self.stamp, _NEVER)
         age[list(self.pinned)] = _NEVER
-        victim = int(np.argmin(age))
+        victim = int(age.argmin())
         if age[victim] == _NEVER:
             raise RuntimeError("no free or evictable state slot")
         key = self.slot_to_hash.pop(victim)

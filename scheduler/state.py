@@ -92,7 +92,8 @@ class Rows:
 
     def frozen(self) -> Rows:
         # column views are taken on each read, so freezing the buffers freezes every view
-        self.ints.flags.writeable = self.bools.flags.writeable = self.drafts.flags.writeable = False
+        for buffer in (self.ints, self.bools, self.drafts):
+            buffer.setflags(write=False)
         if self._edits:
             self._tables = self._tables | {name: edit.freeze() for name, edit in self._edits.items()}
             self._edits = {}

@@ -75,7 +75,7 @@ def _live(edit: StateEdit, plan: BatchPlan, lo: int, hi: int) -> _Live:
     alive = edit.rows.active[rows]
     if alive.all():
         return _Live(np.arange(lo, hi), plan.request_ids[lo:hi], rows)
-    index = np.flatnonzero(alive)
+    index = alive.nonzero()[0]
     return _Live(index + lo, tuple(plan.request_ids[lo + i] for i in index.tolist()), rows[index])
 
 
@@ -123,7 +123,7 @@ def _update_prefills(edit: StateEdit, plan: BatchPlan, result: StepResult, live:
 
 
 def _subset(live: _Live, mask: np.ndarray) -> _Live:
-    keep = np.flatnonzero(mask)
+    keep = mask.nonzero()[0]
     return _Live(live.index[keep], tuple(live.rids[j] for j in keep.tolist()), live.rows[keep])
 
 
@@ -143,7 +143,7 @@ def _emit(edit: StateEdit, live: _Live, cols: np.ndarray, sampled: np.ndarray, c
 def _first_stop(edit: StateEdit, live: _Live, eos: np.ndarray, sampled: np.ndarray, keep: np.ndarray) -> np.ndarray:
     """[n] index of the first kept eos/stop token per row, -1 if none (eos vectorised)."""
     hits = (np.arange(sampled.shape[1], dtype=np.int32) < keep[:, None]) & (sampled == eos[:, None])
-    for j in np.flatnonzero(edit.rows.has_stop[live.rows]).tolist():  # extra stop ids: rare, per row
+    for j in edit.rows.has_stop[live.rows].nonzero()[0].tolist():  # extra stop ids: rare, per row
         stop_ids = edit.requests[live.rids[j]].sampling_params.stop_ids
         hits[j, :keep[j]] |= np.isin(sampled[j, :keep[j]], list(stop_ids))
     first = hits.argmax(axis=1)
@@ -159,7 +159,7 @@ def _publish_crossed_blocks(edit: StateEdit, live: _Live, before: np.ndarray, af
     row_ids, cfg = live.rows, edit.cfg
     boundary = crossed_boundary(before, after, cfg.log_unit)
     # a row cut by a stop token may have computed past its last token: it ends now, release_row publishes
-    crossed = np.flatnonzero((boundary > 0) & (boundary <= num_tokens))
+    crossed = ((boundary > 0) & (boundary <= num_tokens)).nonzero()[0]
     if not crossed.size:
         return
     first = before[crossed] // cfg.log_unit * cfg.log_unit // cfg.hash_unit
