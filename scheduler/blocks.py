@@ -189,14 +189,16 @@ class BlockPoolEdit:
         self.num_cached_free -= len(live)
         self._enqueue(live)
 
-    def register(self, block_ids: list[int], block_hashes: list[int]) -> None:
+    def register(self, block_ids: np.ndarray | list[int], block_hashes: list[int]) -> None:
         """Publish computed blocks under their chained hashes (first writer wins on duplicates)."""
         unknown = map(operator.not_, map(self.hash_to_block.data().__contains__, block_hashes))
-        fresh = (np.fromiter(unknown, bool, len(block_hashes)) & (self.block_hash[block_ids] == 0)).tolist()
-        if not any(fresh):
+        fresh = np.fromiter(unknown, bool, len(block_hashes)) & (self.block_hash[block_ids] == 0)
+        if not fresh.any():
             return
-        keys, blocks = compress(block_hashes, fresh), compress(block_ids, fresh)
+        selected = fresh.tolist()
+        keys = list(compress(block_hashes, selected))
+        blocks = np.asarray(block_ids)[fresh].tolist()
         # built from the back, so that of two blocks with one hash the first one is written last and stays
-        published = dict(zip(reversed(list(keys)), reversed(list(blocks)), strict=True))
+        published = dict(zip(reversed(keys), reversed(blocks), strict=True))
         self.hash_to_block.update(published)
         self.hashes[np.fromiter(published.values(), np.int64)] = np.fromiter(published, np.int64)

@@ -160,13 +160,12 @@ def release_row(edit: StateEdit, request_id: str) -> None:
 def register_blocks(edit: StateEdit, spans: list[tuple[str, int, int, int]]) -> None:
     """Publish the KV blocks [first, last) of each (request, row, first, last) under their chained
     hashes; every one of them must be full and computed by a step that has run."""
-    keys: list[int] = []
-    block_ids: list[int] = []
-    table = edit.rows.block_table
+    table, keys, blocks = edit.rows.block_table, [], []
     for request_id, row, first, last in spans:
         keys += edit.logs[request_id].hashes[first:last]
-        block_ids += table[row, first:last].tolist()
-    edit.blocks.register(block_ids, keys)
+        blocks.append(table[row, first:last])
+    if keys:
+        edit.blocks.register(np.concatenate(blocks), keys)
 
 
 def release_claims(edit: StateEdit, request_id: str) -> None:

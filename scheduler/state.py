@@ -1,11 +1,15 @@
 """SchedulerState: the whole control-plane state as one immutable value (row table, queues, pools).
 
-Hot per-row counters are numpy columns (read-only; a transition copies a column once and writes the
-copy), cold per-request data are frozen `Request` values. Token histories are append-only buffers
-shared between successive states: a state sees only a prefix of its buffer, and a writer that finds
-the buffer longer than its own view (another branch appended first) copies the prefix before
-appending, so no state ever observes a change. A running request's newest tokens sit in the row
-table's `tail` instead (see history.py).
+How a transition stays cheap without ever changing an old state:
+  * hot per-row counters are two small numpy buffers (`Rows.ints`, `Rows.bools`), copied once per
+    transition and read-only afterwards; hot paths gather all columns of many rows in one call;
+  * the large tables (block tables, token tails, the block pool's arrays) are `PArray`s and the
+    hash maps `PMap`s (persistent.py): a transition writes them in place and pays O(entries
+    written), while every older state still reads exactly its own contents;
+  * token histories (`TokenLog`) are append-only and shared: a state sees only its prefix, and a
+    writer whose view is not the buffer's end branches off a copy; a running request's newest
+    tokens sit in the row table's tail until they fill a log block (history.py);
+  * cold per-request data are frozen `Request` values; dicts of the state are copied per transition.
 """
 
 from __future__ import annotations
