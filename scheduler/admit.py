@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from scheduler.checkpoints import CheckpointEvent, CheckpointStatus, Claim, advance, checkpoint_status
 from scheduler.history import start_tail
-from scheduler.lifecycle import free_row
+from scheduler.lifecycle import free_row, max_len
 from scheduler.pass_state import Pass, append_blocks, emit_prefill
 from scheduler.prefix_cache import NO_HIT, PrefixHit, checkpoint_hit, find_hit
 from scheduler.slots import SlotKind
@@ -151,11 +151,10 @@ def _claim_row(p: Pass, rid: str, hit: PrefixHit, prefill_end: int, slot: int) -
     edit, request, cfg = p.edit, p.edit.requests[rid], p.edit.cfg
     params, num_prompt = request.sampling_params, request.num_prompt_tokens
     row, rows = free_row(edit), edit.rows
-    eos = -1 if params.ignore_eos or params.eos_token_id is None else params.eos_token_id
+    eos = -1 if params.stopping_eos is None else params.stopping_eos
     checkpoint = (request.checkpoint_position or 0) if cfg.align else 0
     rows.ints[_ADMISSION_COLUMNS, row] = (hit.num_tokens, len(hit.block_ids), prefill_end, prefill_end, num_prompt,
-                                          min(num_prompt + params.max_tokens, cfg.max_model_len), checkpoint, eos,
-                                          slot)
+                                          max_len(cfg, request), checkpoint, eos, slot)
     rows.active[row] = True
     rows.has_stop[row] = bool(params.stop_token_ids)
     start_tail(edit.logs[rid], rows, row, prefill_end, cfg.log_unit)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from scheduler.checkpoints import CheckpointEvent, CheckpointStatus, advance
+from scheduler.config import SchedulerConfig
 from scheduler.history import park_tail
 from scheduler.persistent import frozen
 from scheduler.request import Request
@@ -95,8 +96,7 @@ def _validate_request(state: SchedulerState, request: Request) -> None:
         raise ValueError(f"request {rid!r}: prompt of {num_prompt} tokens leaves no room for output "
                          f"within max_model_len {cfg.max_model_len}")
     _validate_checkpoint(request, cfg.hash_unit)
-    max_len = min(num_prompt + request.sampling_params.max_tokens, cfg.max_model_len)
-    need = -(-(max_len + cfg.num_spec_tokens) // cfg.block_size)
+    need = -(-(max_len(cfg, request) + cfg.num_spec_tokens) // cfg.block_size)
     if need > cfg.num_blocks - 1:
         raise ValueError(f"request {rid!r} can never fit: it needs {need} KV blocks at its longest and the "
                          f"pool has {cfg.num_blocks - 1}")
@@ -144,7 +144,7 @@ def release_row(edit: StateEdit, request_id: str) -> None:
     park_tail(edit.logs, rows, request_id, row, cfg.log_unit, cfg.hash_unit)
     # decode publishes full blocks once per log block (update.py); cache the rest before letting go
     computed = min(int(rows.num_computed[row]), int(rows.num_tokens[row]))
-    register_blocks(edit, [(request_id, row, computed // cfg.log_unit * cfg.log_unit // cfg.hash_unit,
+    register_blocks(edit, [(request_id, row, log_block_first_block(cfg, computed),
                             computed // cfg.hash_unit)])
     edit.blocks.release(rows.block_table[row, :rows.num_blocks[row]])
     if rows.running_slot[row] != NULL_SLOT:
@@ -155,6 +155,17 @@ def release_row(edit: StateEdit, request_id: str) -> None:
     edit.parked[request_id] = int(rows.num_tokens[row])
     edit.remove_running(request_id)
     rows.clear(row)
+
+
+def max_len(cfg: SchedulerConfig, request: Request) -> int:
+    """Tokens the request may reach (prompt + outputs): where it stops with reason LENGTH."""
+    return min(request.num_prompt_tokens + request.sampling_params.max_tokens, cfg.max_model_len)
+
+
+def log_block_first_block(cfg: SchedulerConfig, num_tokens):
+    """The first KV block of the log block that holds token `num_tokens` (int or array): decode
+    publishes KV blocks once per log block, so blocks from here on may still be unpublished."""
+    return num_tokens // cfg.log_unit * cfg.log_unit // cfg.hash_unit
 
 
 def register_blocks(edit: StateEdit, spans: list[tuple[str, int, int, int]]) -> None:

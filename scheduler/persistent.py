@@ -80,33 +80,33 @@ class PMap:
     def __init__(self, data: dict | None = None, node: _Node | None = None) -> None:
         self._node = node if node is not None else _Node(dict(data or {}))
 
-    def get(self, key, default=None):
-        return _reroot(self._node, _revert_dict).get(key, default)
-
-    def __contains__(self, key) -> bool:
-        return key in _reroot(self._node, _revert_dict)
-
-    def __getitem__(self, key):
-        return _reroot(self._node, _revert_dict)[key]
-
-    def __len__(self) -> int:
-        return len(_reroot(self._node, _revert_dict))
-
-    def __iter__(self):
-        return iter(list(_reroot(self._node, _revert_dict)))
-
-    def keys(self):
-        return list(_reroot(self._node, _revert_dict))
-
-    def items(self):
-        return list(_reroot(self._node, _revert_dict).items())
-
-    def to_dict(self) -> dict:
-        return dict(_reroot(self._node, _revert_dict))
-
     def data(self) -> dict:
         """The contents as a plain dict, for C-level lookups in bulk; read it, never write it."""
         return _reroot(self._node, _revert_dict)
+
+    def get(self, key, default=None):
+        return self.data().get(key, default)
+
+    def __contains__(self, key) -> bool:
+        return key in self.data()
+
+    def __getitem__(self, key):
+        return self.data()[key]
+
+    def __len__(self) -> int:
+        return len(self.data())
+
+    def __iter__(self):
+        return iter(list(self.data()))
+
+    def keys(self):
+        return list(self.data())
+
+    def items(self):
+        return list(self.data().items())
+
+    def to_dict(self) -> dict:
+        return dict(self.data())
 
     def edit(self) -> PMapEdit:
         return PMapEdit(self)
@@ -120,37 +120,34 @@ class PMapEdit:
     def __init__(self, base: PMap) -> None:
         self._base, self._data, self._undo = base, None, []
 
-    def _dict(self) -> dict:
+    def data(self) -> dict:
+        """The current contents as a plain dict, for C-level lookups in bulk; read it, never write it."""
         if self._data is None:
             self._data = _reroot(self._base._node, _revert_dict)
         return self._data
 
     def get(self, key, default=None):
-        return self._dict().get(key, default)
+        return self.data().get(key, default)
 
     def __contains__(self, key) -> bool:
-        return key in self._dict()
+        return key in self.data()
 
     def __getitem__(self, key):
-        return self._dict()[key]
-
-    def data(self) -> dict:
-        """The current contents as a plain dict, for C-level lookups in bulk; read it, never write it."""
-        return self._dict()
+        return self.data()[key]
 
     def __setitem__(self, key, value) -> None:
-        data = self._dict()
+        data = self.data()
         self._undo.append((key, data.get(key, _MISSING)))
         data[key] = value
 
     def update(self, items: dict) -> None:
         """Write many entries with C-level loops (a prefill step publishes ~100 blocks at once)."""
-        data = self._dict()
+        data = self.data()
         self._undo.extend(zip(items, map(data.get, items, repeat(_MISSING)), strict=True))
         data.update(items)
 
     def pop(self, key):
-        data = self._dict()
+        data = self.data()
         value = data.pop(key)
         self._undo.append((key, value))
         return value

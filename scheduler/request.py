@@ -28,8 +28,13 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
 
     @property
+    def stopping_eos(self) -> int | None:
+        """The eos token id that stops generation: None if there is none or it is ignored."""
+        return None if self.ignore_eos else self.eos_token_id
+
+    @property
     def stop_ids(self) -> frozenset[int]:
-        eos = () if self.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
+        eos = () if self.stopping_eos is None else (self.stopping_eos,)
         return frozenset(self.stop_token_ids + eos)
 
 

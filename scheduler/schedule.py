@@ -98,7 +98,7 @@ def _issue_materializations(p: Pass) -> None:
     asks = [m for m, row in zip(asks, rows, strict=True) if row is not None]  # finished or preempted: dropped
     if not asks:
         return
-    running_slots = edit.rows.running_slot[[edit.row_of[m.request_id] for m in asks]].tolist()
+    running_slots = edit.rows.running_slot[[row for row in rows if row is not None]].tolist()
     cached, wanted = edit.slots.hash_to_slot.data(), {}
     for m, slot in zip(asks, running_slots, strict=True):  # caching is best effort: skip what is cached
         if slot == m.running_slot and m.key not in cached and m.key not in wanted:

@@ -19,7 +19,7 @@ import numpy as np
 
 from scheduler.checkpoints import CheckpointEvent, advance
 from scheduler.history import append_tokens
-from scheduler.lifecycle import StateEdit, forget, register_blocks, release_row
+from scheduler.lifecycle import StateEdit, forget, log_block_first_block, register_blocks, release_row
 from scheduler.persistent import frozen
 from scheduler.plan import BatchPlan, RowKind, StepResult, check_step_result
 from scheduler.replay import commit, crossed_boundary, materialize_count, ring_rows
@@ -162,7 +162,7 @@ def _publish_crossed_blocks(edit: StateEdit, live: _Live, before: np.ndarray, af
     crossed = ((boundary > 0) & (boundary <= num_tokens)).nonzero()[0]
     if not crossed.size:
         return
-    first = before[crossed] // cfg.log_unit * cfg.log_unit // cfg.hash_unit
+    first = log_block_first_block(cfg, before[crossed])
     register_blocks(edit, list(zip([live.rids[j] for j in crossed.tolist()], row_ids[crossed].tolist(),
                                    first.tolist(), (boundary[crossed] // cfg.hash_unit).tolist(), strict=True)))
     if cfg.align:
