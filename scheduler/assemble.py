@@ -51,7 +51,7 @@ class Copies(NamedTuple):
 # the [R] int32 fields, in buffer order: decode rows fill 0-1 with 1 + K and 2-5 from their columns
 _ROW_FIELDS = ("query_lens", "num_logits", "context_lens", "state_slots", "ring_start", "ring_committed",
                "num_lookahead_tokens")
-_FROM_COLUMNS = [NUM_COMPUTED, RUNNING_SLOT, RING_START, COMMITTED]
+_FROM_COLUMNS = np.array([NUM_COMPUTED, RUNNING_SLOT, RING_START, COMMITTED])
 _COPY_FIELDS = ("hit_copy_src", "hit_copy_dst", "pair_copy_src", "pair_copy_dst", "publish_src", "publish_dst",
                 "materialize_src", "materialize_dst", "materialize_ring_start", "materialize_count")
 
@@ -101,19 +101,18 @@ def _block_table(cfg: SchedulerConfig, row_ids: np.ndarray, block_table: np.ndar
 
 def _row_flags(cfg: SchedulerConfig, decode: DecodeBatch, prefills: list[PrefillRow], rows_b: int) -> dict:
     n, end = len(decode.rows), len(decode.rows) + len(prefills)
-    kinds = np.zeros(rows_b, np.int8)
+    flags = np.zeros((4, rows_b), np.int8)  # one buffer: row_kind, phase, has_initial_state, flush
+    kinds, phase, has_initial_state, flush = flags
     kinds[:n] = RowKind.VERIFY if cfg.num_spec_tokens else RowKind.DECODE
-    phase = np.empty(rows_b, np.int8)
-    phase.fill(2)  # decode, padding and ordinary prefill rows run in phase 2
-    has_initial_state, flush = np.zeros((2, rows_b), bool)
+    phase[:] = 2  # decode, padding and ordinary prefill rows run in phase 2
     has_initial_state[:n] = decode.cols[NUM_COMPUTED] > 0
     flush[:n] = decode.flush
     if prefills:
         kinds[n:end] = RowKind.PREFILL
         phase[n:end] = [p.phase for p in prefills]
         has_initial_state[n:end] = [p.has_initial_state for p in prefills]
-    return dict(row_kind=frozen(kinds), phase=frozen(phase), has_initial_state=frozen(has_initial_state),
-                flush=frozen(flush))
+    kinds, phase, has_initial_state, flush = frozen(flags)  # views taken after freezing are read-only
+    return dict(row_kind=kinds, phase=phase, has_initial_state=has_initial_state.view(bool), flush=flush.view(bool))
 
 
 def _fill_copies(fields: np.ndarray, copies: Copies) -> None:
@@ -133,7 +132,9 @@ def _token_fields(cfg: SchedulerConfig, decode: DecodeBatch, prefills: list[Pref
     token_ids[:, 0] = decode.cols[LAST_TOKEN]
     token_ids[:, 1:] = decode.drafts
     np.add(decode.cols[NUM_COMPUTED][:, None], np.arange(q, dtype=np.int32), out=positions)
-    slot_mapping[:] = block_table[decode.rows[:, None], positions // size] * size + positions % size
+    block, offset = np.divmod(positions, size)
+    # flat indices into the table: one fast `take` instead of a broadcast 2-D fancy index
+    slot_mapping[:] = block_table.take(decode.rows[:, None] * block_table.shape[1] + block) * size + offset
     if prefills:
         rows, starts = row_ids[n:], cu_seqlens[n:len(row_ids)]
         lens = cu_seqlens[n + 1:len(row_ids) + 1] - starts

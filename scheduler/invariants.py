@@ -89,6 +89,9 @@ def _queues(state: SchedulerState) -> list[str]:
         errors.append("running_rows differ from the rows of the running requests")
     if int(np.count_nonzero(state.rows.active)) != len(running):
         errors.append("active rows != running requests")
+    available = int(np.count_nonzero((state.slots.kind == SlotKind.FREE) | (state.slots.kind == SlotKind.CACHED)))
+    if state.slots.num_free_or_cached != available:
+        errors.append(f"slot pool counts {state.slots.num_free_or_cached} free or cached slots, there are {available}")
     return errors
 
 

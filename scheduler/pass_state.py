@@ -22,7 +22,8 @@ class Pass:
         self.materializes: list[tuple[int, int, int, int]] = []
         self.ready_slots: list[int] = []
         self.checkpoint_keys: list[int] = []
-        self.scheduled: set[str] = set()
+        self.decode_ids: list[str] = []  # the running requests scheduled as decode/verify rows
+        self.scheduled: set[str] = set()  # prefill rows scheduled so far
 
     def checkpoint_key(self, rid: str, row: int) -> int | None:
         c = int(self.edit.rows.checkpoint[row])
@@ -43,7 +44,8 @@ def make_room(p: Pass, rid: str, row: int, end: int) -> bool:
     edit = p.edit
     need = -(-end // edit.cfg.block_size) - int(edit.rows.num_blocks[row])
     while need > edit.blocks.num_free:
-        victims = [v for v in edit.running if v not in p.scheduled and v != rid]
+        scheduled = p.scheduled.union(p.decode_ids)  # memory pressure is rare: built only here
+        victims = [v for v in edit.running if v not in scheduled and v != rid]
         preempt(edit, victims[-1] if victims else rid)
         if not victims:
             return False

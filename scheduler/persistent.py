@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import repeat
+from typing import NamedTuple
 
 import numpy as np
 
@@ -64,11 +65,21 @@ def _revert_dict(data: dict, undo: list) -> list:
     return redo
 
 
+class _Flat(NamedTuple):
+    """An undo entry's index into the flattened array (`put`/`take`), not an `array[index]` key."""
+
+    index: np.ndarray
+
+
 def _revert_array(array: np.ndarray, undo: list) -> list:
     redo = []
     for index, values in reversed(undo):
-        redo.append((index, array[index].copy()))
-        array[index] = values
+        if type(index) is _Flat:
+            redo.append((index, array.take(index.index)))
+            array.put(index.index, values)
+        else:
+            redo.append((index, array[index].copy()))
+            array[index] = values
     return redo
 
 
@@ -204,6 +215,12 @@ class PArrayEdit:
     def __setitem__(self, index, values) -> None:
         self._undo.append((index, self._array[index].copy()))
         self._array[index] = values
+
+    def put(self, flat_index: np.ndarray, values: np.ndarray) -> None:
+        """`ndarray.put` (indices into the flattened array): many scattered entries in one fast call
+        instead of a broadcast fancy index."""
+        self._undo.append((_Flat(flat_index), self._array.take(flat_index)))
+        self._array.put(flat_index, values)
 
     def rollback(self) -> None:
         """Undo this edit's writes (a transition that raised): the base version is whole again."""

@@ -59,14 +59,14 @@ def _schedule_decodes(p: Pass) -> DecodeBatch:
     rows, size = p.edit.rows, p.edit.cfg.block_size
     while True:
         ids, row_ids = _decode_rows(p)
-        cols = rows.ints[:, row_ids]  # every column of the decode rows in one gather
+        cols = rows.ints.take(row_ids, axis=1)  # every column of the decode rows in one gather
         need = np.maximum(-(-(cols[NUM_COMPUTED] + p.query_len) // size) - cols[NUM_BLOCKS], 0)
         if int(need.sum()) <= p.edit.blocks.num_free:
             break
         preempt(p.edit, p.edit.running[-1])  # the newest running request gives its memory back
     _grow_block_tables(p, row_ids, need, cols[NUM_BLOCKS])
     p.budget -= len(ids) * p.query_len
-    p.scheduled.update(ids)
+    p.decode_ids = ids
     flush = flush_flags(cols[COMMITTED], p.query_len, p.edit.cfg.ring_size)
     return DecodeBatch(row_ids, ids, cols, rows.drafts[row_ids], flush)
 
@@ -78,8 +78,9 @@ def _grow_block_tables(p: Pass, row_ids: np.ndarray, need: np.ndarray, held: np.
     rows, table = p.edit.rows, p.edit.rows.edit("block_table")
     if need.max() == 1:  # the usual case: at most one new block per row, vectorised
         grow = need.nonzero()[0]
-        table[row_ids[grow], held[grow]] = new_blocks
-        rows.num_blocks[row_ids[grow]] += 1
+        grow_rows, grow_held = row_ids[grow], held[grow]
+        table.put(grow_rows * table.view.shape[1] + grow_held, new_blocks)
+        rows.num_blocks[grow_rows] = grow_held + 1
         return
     offset = 0
     for row, count in zip(row_ids[need > 0].tolist(), need[need > 0].tolist(), strict=True):
@@ -110,12 +111,14 @@ def _issue_materializations(p: Pass) -> None:
 
 
 def _schedule_running_prefills(p: Pass) -> None:
-    # the decode rows are already scheduled: a set lookup skips them without a numpy read per row
-    for rid in [rid for rid in p.edit.running if rid not in p.scheduled]:
-        row = p.edit.row_of.get(rid)
-        if row is None or p.edit.rows.prefill_done[row] or p.budget <= 0:
+    edit = p.edit
+    # decode rows have finished their prefill: only the others need a look, one by one
+    pending = (~edit.rows.prefill_done[edit.running_rows()]).nonzero()[0]
+    for rid in [edit.running[i] for i in pending.tolist()]:
+        row = edit.row_of.get(rid)
+        if row is None or p.budget <= 0:  # preempted to make room for an older request, or no budget
             continue
-        start = int(p.edit.rows.num_computed[row])
+        start = int(edit.rows.num_computed[row])
         n = split_chunk(_split_input(p, rid, row, start))
         if n > 0 and make_room(p, rid, row, start + n):
             emit_prefill(p, rid, row, start, n)

@@ -36,18 +36,20 @@ class SlotKind(enum.IntEnum):
 
 class SlotPool(NamedTuple):
     """kind: [num_state_slots] int8 SlotKind. stamp: [num_state_slots] int64 LRU clock of CACHED slots.
-    hash_to_slot / slot_to_hash: prefix states of kind CACHED, PENDING or RESERVED."""
+    hash_to_slot / slot_to_hash: prefix states of kind CACHED, PENDING or RESERVED.
+    num_free_or_cached: slots of kind FREE or CACHED (what an allocation may take), kept as a count."""
 
     kind: np.ndarray
     stamp: np.ndarray
     hash_to_slot: PMap
     slot_to_hash: PMap
+    num_free_or_cached: int
 
     @staticmethod
     def create(num_slots: int) -> SlotPool:
         kind = np.zeros(num_slots, np.int8)
         kind[NULL_SLOT] = SlotKind.RUNNING  # never handed out; padding rows point at it
-        return SlotPool(frozen(kind), frozen(np.zeros(num_slots, np.int64)), PMap(), PMap())
+        return SlotPool(frozen(kind), frozen(np.zeros(num_slots, np.int64)), PMap(), PMap(), num_slots - 1)
 
     def edit(self) -> SlotPoolEdit:
         return SlotPoolEdit(self)
@@ -67,20 +69,21 @@ class SlotPoolEdit:
         self.slot_to_hash = pool.slot_to_hash.edit()
         self.pinned: set[int] = set()  # cached slots read by this step's hit copies: not evictable
         self.evicted: list[int] = []  # hashes evicted by this edit (checkpoint table: READY -> ABSENT)
+        self.num_free_or_cached = pool.num_free_or_cached
 
     def rollback(self) -> None:
         self.hash_to_slot.rollback()
         self.slot_to_hash.rollback()
 
     def freeze(self) -> SlotPool:
-        return SlotPool(frozen(self.kind), frozen(self.stamp), self.hash_to_slot.freeze(), self.slot_to_hash.freeze())
+        return SlotPool(frozen(self.kind), frozen(self.stamp), self.hash_to_slot.freeze(), self.slot_to_hash.freeze(),
+                        self.num_free_or_cached)
 
     def ready_slot(self, key: int) -> int | None:
         return SlotPool.ready_slot(self, key)  # type: ignore[arg-type]
 
     def num_available(self) -> int:
-        count = np.bincount(self.kind, minlength=len(SlotKind))
-        return int(count[SlotKind.FREE] + count[SlotKind.CACHED]) - len(self.pinned)
+        return self.num_free_or_cached - len(self.pinned)
 
     def allocate(self, kind: SlotKind, key: int | None = None) -> int:
         """One slot of `kind` (optionally owning prefix hash `key`): a free one, else evict the LRU cached."""
@@ -94,10 +97,10 @@ class SlotPoolEdit:
             slots = [first] if self.kind[first] == SlotKind.FREE else []
         else:
             slots = (self.kind == SlotKind.FREE).nonzero()[0][:count].tolist()
+        if len(slots) < count:
+            slots += self._evict_lru(count - len(slots))
         self.kind[slots] = kind
-        for _ in range(count - len(slots)):
-            slots.append(self._lru_victim())
-            self.kind[slots[-1]] = kind
+        self.num_free_or_cached -= count
         if keys is not None:
             assert not any(map(self.hash_to_slot.data().__contains__, keys)), "a prefix state already has a slot"
             self.hash_to_slot.update(dict(zip(keys, slots, strict=True)))
@@ -114,19 +117,24 @@ class SlotPoolEdit:
         if key is not None:
             self.slot_to_hash.pop(slot)
             self.hash_to_slot.pop(key)
+        self.num_free_or_cached += 1
         self.kind[slot] = SlotKind.FREE
 
     def make_ready(self, slot: int, clock: int) -> None:
+        self.num_free_or_cached += 1
         self.kind[slot] = SlotKind.CACHED
         self.stamp[slot] = clock
 
-    def _lru_victim(self) -> int:
+    def _evict_lru(self, count: int) -> list[int]:
+        """The `count` least recently used unpinned CACHED slots (oldest first), their hashes dropped."""
         age = np.where(self.kind == SlotKind.CACHED, self.stamp, _NEVER)
         age[list(self.pinned)] = _NEVER
-        victim = int(age.argmin())
-        if age[victim] == _NEVER:
+        victims = age.argsort(kind="stable")[:count]  # ties: the lowest slot first
+        if len(victims) < count or age[victims[-1]] == _NEVER:
             raise RuntimeError("no free or evictable state slot")
-        key = self.slot_to_hash.pop(victim)
-        self.hash_to_slot.pop(key)
-        self.evicted.append(key)
-        return victim
+        victims = victims.tolist()
+        keys = list(map(self.slot_to_hash.pop, victims))
+        for key in keys:
+            self.hash_to_slot.pop(key)
+        self.evicted += keys
+        return victims

@@ -3,12 +3,13 @@
 Order: first the step's commitments become visible (PENDING cache slots -> CACHED, UNREADY
 checkpoints -> READY), then verify/decode rows are committed vectorised (accepted drafts plus the
 bonus token; rejected drafts are a ReplaySSM cursor move), then prefill rows. Newly full KV blocks
-are published under their chained hash here, after the step that wrote them has run. A verify row
-whose accepted tokens cross a Mamba block boundary asks the next `schedule` to materialise that
-boundary's state. Rows of requests aborted while the step was in flight are ignored.
+are published under their chained hash here, after the step that wrote them has run (decode rows
+once per Mamba block, see `_publish_crossed_blocks`). A verify row whose accepted tokens cross a
+Mamba block boundary asks the next `schedule` to materialise that boundary's state. Rows of requests
+aborted while the step was in flight are ignored.
 Per-row work is vectorised over the step's rows: the outputs are one `StepOutputs` of arrays and new
-tokens go to the row tails (history.py), so Python loops run only over the rows that complete a KV
-block, finish, or cross a Mamba block boundary (with k = 3 and 16-token blocks, ~1 row in 6).
+tokens go to the row tails (history.py), so Python loops run only over the rows that finish or cross
+a Mamba block boundary (with k = 3 and 256-token blocks, ~1 row in 100).
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ _TRACKERS = np.array([NUM_COMPUTED, RING_START, COMMITTED, LAST_TOKEN])[:, None]
 class _Live(NamedTuple):
     """Plan rows [lo, hi) whose request still runs (an abort while the step was in flight drops it)."""
 
-    index: np.ndarray  # [n] plan row
+    index: np.ndarray | slice  # plan rows; a slice (views, no gathers) when every row is live
     rids: tuple[str, ...]
-    rows: np.ndarray   # [n] row-table row
+    rows: np.ndarray           # [n] row-table row
 
 
 def update(state: SchedulerState, plan: BatchPlan, result: StepResult) -> tuple[SchedulerState, StepOutputs]:
@@ -74,7 +75,7 @@ def _live(edit: StateEdit, plan: BatchPlan, lo: int, hi: int) -> _Live:
     rows = plan.row_ids[lo:hi]
     alive = edit.rows.active[rows]
     if alive.all():
-        return _Live(np.arange(lo, hi), plan.request_ids[lo:hi], rows)
+        return _Live(slice(lo, hi), plan.request_ids[lo:hi], rows)
     index = alive.nonzero()[0]
     return _Live(index + lo, tuple(plan.request_ids[lo + i] for i in index.tolist()), rows[index])
 
@@ -90,14 +91,17 @@ def _complete_in_flight(edit: StateEdit, in_flight: InFlight) -> None:
 
 def _update_decodes(edit: StateEdit, plan: BatchPlan, result: StepResult, live: _Live) -> StepOutputs:
     rows, cfg = edit.rows, edit.cfg
-    cols = rows.ints[:, live.rows]  # every column of the step's rows in one gather
-    sampled = result.sampled_token_ids[live.index]
-    accepted = result.num_accepted[live.index].astype(np.int32) + 1  # committed tokens incl. the bonus
+    cols = rows.ints.take(live.rows, axis=1)  # every column of the step's rows in one gather
+    sampled = np.array(result.sampled_token_ids[live.index])  # the outputs own their tokens
+    accepted = np.add(result.num_accepted[live.index], 1, dtype=np.int32)  # committed tokens incl. the bonus
     computed = cols[NUM_COMPUTED] + accepted
     ring_start, committed = commit(cols[RING_START], cols[COMMITTED], plan.flush[live.index], accepted,
                                    ring_rows(cfg.ring_size, cfg.num_spec_tokens))
-    last_token = sampled[np.arange(len(accepted)), accepted - 1]
-    rows.ints[_TRACKERS, live.rows] = (computed, ring_start, committed, last_token)
+    width = sampled.shape[1]  # the last accepted token of row i sits at flat index i * width + accepted - 1
+    last_token = sampled.reshape(-1).take(np.arange(-1, len(accepted) * width - 1, width) + accepted)
+    for column, values in ((rows.num_computed, computed), (rows.ring_start, ring_start),
+                           (rows.committed, committed), (rows.last_token, last_token)):
+        column[live.rows] = values  # 1-D scatters take numpy's fast path, a 2-D one does not
     rows.drafts[live.rows] = result.draft_token_ids[live.index]
     outputs = _emit(edit, live, cols, sampled, accepted)
     _publish_crossed_blocks(edit, live, cols[NUM_COMPUTED], computed, cols[NUM_TOKENS] + outputs.num_new_tokens)
@@ -124,30 +128,38 @@ def _update_prefills(edit: StateEdit, plan: BatchPlan, result: StepResult, live:
 
 def _subset(live: _Live, mask: np.ndarray) -> _Live:
     keep = mask.nonzero()[0]
-    return _Live(live.index[keep], tuple(live.rids[j] for j in keep.tolist()), live.rows[keep])
+    index = keep + live.index.start if type(live.index) is slice else live.index[keep]
+    return _Live(index, tuple(live.rids[j] for j in keep.tolist()), live.rows[keep])
 
 
 def _emit(edit: StateEdit, live: _Live, cols: np.ndarray, sampled: np.ndarray, counts: np.ndarray) -> StepOutputs:
     """Commit each row's emitted tokens, cut at max_len and after the first eos/stop token.
     `cols` holds the rows' columns from before the step."""
     before, max_len = cols[NUM_TOKENS], cols[MAX_LEN]
-    keep = np.minimum(counts, max_len - before)
-    stop = _first_stop(edit, live, cols[EOS], sampled, keep)
-    keep = np.where(stop >= 0, stop + 1, keep).astype(np.int32)
-    codes = np.where(stop >= 0, _STOP, np.where(before + keep >= max_len, _LENGTH, 0)).astype(np.int8)
+    eos_hits = sampled == cols[EOS][:, None]
+    ending = before + counts >= max_len
+    if eos_hits.any() or ending.any() or edit.rows.has_stop[live.rows].any():
+        keep, codes = _cut(edit, live, before, max_len, sampled, counts, eos_hits)
+    else:  # the usual step: nobody stops, every row keeps all its tokens
+        keep, codes = counts, np.zeros(len(counts), np.int8)
     append_tokens(edit.logs, edit.rows, edit.cfg.log_unit, edit.cfg.hash_unit, live.rids, live.rows, sampled,
                   before, keep)
     return StepOutputs(live.rids, frozen(sampled), frozen(keep), frozen(codes))
 
 
-def _first_stop(edit: StateEdit, live: _Live, eos: np.ndarray, sampled: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    """[n] index of the first kept eos/stop token per row, -1 if none (eos vectorised)."""
-    hits = (np.arange(sampled.shape[1], dtype=np.int32) < keep[:, None]) & (sampled == eos[:, None])
+def _cut(edit: StateEdit, live: _Live, before: np.ndarray, max_len: np.ndarray, sampled: np.ndarray,
+         counts: np.ndarray, eos_hits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Kept token counts and finish codes when some row reaches max_len or samples a stop token."""
+    keep = np.minimum(counts, max_len - before)
+    hits = (np.arange(sampled.shape[1], dtype=np.int32) < keep[:, None]) & eos_hits
     for j in edit.rows.has_stop[live.rows].nonzero()[0].tolist():  # extra stop ids: rare, per row
         stop_ids = edit.requests[live.rids[j]].sampling_params.stop_ids
         hits[j, :keep[j]] |= np.isin(sampled[j, :keep[j]], list(stop_ids))
     first = hits.argmax(axis=1)
-    return np.where(hits[np.arange(len(first)), first], first, -1)
+    stop = np.where(hits[np.arange(len(first)), first], first, -1)
+    keep = np.where(stop >= 0, stop + 1, keep).astype(np.int32)
+    codes = np.where(stop >= 0, _STOP, np.where(before + keep >= max_len, _LENGTH, 0)).astype(np.int8)
+    return keep, codes
 
 
 def _publish_crossed_blocks(edit: StateEdit, live: _Live, before: np.ndarray, after: np.ndarray,
@@ -170,7 +182,7 @@ def _publish_crossed_blocks(edit: StateEdit, live: _Live, before: np.ndarray, af
 
 
 def _ask_materializations(edit: StateEdit, live: _Live, crossed: np.ndarray, boundary: np.ndarray) -> None:
-    cols = edit.rows.ints[:, live.rows[crossed]]
+    cols = edit.rows.ints.take(live.rows[crossed], axis=1)
     count = materialize_count(boundary, cols[NUM_COMPUTED], cols[COMMITTED])
     cached, unit, asks = edit.slots.hash_to_slot.data(), edit.cfg.hash_unit, list(edit.materializations)
     for j, position, slot, ring_start, entries, marked in zip(
