@@ -200,5 +200,5 @@ class BlockPoolEdit:
         blocks = np.asarray(block_ids)[fresh].tolist()
         # built from the back, so that of two blocks with one hash the first one is written last and stays
         published = dict(zip(reversed(keys), reversed(blocks), strict=True))
-        self.hash_to_block.update(published)
+        self.hash_to_block.insert_new(published)
         self.hashes[np.fromiter(published.values(), np.int64)] = np.fromiter(published, np.int64)

@@ -54,14 +54,33 @@ def _advance(base: _Node, data, undo: list) -> _Node:
     return new
 
 
+class _Inserted(NamedTuple):
+    """A dict undo entry for many keys at once: `keys` were absent before the write."""
+
+    keys: tuple
+
+
+class _Removed(NamedTuple):
+    """The redo of an `_Inserted` entry: put `items` back."""
+
+    items: dict
+
+
 def _revert_dict(data: dict, undo: list) -> list:
     redo = []
-    for key, value in reversed(undo):
-        redo.append((key, data.get(key, _MISSING)))
-        if value is _MISSING:
-            del data[key]
+    for entry in reversed(undo):
+        if type(entry) is _Inserted:
+            redo.append(_Removed({key: data.pop(key) for key in entry.keys}))
+        elif type(entry) is _Removed:
+            data.update(entry.items)
+            redo.append(_Inserted(tuple(entry.items)))
         else:
-            data[key] = value
+            key, value = entry
+            redo.append((key, data.get(key, _MISSING)))
+            if value is _MISSING:
+                del data[key]
+            else:
+                data[key] = value
     return redo
 
 
@@ -156,6 +175,11 @@ class PMapEdit:
         data = self.data()
         self._undo.extend(zip(items, map(data.get, items, repeat(_MISSING)), strict=True))
         data.update(items)
+
+    def insert_new(self, items: dict) -> None:
+        """`update` with keys known to be absent: one undo entry for all of them, no lookups."""
+        self._undo.append(_Inserted(tuple(items)))
+        self.data().update(items)
 
     def pop(self, key):
         data = self.data()

@@ -31,10 +31,14 @@ def test_random_version_tree_matches_plain_dicts():
         pmap, expected = rng.choice(versions) if rng.random() < 0.3 else versions[-1]
         edit, expected = pmap.edit(), dict(expected)
         for _ in range(rng.randint(0, 4)):
-            key = rng.randint(0, 20)
+            key = rng.randint(0, 40)
             if key in expected and rng.random() < 0.4:
                 edit.pop(key)
                 del expected[key]
+            elif rng.random() < 0.3:  # a batch of absent keys: one undo entry for all of them
+                fresh = {k: rng.random() for k in rng.sample(range(41), 3) if k not in expected}
+                edit.insert_new(fresh)
+                expected.update(fresh)
             else:
                 expected[key] = edit[key] = rng.random()
         versions.append((edit.freeze(), expected))
@@ -79,6 +83,11 @@ def test_parray_random_version_tree_matches_plain_copies(data):
         edit, expected = parray.edit(), expected.copy()
         for _ in range(rng.integers(0, 4)):
             value = int(rng.integers(1, 100))
+            if rng.random() < 0.3:  # flat indices into the whole array, duplicates allowed
+                flat = rng.integers(0, 24, (2, 2))
+                edit.put(flat, value)
+                expected.reshape(-1)[flat] = value
+                continue
             if rng.random() < 0.5:  # basic slice of one row
                 row, lo = int(rng.integers(4)), int(rng.integers(6))
                 index = (row, slice(lo, lo + int(rng.integers(1, 4))))
