@@ -129,8 +129,11 @@ class SlotPoolEdit:
         """The `count` least recently used unpinned CACHED slots (oldest first), their hashes dropped."""
         age = np.where(self.kind == SlotKind.CACHED, self.stamp, _NEVER)
         age[list(self.pinned)] = _NEVER
-        # ties: the lowest slot first (argmin and a stable sort agree); one victim is the usual case
-        victims = age.argmin(keepdims=True) if count == 1 else age.argsort(kind="stable")[:count]
+        if count == 1:  # the usual case; ties go to the lowest slot
+            victims = age.argmin(keepdims=True)
+        else:  # the same order as repeated argmins, without sorting the whole pool
+            candidates = (age <= np.partition(age, count - 1)[count - 1]).nonzero()[0]
+            victims = candidates[age[candidates].argsort(kind="stable")[:count]]
         if len(victims) < count or age[victims[-1]] == _NEVER:
             raise RuntimeError("no free or evictable state slot")
         victims = victims.tolist()

@@ -44,6 +44,27 @@ def test_slot_pool_prefers_free_slots_and_never_evicts_pinned_ones():
     assert edit.num_available() == 0
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=2, max_size=9), st.data())
+def test_slot_pool_evicts_many_in_the_order_of_one_at_a_time(stamps, data):
+    """Evicting several slots in one call picks exactly what repeated single evictions would:
+    oldest stamp first, the lowest slot among equal stamps, pinned slots never."""
+    def filled():
+        edit = SlotPool.create(len(stamps) + 1).edit()
+        for key, stamp in enumerate(stamps):
+            edit.make_ready(edit.allocate(SlotKind.PENDING, key), stamp)
+        return edit
+    pinned = data.draw(st.sets(st.integers(1, len(stamps))))
+    count = data.draw(st.integers(1, len(stamps) - len(pinned))) if len(pinned) < len(stamps) else 0
+    one_by_one, batch = filled(), filled()
+    for edit in (one_by_one, batch):
+        for slot in pinned:
+            edit.pin(slot, edit.stamp[slot])
+    singles = [one_by_one.allocate(SlotKind.RUNNING) for _ in range(count)]
+    assert batch.allocate_many(SlotKind.RUNNING, count) == singles and batch.evicted == one_by_one.evicted
+    assert not set(singles) & pinned
+
+
 def test_c1_one_running_slot_and_kv_for_the_drafts():
     driver = Driver(make_config(block_size=4, mamba_block_size=4, num_spec_tokens=2))
     driver.add(request("a", [1, 2, 3], max_tokens=10))
