@@ -14,6 +14,7 @@ from scheduler.checkpoints import CheckpointEvent, CheckpointStatus, Claim, adva
 from scheduler.history import start_tail
 from scheduler.lifecycle import free_row, max_len
 from scheduler.pass_state import Pass, append_blocks, emit_prefill
+from scheduler.persistent import frozen
 from scheduler.prefix_cache import NO_HIT, PrefixHit, checkpoint_hit, find_hit
 from scheduler.slots import SlotKind
 from scheduler.split import SplitInput, split_chunk
@@ -111,7 +112,7 @@ def _checkpoint_role(p: Pass, hashes: list[int], c: int, hit: PrefixHit) -> Admi
 def _pair(p: Pass, key: int, c: int) -> Admission:
     """Share the producer's KV blocks for [0, c) and its state after phase 1 of this step."""
     rows, producer_row = p.edit.rows, p.edit.claims[key].producer_row
-    block_ids = tuple(rows.block_table[producer_row, :c // p.edit.cfg.block_size].tolist())
+    block_ids = frozen(rows.block_table[producer_row, :c // p.edit.cfg.block_size].copy())
     hit = PrefixHit(c, block_ids, 0, False)
     return Admission(hit, Role.PAIRED, key, int(rows.running_slot[producer_row]))
 

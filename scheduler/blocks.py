@@ -112,15 +112,14 @@ class BlockPoolEdit:
     def cached_prefix_length(self, hashes: list[int], limit: int) -> int:
         return BlockPool.cached_prefix_length(self, hashes, limit)  # type: ignore[arg-type]
 
-    def num_free_after_taking(self, block_ids: tuple[int, ...]) -> int:
+    def num_free_after_taking(self, block_ids: np.ndarray) -> int:
         """Free blocks left if the cached `block_ids` (a prefix hit) get referenced."""
-        return self.num_free - int(np.count_nonzero(self.ref_count[list(block_ids)] == 0))
+        return self.num_free - int(np.count_nonzero(self.ref_count[block_ids] == 0))
 
-    def take(self, block_ids: tuple[int, ...]) -> None:
+    def take(self, blocks: np.ndarray) -> None:
         """Reference existing, distinct blocks (a prefix hit or a shared producer prefix)."""
-        if not block_ids:
+        if not blocks.size:
             return
-        blocks = np.array(block_ids, np.int32)
         refs = self.ref_count[blocks]
         revived = blocks[refs == 0]  # free cached blocks leave the queue: their entries die
         self.num_cached_free -= len(revived)

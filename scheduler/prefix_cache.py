@@ -22,6 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from scheduler.blocks import BlockPool, BlockPoolEdit
+from scheduler.persistent import frozen
 from scheduler.slots import SlotKind, SlotPoolEdit
 
 ROOT_HASH = 0x6A68  # parent of the first block
@@ -49,16 +50,16 @@ def chain_hashes(parent: int, digests: list[int]) -> list[int]:
 
 
 class PrefixHit(NamedTuple):
-    """num_tokens: hit length p (0 = no hit). block_ids: the p/h cached KV blocks. slot: the READY
+    """num_tokens: hit length p (0 = no hit). block_ids: [p/h] int32 read-only, the cached KV blocks. slot: the READY
     state slot to copy into the running slot (0 when no hit). deferred: a longer state is PENDING."""
 
     num_tokens: int
-    block_ids: tuple[int, ...]
+    block_ids: np.ndarray
     slot: int
     deferred: bool
 
 
-NO_HIT = PrefixHit(0, (), 0, False)
+NO_HIT = PrefixHit(0, frozen(np.zeros(0, np.int32)), 0, False)
 
 
 def find_hit(blocks: BlockPool | BlockPoolEdit, slots: SlotPoolEdit, hashes: list[int],
@@ -79,8 +80,8 @@ def find_hit(blocks: BlockPool | BlockPoolEdit, slots: SlotPoolEdit, hashes: lis
     return NO_HIT
 
 
-def _block_ids(blocks: BlockPool | BlockPoolEdit, hashes: list[int]) -> tuple[int, ...]:
-    return tuple(map(blocks.hash_to_block.data().__getitem__, hashes))
+def _block_ids(blocks: BlockPool | BlockPoolEdit, hashes: list[int]) -> np.ndarray:
+    return frozen(np.fromiter(map(blocks.hash_to_block.data().__getitem__, hashes), np.int32, len(hashes)))
 
 
 def checkpoint_hit(blocks: BlockPool | BlockPoolEdit, slots: SlotPoolEdit, hashes: list[int],

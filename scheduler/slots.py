@@ -103,8 +103,9 @@ class SlotPoolEdit:
         self.num_free_or_cached -= count
         if keys is not None:
             assert not any(map(self.hash_to_slot.data().__contains__, keys)), "a prefix state already has a slot"
-            self.hash_to_slot.update(dict(zip(keys, slots, strict=True)))
-            self.slot_to_hash.update(dict(zip(slots, keys, strict=True)))
+            # new keys, and slots that were free or just lost their keys: no undo lookups needed
+            self.hash_to_slot.insert_new(dict(zip(keys, slots, strict=True)))
+            self.slot_to_hash.insert_new(dict(zip(slots, keys, strict=True)))
         return slots
 
     def pin(self, slot: int, clock: int) -> None:

@@ -200,7 +200,7 @@ def test_block_pool_versions_match_a_plain_model(data):
                 edit.release(gone)
                 model.release(gone)
             elif choice == 2 and hit:
-                edit.take(tuple(hit))
+                edit.take(np.array(hit, np.int32))
                 model.take(hit)
             elif held:
                 keys = [next(next_key) if rng.random() < 0.8 else 1 for _ in held]
@@ -226,7 +226,7 @@ def test_cached_ring_compacts_dead_entries_and_keeps_lru_order():
         versions.append((edit.freeze(), order))
         if cycle < 5:
             edit = versions[-1][0].edit()
-            edit.take(tuple(blocks))
+            edit.take(np.array(blocks, np.int32))
     assert max(v[0].queue_end - v[0].queue_head for v in versions) <= 8 < versions[-1][0].queue_end
     for frozen_pool, order in versions:  # every version still sees its own LRU order
         assert frozen_pool.free_cached.tolist() == order and frozen_pool.num_free == 3
