@@ -30,7 +30,6 @@ from scheduler.state import (
     CHECKPOINT,
     COMMITTED,
     EOS,
-    LAST_TOKEN,
     MAX_LEN,
     NUM_COMPUTED,
     NUM_TOKENS,
@@ -42,7 +41,6 @@ from scheduler.state import (
 )
 
 _STOP, _LENGTH = 1, 2  # StepOutputs.finish_codes: indices into request.FINISH_REASONS
-_TRACKERS = np.array([NUM_COMPUTED, RING_START, COMMITTED, LAST_TOKEN])[:, None]  # written by a verify row
 
 
 class _Live(NamedTuple):
