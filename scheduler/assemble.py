@@ -132,9 +132,7 @@ def _token_fields(cfg: SchedulerConfig, decode: DecodeBatch, prefills: list[Pref
     token_ids[:, 0] = decode.cols[LAST_TOKEN]
     token_ids[:, 1:] = decode.drafts
     np.add(decode.cols[NUM_COMPUTED][:, None], np.arange(q, dtype=np.int32), out=positions)
-    block, offset = np.divmod(positions, size)
-    # flat indices into the table: one fast `take` instead of a broadcast 2-D fancy index
-    slot_mapping[:] = block_table.take(decode.rows[:, None] * block_table.shape[1] + block) * size + offset
+    slot_mapping[:] = _kv_write_slots(block_table, decode.rows[:, None], positions, size)
     if prefills:
         rows, starts = row_ids[n:], cu_seqlens[n:len(row_ids)]
         lens = cu_seqlens[n + 1:len(row_ids) + 1] - starts
@@ -142,9 +140,16 @@ def _token_fields(cfg: SchedulerConfig, decode: DecodeBatch, prefills: list[Pref
         position = first + np.arange(n * q, num_tokens, dtype=np.int32)
         buffer[0, n * q:num_tokens] = np.concatenate([p.token_ids for p in prefills])
         buffer[1, n * q:num_tokens] = position
-        buffer[2, n * q:num_tokens] = block_table[rows.repeat(lens), position // size] * size + position % size
+        buffer[2, n * q:num_tokens] = _kv_write_slots(block_table, rows.repeat(lens), position, size)
     token_ids, positions, slot_mapping = frozen(buffer)
     return dict(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping)
+
+
+def _kv_write_slots(block_table: np.ndarray, rows: np.ndarray, positions: np.ndarray, size: int) -> np.ndarray:
+    """block * size + offset of each position, for `rows` broadcast against `positions`; the block is
+    looked up by flat index, one fast `take` instead of a broadcast 2-D fancy index."""
+    block, offset = np.divmod(positions, size)
+    return block_table.take(rows * block_table.shape[1] + block) * size + offset
 
 
 def _sampling_fields(cfg: SchedulerConfig, decode: DecodeBatch, prefills: list[PrefillRow],

@@ -11,7 +11,6 @@ use of the scheduler (each state edited once) costs O(1) per read and per write.
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import repeat
 from typing import NamedTuple
 
 import numpy as np
@@ -170,14 +169,9 @@ class PMapEdit:
         self._undo.append((key, data.get(key, _MISSING)))
         data[key] = value
 
-    def update(self, items: dict) -> None:
-        """Write many entries with C-level loops (a prefill step publishes ~100 blocks at once)."""
-        data = self.data()
-        self._undo.extend(zip(items, map(data.get, items, repeat(_MISSING)), strict=True))
-        data.update(items)
-
     def insert_new(self, items: dict) -> None:
-        """`update` with keys known to be absent: one undo entry for all of them, no lookups."""
+        """Write many entries whose keys are absent (a prefill step publishes ~100 blocks at once):
+        one undo entry for all of them, no lookups."""
         self._undo.append(_Inserted(tuple(items)))
         self.data().update(items)
 
