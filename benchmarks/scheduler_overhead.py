@@ -6,6 +6,8 @@ Scenarios (all with the real scheduler and ReplaySSM bookkeeping, k = 3 drafts):
   decode256_synchronized  the same with 256 identical-length prompts admitted together: their
                           decode crosses each Mamba block boundary within a few steps of each
                           other, a worst case for the per-boundary work (log, publish, materialise);
+  decode256_queue10k      decode256 with 10,000 more requests waiting behind the full batch (an
+                          offline scoring job): a step must not cost more with a long queue;
   mixed                   ~128 decoding requests plus a stream of new 300-1100 token prompts (chunked
                           prefill under a 2048-token budget, prefix hits on shared prefixes,
                           decode-time materialisations).
@@ -93,7 +95,8 @@ def _collect_between_steps(gc_times: list[float] | None) -> None:
         gc_times.append(CLOCK() - t0)
 
 
-def decode256(steps: int, rng, gc_times: list[float] | None, synchronized: bool = False) -> list[float]:
+def decode256(steps: int, rng, gc_times: list[float] | None, synchronized: bool = False,
+              queued: int = 0) -> list[float]:
     state = init_state(make_config())
     for i in range(256):
         length = 200 if synchronized else int(rng.integers(64, 2048))
@@ -101,6 +104,10 @@ def decode256(steps: int, rng, gc_times: list[float] | None, synchronized: bool 
         state = add_request(state, Request(f"d{i}", prompt, SamplingParams(max_tokens=6000)))
     while not state.rows.prefill_done[state.running_rows].all() or len(state.running) < 256:
         _, state = timed_steps(state, rng, 10)  # prefill everything, then settle into decode
+    tokens = rng.integers(10, 30000, 2048).tolist()
+    for i in range(queued):  # waiting behind the full batch (max_num_seqs = 256)
+        start = int(rng.integers(0, 1024))
+        state = add_request(state, Request(f"q{i}", tuple(tokens[start:start + 1024]), SamplingParams(max_tokens=100)))
     times, _ = timed_steps(state, rng, steps, gc_times=gc_times)
     return times
 
@@ -179,6 +186,7 @@ SCENARIOS = {
     "baseline_replace_256_records": lambda steps, rng, gc_times: baseline(steps, gc_times),
     "decode256_k3": decode256,
     "decode256_synchronized_k3": lambda steps, rng, gc_times: decode256(steps, rng, gc_times, synchronized=True),
+    "decode256_queue10k_k3": lambda steps, rng, gc_times: decode256(steps, rng, gc_times, queued=10_000),
     "mixed_prefill_decode_k3": mixed,
 }
 

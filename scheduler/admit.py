@@ -52,7 +52,7 @@ class Admission(NamedTuple):
 
 def admit_waiting(p: Pass) -> None:
     cfg = p.edit.cfg
-    for rid in list(p.edit.waiting):
+    for rid in tuple(p.edit.waiting):  # a snapshot: admissions remove from the queue
         if len(p.edit.running) >= cfg.max_num_seqs or p.budget <= 0:
             break
         if _admit_one(p, rid) is Verdict.STOP:
@@ -160,7 +160,7 @@ def _claim_row(p: Pass, rid: str, hit: PrefixHit, prefill_end: int, slot: int) -
     rows.has_stop[row] = bool(params.stop_token_ids)
     start_tail(edit.logs[rid], rows, row, prefill_end, cfg.log_unit)
     edit.row_of[rid] = row
-    edit.waiting.remove(rid)
+    edit.writable_waiting().remove(rid)
     edit.running.append(rid)
     edit.parked.pop(rid)
     return row

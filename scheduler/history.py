@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler.persistent import PArrayEdit, frozen
+from scheduler.persistent import PArrayEdit, PMapEdit, frozen
 from scheduler.prefix_cache import unit_digests
 from scheduler.state import Rows, TokenLog, num_logged
 
@@ -27,7 +27,7 @@ def start_tail(log: TokenLog, rows: Rows, row: int, num_tokens: int, unit: int) 
     rows.edit("tail")[row, :num_tokens - start] = log.slice(start, num_tokens)
 
 
-def append_tokens(logs: dict[str, TokenLog], rows: Rows, unit: int, hash_unit: int, request_ids: tuple[str, ...],
+def append_tokens(logs: PMapEdit, rows: Rows, unit: int, hash_unit: int, request_ids: tuple[str, ...],
                   row_ids: np.ndarray, token_ids: np.ndarray, before: np.ndarray, counts: np.ndarray) -> None:
     """Commit the first counts[i] of token_ids[i] (shape [n, W], W <= 1 + K) to rows holding before[i]."""
     tail = rows.edit("tail")
@@ -45,33 +45,44 @@ def append_tokens(logs: dict[str, TokenLog], rows: Rows, unit: int, hash_unit: i
         full = full[offset[full] + counts[full] >= unit]
 
 
-def _log_blocks(logs: dict[str, TokenLog], tail: PArrayEdit, rows: Rows, request_ids: list[str],
+def _log_blocks(logs: PMapEdit, tail: PArrayEdit, rows: Rows, request_ids: list[str],
                 row_ids: np.ndarray, starts: np.ndarray, unit: int, hash_unit: int) -> None:
-    """Move each row's full first tail block [start, start + unit) into its log, hashing all the
-    blocks in one call, and shift the tails left by a block."""
-    blocks = frozen(tail[row_ids, :unit])  # the logs keep views of its rows
-    digests = unit_digests(blocks, hash_unit).tolist()
+    """Move each row's full first tail block [start, start + unit) into its log and shift the
+    tails left by a block."""
+    blocks = tail[row_ids, :unit]
     tail[row_ids, :-unit] = tail[row_ids, unit:]
     logged = np.maximum(starts, rows.prefill_end[row_ids])  # the prompt part is in the log already
-    for request_id, block, block_digests, start, end in zip(request_ids, blocks, digests, starts.tolist(),
-                                                           logged.tolist(), strict=True):
-        log = _writable_log(logs, request_id, end, hash_unit)
-        log.append_block(block[end - start:], block_digests[end // hash_unit - start // hash_unit:])
+    _append_blocks(logs, blocks, request_ids, starts, logged, starts + unit, hash_unit)
 
 
-def _writable_log(logs: dict[str, TokenLog], request_id: str, logged: int, hash_unit: int) -> TokenLog:
+def park_tails(logs: PMapEdit, rows: Rows, request_ids: list[str], row_ids: np.ndarray, unit: int,
+               hash_unit: int) -> None:
+    """Move the tails of rows that are being released into their logs (a parked request has only that)."""
+    total = rows.num_tokens[row_ids]
+    _append_blocks(logs, rows.tail[row_ids, :unit], request_ids, total // unit * unit,
+                   num_logged(rows, row_ids, unit), total, hash_unit)
+
+
+def _append_blocks(logs: PMapEdit, blocks: np.ndarray, request_ids: list[str], starts: np.ndarray,
+                   logged: np.ndarray, ends: np.ndarray, hash_unit: int) -> None:
+    """Append tokens [logged[i], ends[i]) of each request to its log, taken from blocks[i] (a private
+    [n, unit] copy of tail blocks, block i starting at token starts[i]); the hash units of all the
+    blocks are digested in one call."""
+    blocks = frozen(blocks)  # the logs keep views of its rows
+    digests = unit_digests(blocks, hash_unit).tolist()
+    for request_id, block, block_digests, start, begin, end in zip(
+            request_ids, blocks, digests, starts.tolist(), logged.tolist(), ends.tolist(), strict=True):
+        if end > begin:
+            log = _writable_log(logs, request_id, begin, hash_unit)
+            first = start // hash_unit
+            log.append_block(block[begin - start:end - start], block_digests[begin // hash_unit - first:
+                                                                             end // hash_unit - first])
+
+
+def _writable_log(logs: PMapEdit, request_id: str, logged: int, hash_unit: int) -> TokenLog:
     """The request's log, to append to a view of `logged` tokens: a private copy if another state
     appended to the shared buffer first."""
     log = logs[request_id]
     if log.length != logged:
         log = logs[request_id] = log.branch(logged, hash_unit)
     return log
-
-
-def park_tail(logs: dict[str, TokenLog], rows: Rows, request_id: str, row: int, unit: int, hash_unit: int) -> None:
-    """Move the tail of a row that is being released into the log (a parked request has only that)."""
-    total, logged = int(rows.num_tokens[row]), int(num_logged(rows, row, unit))
-    if total > logged:
-        start = total // unit * unit
-        _writable_log(logs, request_id, logged, hash_unit).extend(
-            frozen(rows.tail[row, logged - start:total - start].copy()), hash_unit)

@@ -10,17 +10,27 @@ import numpy as np
 
 from scheduler.checkpoints import CheckpointEvent, CheckpointStatus, advance
 from scheduler.config import SchedulerConfig
-from scheduler.history import park_tail
+from scheduler.history import park_tails
 from scheduler.persistent import frozen
 from scheduler.request import Request
 from scheduler.slots import NULL_SLOT
-from scheduler.state import SchedulerState, TokenLog, request_num_tokens
+from scheduler.state import (
+    NUM_BLOCKS,
+    NUM_COMPUTED,
+    NUM_TOKENS,
+    RUNNING_SLOT,
+    SchedulerState,
+    TokenLog,
+    request_num_tokens,
+)
 
 
 class StateEdit:
-    """Mutable copies of one state's parts; `freeze()` builds the next immutable state. Used as a
+    """Working copies of one state's parts; `freeze()` builds the next immutable state. Used as a
     context manager: if the transition raises, the writes it made to the shared persistent arrays
-    and maps are undone, so the input state stays whole."""
+    and maps are undone, so the input state stays whole. Nothing here is copied in proportion to
+    the number of requests unless it changes (`waiting` is copied on its first write), so a step
+    costs the same with ten or ten thousand queued requests."""
 
     def __init__(self, state: SchedulerState) -> None:
         self.cfg = state.config
@@ -28,13 +38,13 @@ class StateEdit:
         self.blocks = state.blocks.edit()
         self.slots = state.slots.edit()
         self.claims = dict(state.claims)
-        self.requests = dict(state.requests)
-        self.waiting = list(state.waiting)
+        self.requests = state.requests.edit()
+        self._waiting, self._waiting_copy = state.waiting, None
         self.running = list(state.running)
         self._running_rows, self._rows_valid = state.running_rows, len(state.running)  # a valid prefix
-        self.row_of = dict(state.row_of)
-        self.logs = dict(state.logs)
-        self.parked = dict(state.parked_tokens)
+        self.row_of = state.row_of.edit()
+        self.logs = state.logs.edit()
+        self.parked = state.parked_tokens.edit()
         self.materializations = state.materializations
         self.in_flight = state.in_flight
         self.step = state.step
@@ -44,29 +54,44 @@ class StateEdit:
 
     def __exit__(self, kind, error, traceback) -> None:
         if error is not None:
-            self.rows.rollback()
-            self.blocks.rollback()
-            self.slots.rollback()
+            for part in (self.rows, self.blocks, self.slots, self.requests, self.row_of, self.logs, self.parked):
+                part.rollback()
+
+    @property
+    def waiting(self) -> tuple[str, ...] | list[str]:
+        """The waiting queue as it stands, for reading; `writable_waiting()` changes it."""
+        return self._waiting if self._waiting_copy is None else self._waiting_copy
+
+    def writable_waiting(self) -> list[str]:
+        if self._waiting_copy is None:
+            self._waiting_copy = list(self._waiting)
+        return self._waiting_copy
 
     def running_rows(self) -> np.ndarray:
         """The row of each running request, in running order (recomputed only past the first change)."""
         valid, total = self._rows_valid, len(self.running)
         if valid < total or len(self._running_rows) != total:
             # map over a bound C method, not a generator: a Python frame per request costs ~1 us
-            rest = np.fromiter(map(self.row_of.__getitem__, self.running[valid:]), np.int64, total - valid)
+            rest = np.fromiter(map(self.row_of.data().__getitem__, self.running[valid:]), np.int64, total - valid)
             self._running_rows = frozen(np.concatenate([self._running_rows[:valid], rest]))
             self._rows_valid = total
         return self._running_rows
 
-    def remove_running(self, request_id: str) -> None:
-        index = self.running.index(request_id)
-        del self.running[index]
-        self._rows_valid = min(self._rows_valid, index)
+    def remove_running(self, request_ids: list[str]) -> None:
+        indices = sorted(map(self.running.index, request_ids), reverse=True)
+        for index in indices:
+            del self.running[index]
+        # the valid prefix of the running rows stays valid without the removed entries
+        keep = np.ones(self._rows_valid, bool)
+        keep[[i for i in indices if i < self._rows_valid]] = False
+        self._running_rows = frozen(self._running_rows[:self._rows_valid][keep])
+        self._rows_valid = len(self._running_rows)
 
     def freeze(self) -> SchedulerState:
-        return SchedulerState(self.cfg, self.requests, tuple(self.waiting), tuple(self.running), self.running_rows(),
-                              self.row_of, self.rows.frozen(), self.blocks.freeze(), self.slots.freeze(),
-                              self.claims, self.logs, self.parked, self.materializations, self.in_flight, self.step)
+        return SchedulerState(self.cfg, self.requests.freeze(), tuple(self.waiting), tuple(self.running),
+                              self.running_rows(), self.row_of.freeze(), self.rows.frozen(), self.blocks.freeze(),
+                              self.slots.freeze(), self.claims, self.logs.freeze(), self.parked.freeze(),
+                              self.materializations, self.in_flight, self.step)
 
     def num_tokens(self, request_id: str) -> int:
         return request_num_tokens(self.rows, self.row_of, self.parked, request_id)
@@ -82,7 +107,7 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
         edit.logs[request.request_id] = TokenLog.create(request.prompt_token_ids, state.config.hash_unit)
         edit.requests[request.request_id] = request
         edit.parked[request.request_id] = request.num_prompt_tokens
-        edit.waiting.append(request.request_id)
+        edit.writable_waiting().append(request.request_id)
         return edit.freeze()
 
 
@@ -115,9 +140,9 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
         raise KeyError(f"abort_request: unknown request_id {request_id!r}")
     with StateEdit(state) as edit:
         if request_id in edit.row_of:
-            release_row(edit, request_id)
+            release_rows(edit, [request_id])
         else:
-            edit.waiting.remove(request_id)
+            edit.writable_waiting().remove(request_id)
         forget(edit, request_id)
         return edit.freeze()
 
@@ -138,23 +163,33 @@ def forget(edit: StateEdit, request_id: str) -> None:
     edit.parked.pop(request_id, None)
 
 
-def release_row(edit: StateEdit, request_id: str) -> None:
-    """Free the row, KV blocks, running slot and any unfinished checkpoint claim of a running request."""
-    row, rows, cfg = edit.row_of.pop(request_id), edit.rows, edit.cfg
-    park_tail(edit.logs, rows, request_id, row, cfg.log_unit, cfg.hash_unit)
+def release_rows(edit: StateEdit, request_ids: list[str]) -> None:
+    """Free the rows, KV blocks, running slots and unfinished checkpoint claims of running requests,
+    all at once (a step's finished requests are released together)."""
+    rows, cfg = edit.rows, edit.cfg
+    row_ids = np.fromiter(map(edit.row_of.pop, request_ids), np.int64, len(request_ids))
+    cols = rows.ints.take(row_ids, axis=1)
+    park_tails(edit.logs, rows, request_ids, row_ids, cfg.log_unit, cfg.hash_unit)
     # decode publishes full blocks once per log block (update.py); cache the rest before letting go
-    computed = min(int(rows.num_computed[row]), int(rows.num_tokens[row]))
-    register_blocks(edit, [(request_id, row, log_block_first_block(cfg, computed),
-                            computed // cfg.hash_unit)])
-    edit.blocks.release(rows.block_table[row, :rows.num_blocks[row]])
-    if rows.running_slot[row] != NULL_SLOT:
-        edit.slots.release(int(rows.running_slot[row]))
-    release_claims(edit, request_id)
-    # its running slot (the materialisation source) is gone: drop the asks
-    edit.materializations = tuple(m for m in edit.materializations if m.request_id != request_id)
-    edit.parked[request_id] = int(rows.num_tokens[row])
-    edit.remove_running(request_id)
-    rows.clear(row)
+    computed = np.minimum(cols[NUM_COMPUTED], cols[NUM_TOKENS])
+    register_blocks(edit, list(zip(request_ids, row_ids.tolist(), log_block_first_block(cfg, computed).tolist(),
+                                   (computed // cfg.hash_unit).tolist(), strict=True)))
+    # each request's blocks tail first, so that its tail is evicted before its head (as vLLM does): a
+    # head keeps serving prefix hits on its own, a tail without its head is never hit again
+    table = rows.block_table
+    held = [table[row, :count][::-1] for row, count in zip(row_ids.tolist(), cols[NUM_BLOCKS].tolist(), strict=True)]
+    edit.blocks.release(np.concatenate(held), distinct=len(held) == 1)  # requests may share prefix blocks
+    for slot in cols[RUNNING_SLOT].tolist():
+        if slot != NULL_SLOT:
+            edit.slots.release(slot)
+    gone = set(request_ids)
+    release_claims(edit, gone)
+    # their running slots (the materialisation sources) are gone: drop the asks
+    edit.materializations = tuple(m for m in edit.materializations if m.request_id not in gone)
+    for request_id, num_tokens in zip(request_ids, cols[NUM_TOKENS].tolist(), strict=True):
+        edit.parked[request_id] = num_tokens
+    edit.remove_running(request_ids)
+    rows.clear(row_ids)
 
 
 def max_len(cfg: SchedulerConfig, request: Request) -> int:
@@ -179,10 +214,10 @@ def register_blocks(edit: StateEdit, spans: list[tuple[str, int, int, int]]) -> 
         edit.blocks.register(np.concatenate(blocks), keys)
 
 
-def release_claims(edit: StateEdit, request_id: str) -> None:
-    """A producer lost before its checkpoint state exists hands the key back (PRODUCING -> ABSENT)."""
+def release_claims(edit: StateEdit, request_ids: set[str]) -> None:
+    """Producers lost before their checkpoint state exists hand the key back (PRODUCING -> ABSENT)."""
     for key, claim in list(edit.claims.items()):
-        if claim.producer_id != request_id:
+        if claim.producer_id not in request_ids:
             continue
         status = advance(claim.status, CheckpointEvent.PRODUCER_LOST, key)
         if status is CheckpointStatus.ABSENT:
@@ -192,8 +227,8 @@ def release_claims(edit: StateEdit, request_id: str) -> None:
 
 def preempt(edit: StateEdit, request_id: str) -> None:
     """Recompute preemption: free everything, reset trackers, requeue at the front."""
-    release_row(edit, request_id)
-    edit.waiting.insert(0, request_id)
+    release_rows(edit, [request_id])
+    edit.writable_waiting().insert(0, request_id)
 
 
 def free_row(edit: StateEdit) -> int:

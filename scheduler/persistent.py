@@ -33,7 +33,8 @@ class _Node:
 
 
 def _reroot(node: _Node, revert: Callable[[object, list], list]):
-    """Make `node`'s version the one holding the data; returns the data."""
+    """Make `node`'s version the one holding the data; returns the data. Callers test `node.data`
+    first: in the scheduler's linear use the version read is almost always the newest one."""
     path = []
     while node.data is None:
         path.append(node)
@@ -111,7 +112,8 @@ class PMap:
 
     def data(self) -> dict:
         """The contents as a plain dict, for C-level lookups in bulk; read it, never write it."""
-        return _reroot(self._node, _revert_dict)
+        data = self._node.data
+        return data if data is not None else _reroot(self._node, _revert_dict)
 
     def get(self, key, default=None):
         return self.data().get(key, default)
@@ -131,6 +133,9 @@ class PMap:
     def keys(self):
         return list(self.data())
 
+    def values(self):
+        return list(self.data().values())
+
     def items(self):
         return list(self.data().items())
 
@@ -147,39 +152,49 @@ class PMapEdit:
     __slots__ = ("_base", "_data", "_undo")
 
     def __init__(self, base: PMap) -> None:
-        self._base, self._data, self._undo = base, None, []
+        data = base._node.data
+        self._base, self._data, self._undo = base, data if data is not None else _reroot(base._node, _revert_dict), []
 
     def data(self) -> dict:
         """The current contents as a plain dict, for C-level lookups in bulk; read it, never write it."""
-        if self._data is None:
-            self._data = _reroot(self._base._node, _revert_dict)
         return self._data
 
     def get(self, key, default=None):
-        return self.data().get(key, default)
+        return self._data.get(key, default)
 
     def __contains__(self, key) -> bool:
-        return key in self.data()
+        return key in self._data
 
     def __getitem__(self, key):
-        return self.data()[key]
+        return self._data[key]
 
     def __setitem__(self, key, value) -> None:
-        data = self.data()
-        self._undo.append((key, data.get(key, _MISSING)))
-        data[key] = value
+        self._undo.append((key, self._data.get(key, _MISSING)))
+        self._data[key] = value
 
     def insert_new(self, items: dict) -> None:
         """Write many entries whose keys are absent (a prefill step publishes ~100 blocks at once):
         one undo entry for all of them, no lookups."""
         self._undo.append(_Inserted(tuple(items)))
-        self.data().update(items)
+        self._data.update(items)
 
-    def pop(self, key):
-        data = self.data()
-        value = data.pop(key)
+    def __delitem__(self, key) -> None:
+        self.pop(key)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def pop(self, key, default=_MISSING):
+        if default is not _MISSING and key not in self._data:
+            return default
+        value = self._data.pop(key)
         self._undo.append((key, value))
         return value
+
+    def remove_many(self, keys: list) -> None:
+        """Remove many present keys (evicted prefix-cache blocks): one undo entry for all of them."""
+        data = self._data
+        self._undo.append(_Removed({key: data.pop(key) for key in keys}))
 
     def rollback(self) -> None:
         """Undo this edit's writes (a transition that raised): the base version is whole again."""
@@ -206,7 +221,8 @@ class PArray:
         self._view = view if view is not None else frozen(array.view())
 
     def get(self) -> np.ndarray:
-        _reroot(self._node, _revert_array)
+        if self._node.data is None:
+            _reroot(self._node, _revert_array)
         return self._view
 
     def edit(self) -> PArrayEdit:
@@ -220,7 +236,9 @@ class PArrayEdit:
     __slots__ = ("_base", "_array", "_undo")
 
     def __init__(self, base: PArray) -> None:
-        self._base, self._array, self._undo = base, _reroot(base._node, _revert_array), []
+        array = base._node.data
+        self._base, self._undo = base, []
+        self._array = array if array is not None else _reroot(base._node, _revert_array)
 
     @property
     def view(self) -> np.ndarray:

@@ -3,13 +3,15 @@
 How a transition stays cheap without ever changing an old state:
   * hot per-row counters are two small numpy buffers (`Rows.ints`, `Rows.bools`), copied once per
     transition and read-only afterwards; hot paths gather all columns of many rows in one call;
-  * the large tables (block tables, token tails, the block pool's arrays) are `PArray`s and the
-    hash maps `PMap`s (persistent.py): a transition writes them in place and pays O(entries
-    written), while every older state still reads exactly its own contents;
+  * the large tables (block tables, token tails, the block pool's arrays) are `PArray`s, and the
+    hash maps and per-request maps `PMap`s (persistent.py): a transition writes them in place and
+    pays O(entries written), not O(requests), while every older state still reads exactly its own
+    contents;
   * token histories (`TokenLog`) are append-only and shared: a state sees only its prefix, and a
     writer whose view is not the buffer's end branches off a copy; a running request's newest
     tokens sit in the row table's tail until they fill a log block (history.py);
-  * cold per-request data are frozen `Request` values; dicts of the state are copied per transition.
+  * cold per-request data are frozen `Request` values; the waiting queue is a tuple, copied only by
+    a transition that changes it.
 """
 
 from __future__ import annotations
@@ -22,9 +24,8 @@ import numpy as np
 from scheduler.blocks import BlockPool
 from scheduler.checkpoints import Claim
 from scheduler.config import SchedulerConfig
-from scheduler.persistent import PArray, PArrayEdit, frozen
+from scheduler.persistent import PArray, PArrayEdit, PMap, frozen
 from scheduler.prefix_cache import ROOT_HASH, chain_hashes, unit_digests
-from scheduler.request import Request
 from scheduler.slots import SlotPool
 
 # per-row int32 columns, indexed by row id in [0, max_num_seqs)
@@ -103,11 +104,11 @@ class Rows:
             self._edits = {}
         return self
 
-    def clear(self, row: int) -> None:
+    def clear(self, rows: np.ndarray) -> None:
         # block_table, drafts and tail are only read below num_blocks, after a sample or after
         # admission seeded them, so they are left as is
-        self.ints[:, row] = 0
-        self.bools[:, row] = False
+        self.ints[:, rows] = 0
+        self.bools[:, rows] = False
 
 
 def _add_column_properties() -> None:
@@ -236,21 +237,21 @@ class Materialize(NamedTuple):
 
 class SchedulerState(NamedTuple):
     """The whole control-plane state: an immutable value (a NamedTuple: built in one C call per step).
-    Its dicts are private to this version (each transition copies the ones it changes) and must not
-    be mutated by callers."""
+    The per-request maps are persistent (`PMap`): a transition pays for the entries it changes, not
+    for the number of requests. `claims` is a small dict private to this version: never mutate it."""
 
     config: SchedulerConfig
-    requests: dict[str, Request]       # every live request, waiting or running
+    requests: PMap                     # request id -> Request: every live request, waiting or running
     waiting: tuple[str, ...]           # FCFS; preempted requests go back to the front
     running: tuple[str, ...]           # admission order; the newest is preempted first
     running_rows: np.ndarray           # [len(running)] int64 read-only: the row of each running request
-    row_of: dict[str, int]
+    row_of: PMap                       # request id -> row of each running request
     rows: Rows
     blocks: BlockPool
     slots: SlotPool
     claims: dict[int, Claim]           # checkpoint keys that are PRODUCING or UNREADY
-    logs: dict[str, TokenLog]
-    parked_tokens: dict[str, int]      # committed tokens of requests without a row
+    logs: PMap                         # request id -> TokenLog
+    parked_tokens: PMap                # request id -> committed tokens of a request without a row
     materializations: tuple[Materialize, ...]
     in_flight: InFlight | None
     step: int                          # steps scheduled so far; also the LRU clock
@@ -267,6 +268,6 @@ class SchedulerState(NamedTuple):
 
 
 def init_state(config: SchedulerConfig) -> SchedulerState:
-    return SchedulerState(config, {}, (), (), frozen(np.zeros(0, np.int64)), {}, Rows.create(config),
-                          BlockPool.create(config.num_blocks), SlotPool.create(config.num_state_slots), {}, {}, {}, (),
-                          None, 0)
+    return SchedulerState(config, PMap(), (), (), frozen(np.zeros(0, np.int64)), PMap(), Rows.create(config),
+                          BlockPool.create(config.num_blocks), SlotPool.create(config.num_state_slots), {}, PMap(),
+                          PMap(), (), None, 0)

@@ -20,7 +20,7 @@ import numpy as np
 
 from scheduler.checkpoints import CheckpointEvent, advance
 from scheduler.history import append_tokens
-from scheduler.lifecycle import StateEdit, forget, log_block_first_block, register_blocks, release_row
+from scheduler.lifecycle import StateEdit, forget, log_block_first_block, register_blocks, release_rows
 from scheduler.persistent import frozen
 from scheduler.plan import BatchPlan, RowKind, StepResult, check_step_result
 from scheduler.replay import commit, crossed_boundary, materialize_count, ring_rows
@@ -165,10 +165,10 @@ def _publish_crossed_blocks(edit: StateEdit, live: _Live, before: np.ndarray, af
     """Rows whose computed tokens crossed a log (= Mamba) block boundary publish that block's KV
     blocks and, in align mode, ask for the boundary state. Publishing KV blocks once per log block
     instead of once per KV block loses no hit: a hit needs a cached state, and states are cached
-    only at these boundaries (release_row publishes the rest when the request ends)."""
+    only at these boundaries (release_rows publishes the rest when the request ends)."""
     row_ids, cfg = live.rows, edit.cfg
     boundary = crossed_boundary(before, after, cfg.log_unit)
-    # a row cut by a stop token may have computed past its last token: it ends now, release_row publishes
+    # a row cut by a stop token may have computed past its last token: it ends now, release_rows publishes
     crossed = ((boundary > 0) & (boundary <= num_tokens)).nonzero()[0]
     if not crossed.size:
         return
@@ -195,9 +195,11 @@ def _ask_materializations(edit: StateEdit, live: _Live, crossed: np.ndarray, bou
 
 
 def _finish_rows(edit: StateEdit, outputs: StepOutputs) -> None:
-    for rid in outputs.finished_ids:
-        release_row(edit, rid)
-        forget(edit, rid)
+    finished = outputs.finished_ids
+    if finished:
+        release_rows(edit, finished)
+        for rid in finished:
+            forget(edit, rid)
 
 
 def _join(parts: list[StepOutputs], width: int) -> StepOutputs:

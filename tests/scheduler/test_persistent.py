@@ -35,12 +35,20 @@ def test_random_version_tree_matches_plain_dicts():
             if key in expected and rng.random() < 0.4:
                 edit.pop(key)
                 del expected[key]
+            elif expected and rng.random() < 0.2:  # a batch of present keys (evicted blocks)
+                gone = rng.sample(sorted(expected), min(3, len(expected)))
+                edit.remove_many(gone)
+                for k in gone:
+                    del expected[k]
             elif rng.random() < 0.3:  # a batch of absent keys: one undo entry for all of them
                 fresh = {k: rng.random() for k in rng.sample(range(41), 3) if k not in expected}
                 edit.insert_new(fresh)
                 expected.update(fresh)
             else:
                 expected[key] = edit[key] = rng.random()
+        if rng.random() < 0.05:  # a transition that raised: its writes are undone
+            edit.rollback()
+            expected = pmap.to_dict()
         versions.append((edit.freeze(), expected))
         if rng.random() < 0.2:
             old, want = rng.choice(versions)

@@ -101,6 +101,21 @@ def test_a_transition_that_raises_midway_leaves_the_state_whole(monkeypatch):
     assert np.array_equal(plan.slot_mapping, reference_plan.slot_mapping) and check_invariants(s1) == []
 
 
+def test_a_step_copies_nothing_in_proportion_to_the_queue():
+    """A batch job queues thousands of requests behind a full batch: a step that admits, finishes and
+    logs nothing must share the per-request maps and the queue of its input, not copy them."""
+    driver = Driver(make_config(max_num_seqs=2))
+    for i in range(40):
+        driver.add(request(f"r{i}", range(1, 10), max_tokens=50))
+    driver.step()  # admits r0 and r1 and prefills them
+    old = driver.state
+    driver.step()  # decode only: no admission, finish, or full log block
+    new = driver.state
+    assert new.step == old.step + 1 and new.running == old.running and len(new.waiting) == 38
+    for name in ("requests", "waiting", "row_of", "logs", "parked_tokens"):
+        assert getattr(new, name) is getattr(old, name), name
+
+
 def test_state_columns_are_read_only():
     state = _busy_state().state
     with pytest.raises(ValueError):
