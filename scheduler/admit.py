@@ -15,7 +15,7 @@ from scheduler.history import start_tail
 from scheduler.lifecycle import free_row, max_len
 from scheduler.pass_state import Pass, append_blocks, emit_prefill
 from scheduler.persistent import frozen
-from scheduler.prefix_cache import NO_HIT, PrefixHit, checkpoint_hit, find_hit
+from scheduler.prefix_cache import NO_HIT, PrefixHit, cached_units, checkpoint_hit, find_hit
 from scheduler.slots import SlotKind
 from scheduler.split import SplitInput, split_chunk
 from scheduler.state import (
@@ -84,17 +84,18 @@ def _plan_admission(p: Pass, rid: str) -> Admission | None:
     edit = p.edit
     if not edit.cfg.align:
         return Admission(NO_HIT, Role.NONE, None, 0)
-    hashes, prefill_end = edit.hashes(rid), edit.num_tokens(rid)
-    hit = find_hit(edit.blocks, edit.slots, hashes, prefill_end, edit.cfg.hash_unit, edit.cfg.eagle_block_drop)
+    hashes, unit = edit.hashes(rid), edit.cfg.hash_unit
+    num_cached = cached_units(edit.blocks, hashes, edit.num_tokens(rid), unit)
+    hit = find_hit(edit.blocks, edit.slots, hashes, num_cached, unit, edit.cfg.eagle_block_drop)
     if hit.deferred:
         return None  # same-step deferral: the longer state is written by this very step
     c = edit.requests[rid].checkpoint_position
     if c is None or hit.num_tokens >= c:
         return Admission(hit, Role.NONE, None, 0)
-    return _checkpoint_role(p, hashes, c, hit)
+    return _checkpoint_role(p, hashes, c, hit, num_cached)
 
 
-def _checkpoint_role(p: Pass, hashes: list[int], c: int, hit: PrefixHit) -> Admission | None:
+def _checkpoint_role(p: Pass, hashes: list[int], c: int, hit: PrefixHit, num_cached: int) -> Admission | None:
     edit, key = p.edit, hashes[c // p.edit.cfg.hash_unit - 1]
     status = checkpoint_status(edit.claims, edit.slots.ready_slot(key), key)
     if status is CheckpointStatus.PRODUCING:
@@ -104,7 +105,7 @@ def _checkpoint_role(p: Pass, hashes: list[int], c: int, hit: PrefixHit) -> Admi
     if status is CheckpointStatus.UNREADY:
         return _pair(p, key, c)
     if status is CheckpointStatus.READY:
-        ready = checkpoint_hit(edit.blocks, edit.slots, hashes, c, edit.cfg.hash_unit)
+        ready = checkpoint_hit(edit.blocks, edit.slots, hashes, c, edit.cfg.hash_unit, num_cached)
         return Admission(ready if ready.num_tokens else hit, Role.NONE, None, 0)
     return Admission(hit, Role.PRODUCER, key, 0)
 

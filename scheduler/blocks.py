@@ -16,7 +16,7 @@ touched), never a copy of the pool (a large GPU pool has ~10^5-10^6 blocks).
 from __future__ import annotations
 
 import operator
-from itertools import compress
+from itertools import compress, islice, takewhile
 from typing import NamedTuple
 
 import numpy as np
@@ -80,8 +80,7 @@ class BlockPool(NamedTuple):
 
     def cached_prefix_length(self, hashes: list[int], limit: int) -> int:
         """Number of leading hashes (at most `limit`) whose blocks are in the prefix cache."""
-        found = list(map(self.hash_to_block.data().__contains__, hashes[:limit]))
-        return found.index(False) if False in found else len(found)
+        return len(list(takewhile(self.hash_to_block.data().__contains__, islice(hashes, limit))))
 
 
 class BlockPoolEdit:

@@ -62,20 +62,25 @@ class PrefixHit(NamedTuple):
 NO_HIT = PrefixHit(0, frozen(np.zeros(0, np.int32)), 0, False)
 
 
-def find_hit(blocks: BlockPool | BlockPoolEdit, slots: SlotPoolEdit, hashes: list[int],
-             prefill_end: int, unit: int, block_drop: bool) -> PrefixHit:
-    """Longest usable prefix hit for a request whose known tokens end at `prefill_end`."""
-    limit = min(len(hashes), (prefill_end - 1) // unit)  # keep at least one token to compute
-    num_kv = blocks.cached_prefix_length(hashes, limit)
-    if block_drop:
-        num_kv = max(num_kv - 1, 0)
-    slot_of = list(map(slots.hash_to_slot.data().get, hashes[:num_kv]))
-    for count in range(num_kv, 0, -1):
-        slot = slot_of[count - 1]
-        if slot is None or slots.kind[slot] == SlotKind.RESERVED:
+def cached_units(blocks: BlockPool | BlockPoolEdit, hashes: list[int], prefill_end: int, unit: int) -> int:
+    """Leading hash units of a request (known tokens end at `prefill_end`) whose KV blocks are cached,
+    keeping at least one token to compute."""
+    return blocks.cached_prefix_length(hashes, min(len(hashes), (prefill_end - 1) // unit))
+
+
+def find_hit(blocks: BlockPool | BlockPoolEdit, slots: SlotPoolEdit, hashes: list[int], num_cached: int, unit: int,
+             block_drop: bool) -> PrefixHit:
+    """Longest usable prefix hit within the first `num_cached` hash units (`cached_units`)."""
+    num_kv = max(num_cached - 1, 0) if block_drop else num_cached
+    # states are cached at few of these positions (a long prompt has thousands): collect those in one
+    # comprehension, then try them longest first
+    cached = [(count, slot) for count, slot in enumerate(map(slots.hash_to_slot.data().get, hashes[:num_kv]), 1)
+              if slot is not None]
+    for count, slot in reversed(cached):
+        if slots.kind[slot] == SlotKind.RESERVED:
             continue
         if slots.kind[slot] == SlotKind.PENDING:
-            return PrefixHit(0, (), 0, True)
+            return PrefixHit(0, NO_HIT.block_ids, 0, True)
         return PrefixHit(count * unit, _block_ids(blocks, hashes[:count]), slot, False)
     return NO_HIT
 
@@ -84,11 +89,12 @@ def _block_ids(blocks: BlockPool | BlockPoolEdit, hashes: list[int]) -> np.ndarr
     return frozen(np.fromiter(map(blocks.hash_to_block.data().__getitem__, hashes), np.int32, len(hashes)))
 
 
-def checkpoint_hit(blocks: BlockPool | BlockPoolEdit, slots: SlotPoolEdit, hashes: list[int],
-                   position: int, unit: int) -> PrefixHit:
-    """A hit at exactly the declared checkpoint (no block drop: the position was chosen by the user)."""
+def checkpoint_hit(blocks: BlockPool | BlockPoolEdit, slots: SlotPoolEdit, hashes: list[int], position: int,
+                   unit: int, num_cached: int) -> PrefixHit:
+    """A hit at exactly the declared checkpoint (no block drop: the position was chosen by the user);
+    `num_cached` as for `find_hit`."""
     count = position // unit
     slot = slots.ready_slot(hashes[count - 1])
-    if slot is None or blocks.cached_prefix_length(hashes, count) < count:
+    if slot is None or num_cached < count:
         return NO_HIT
     return PrefixHit(position, _block_ids(blocks, hashes[:count]), slot, False)
