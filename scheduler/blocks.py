@@ -194,17 +194,19 @@ class BlockPoolEdit:
 
     def register(self, block_ids: np.ndarray | list[int], block_hashes: list[int]) -> None:
         """Publish computed blocks under their chained hashes (first writer wins on duplicates)."""
-        unknown = map(operator.not_, map(self.hash_to_block.data().__contains__, block_hashes))
-        fresh = np.fromiter(unknown, bool, len(block_hashes)) & (self.block_hash[block_ids] == 0)
-        if not fresh.any():
-            return
-        selected = fresh.tolist()
-        keys = list(compress(block_hashes, selected))
-        blocks = np.asarray(block_ids)[fresh].tolist()
+        blocks, known = np.asarray(block_ids), self.hash_to_block.data().__contains__
+        unpublished = self.block_hash[blocks] == 0
+        if unpublished.all() and not any(map(known, block_hashes)):  # the usual case: all of them are new
+            keys, values = block_hashes, blocks.tolist()
+        else:
+            fresh = np.fromiter(map(operator.not_, map(known, block_hashes)), bool, len(block_hashes)) & unpublished
+            keys, values = list(compress(block_hashes, fresh.tolist())), blocks[fresh].tolist()
         # built from the back, so that of two blocks with one hash the first one is written last and stays
-        published = dict(zip(reversed(keys), reversed(blocks), strict=True))
-        self.hash_to_block.insert_new(published)
-        self.hashes[np.fromiter(published.values(), np.int64)] = np.fromiter(published, np.int64)
+        published = dict(zip(reversed(keys), reversed(values), strict=True))
+        if published:
+            self.hash_to_block.insert_new(published)
+            self.hashes[np.fromiter(published.values(), np.int64, len(published))] = np.fromiter(
+                published, np.int64, len(published))
 
 
 def _by_last_entry(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
