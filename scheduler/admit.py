@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from scheduler.checkpoints import CheckpointEvent, CheckpointStatus, Claim, advance, checkpoint_status
 from scheduler.history import start_tail
-from scheduler.lifecycle import free_row, max_len
+from scheduler.lifecycle import StateEdit, free_row, max_len
 from scheduler.pass_state import Pass, append_blocks, emit_prefill
 from scheduler.persistent import frozen
 from scheduler.prefix_cache import NO_HIT, PrefixHit, cached_units, checkpoint_hit, find_hit
@@ -84,15 +84,28 @@ def _plan_admission(p: Pass, rid: str) -> Admission | None:
     edit = p.edit
     if not edit.cfg.align:
         return Admission(NO_HIT, Role.NONE, None, 0)
-    hashes, unit = edit.hashes(rid), edit.cfg.hash_unit
+    unit, c = edit.cfg.hash_unit, edit.requests[rid].checkpoint_position
+    if c is not None and _waits_for_producer(edit, rid, c // unit):
+        return None  # consumer waits for READY without blocking anyone else
+    hashes = edit.hashes(rid)
     num_cached = cached_units(edit.blocks, hashes, edit.num_tokens(rid), unit)
     hit = find_hit(edit.blocks, edit.slots, hashes, num_cached, unit, edit.cfg.eagle_block_drop)
     if hit.deferred:
         return None  # same-step deferral: the longer state is written by this very step
-    c = edit.requests[rid].checkpoint_position
     if c is None or hit.num_tokens >= c:
         return Admission(hit, Role.NONE, None, 0)
     return _checkpoint_role(p, hashes, c, hit, num_cached)
+
+
+def _waits_for_producer(edit: StateEdit, rid: str, units: int) -> bool:
+    """The checkpoint after `units` hash units is PRODUCING and no cached KV prefix of `rid` reaches
+    past it, so no hit can reach it (its own state is RESERVED): exactly the consumers `_checkpoint_role`
+    makes wait, found with a few lookups instead of a prefix search. A long queue of consumers is looked
+    at every step while its producer prefills."""
+    hashes = edit.logs[rid].hashes  # may run past the request's tokens: bounded below
+    claim = edit.claims.get(hashes[units - 1])
+    return (claim is not None and claim.status is CheckpointStatus.PRODUCING
+            and (edit.num_tokens(rid) // edit.cfg.hash_unit <= units or hashes[units] not in edit.blocks.hash_to_block))
 
 
 def _checkpoint_role(p: Pass, hashes: list[int], c: int, hit: PrefixHit, num_cached: int) -> Admission | None:

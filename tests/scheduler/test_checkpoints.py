@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from scheduler import CheckpointMarkerError, abort_request, parse_checkpoint_marker, preempt_request
 from scheduler.checkpoints import TRANSITIONS, CheckpointEvent, CheckpointStatus, advance
+from scheduler.simulate import config_from, parse_args
+from scheduler.simulator import Workload, run_seed
 from scheduler.slots import SlotKind
 from tests.scheduler.helpers import Driver, make_config, request
 
@@ -182,3 +186,68 @@ def test_a_consumer_admitted_before_a_resumed_producer_takes_over_the_role():
     assert _claim(driver).producer_id == "P"  # P is first in line again and reclaims
     while driver.state.has_work():
         driver.step()
+
+
+def _compare_the_producer_wait_shortcut(monkeypatch) -> list[bool]:
+    """Make every admission check run with and without `_waits_for_producer` (which skips a consumer's
+    prefix search while its producer prefills) and assert both agree; returns the shortcut's answers."""
+    admit = sys.modules["scheduler.admit"]
+    plan_admission, shortcut, answers = admit._plan_admission, admit._waits_for_producer, []
+
+    def answered(*args):
+        answers.append(shortcut(*args))
+        return answers[-1]
+
+    def compared(p, rid):
+        monkeypatch.setattr(admit, "_waits_for_producer", lambda *args: False)
+        full = plan_admission(p, rid)
+        monkeypatch.setattr(admit, "_waits_for_producer", answered)
+        fast = plan_admission(p, rid)
+        assert (fast is None) == (full is None), rid
+        assert fast is None or (fast.role, fast.hit.num_tokens) == (full.role, full.hit.num_tokens)
+        return fast
+
+    monkeypatch.setattr(admit, "_plan_admission", compared)
+    return answers
+
+
+def test_consumers_wait_for_a_producing_checkpoint_without_a_prefix_search(monkeypatch):
+    """A long queue of consumers is looked at every step while its producer prefills: each one that
+    must wait is found with a few lookups, and the full check agrees."""
+    answers = _compare_the_producer_wait_shortcut(monkeypatch)
+    driver = _driver(max_num_batched_tokens=24)
+    driver.add(request("P", PRODUCER, checkpoint=48))
+    driver.step()
+    for i in range(4):
+        driver.add(request(f"C{i}", CONSUMER, checkpoint=48))
+    driver.step()
+    assert answers.count(True) == 4 and len(driver.state.waiting) == 4
+    while driver.state.has_work():
+        driver.step()
+
+
+def test_a_consumer_with_a_cached_prefix_past_a_producing_checkpoint_does_not_wait(monkeypatch):
+    """While P produces the checkpoint at 48, C (marked at 48 too) has states cached past 48 by U, an
+    unmarked request with C's tokens: C is not made to wait for P and takes a hit past the checkpoint."""
+    answers = _compare_the_producer_wait_shortcut(monkeypatch)
+    driver = _driver(max_num_batched_tokens=88, eagle_block_drop=False)
+    tokens = [10] * 48 + [20] * 82
+    driver.add(request("U", tokens))
+    driver.step()  # U computes [0, 80) and caches the state at 80 (none at 48)
+    driver.add(request("P", PRODUCER, checkpoint=48))
+    driver.add(request("C", tokens, checkpoint=48))
+    plan = driver.step()  # P claims the checkpoint and gets [0, 32); C has a hit at 80 but no budget left
+    assert driver.chunks(plan) == {"U": (80, 128), "P": (0, 32)} and _claim(driver).status is CheckpointStatus.PRODUCING
+    assert answers == [False, False] and driver.state.waiting == ("C",)  # P had no claim yet; C's prefix is cached
+    plan = driver.step()
+    assert driver.chunks(plan)["C"] == (128, 130) and plan.num_hit_copies == 1
+    while driver.state.has_work():
+        driver.step()
+
+
+@pytest.mark.parametrize("budget, seed", [(32, 1), (64, 2), (256, 3)])
+def test_the_producer_wait_shortcut_agrees_on_simulator_workloads(monkeypatch, budget, seed):
+    _compare_the_producer_wait_shortcut(monkeypatch)
+    args = parse_args(["--token-budget", str(budget), "--checkpoint-fraction", "0.6"])
+    report = run_seed(config_from(args), Workload(steps=150, checkpoint_fraction=0.6), seed=seed)
+    assert report.ok, report.summary()
