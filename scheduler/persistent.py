@@ -152,8 +152,7 @@ class PMapEdit:
     __slots__ = ("_base", "_data", "_undo")
 
     def __init__(self, base: PMap) -> None:
-        data = base._node.data
-        self._base, self._data, self._undo = base, data if data is not None else _reroot(base._node, _revert_dict), []
+        self._base, self._data, self._undo = base, base.data(), []
 
     def data(self) -> dict:
         """The current contents as a plain dict, for C-level lookups in bulk; read it, never write it."""
