@@ -180,9 +180,6 @@ class PMapEdit:
     def __delitem__(self, key) -> None:
         self.pop(key)
 
-    def __len__(self) -> int:
-        return len(self._data)
-
     def pop(self, key, default=_MISSING):
         if default is not _MISSING and key not in self._data:
             return default
