@@ -51,9 +51,12 @@ def _attention_kernel(
             running_max, running_sum, acc = carry
             block = block_tables_ref[row, j]
             keys = k_pool_ref[block, :, kv_head, :].astype(jnp.float32)  # [BS, Dh]
-            values = v_pool_ref[block, :, kv_head, :].astype(jnp.float32)
-            scores = jnp.dot(q, keys.T, preferred_element_type=jnp.float32)  # [BQ, BS]
             key_positions = j * block_size + jnp.arange(block_size)
+            # Select, not multiply by a zero probability: a block's unwritten tail may hold NaN or Inf.
+            values = jnp.where(
+                (key_positions <= last_position)[:, None], v_pool_ref[block, :, kv_head, :].astype(jnp.float32), 0.0
+            )
+            scores = jnp.dot(q, keys.T, preferred_element_type=jnp.float32)  # [BQ, BS]
             visible = key_positions[None, :] <= positions[:, None]
             scores = jnp.where(visible, scores, -jnp.inf)
             new_max = jnp.maximum(running_max, scores.max(axis=1))

@@ -67,7 +67,9 @@ def ragged_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, block_tables, 
         key_positions = block_index * block_size + jnp.arange(block_size)
         visible = (key_positions[None, :] <= positions[:, None]) & tok.valid[:, None]  # [T, BS]
         scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-        return _online_softmax_step(carry, scores, v_pool[blocks].astype(jnp.float32)), None
+        # Select, not multiply by a zero probability: an unwritten pool position may hold NaN or Inf.
+        values = jnp.where(visible[:, :, None, None], v_pool[blocks].astype(jnp.float32), 0.0)
+        return _online_softmax_step(carry, scores, values), None
 
     heads = (num_tokens, num_kv_heads, num_q_heads // num_kv_heads)
     init = (jnp.full(heads, -jnp.inf), jnp.zeros(heads), jnp.zeros(heads + (head_dim,)))

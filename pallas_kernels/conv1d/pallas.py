@@ -35,8 +35,9 @@ def _conv1d_kernel(
 ):
     i_r, cols = pl.program_id(0), pl.ds(pl.program_id(1) * block_d, block_d)
     slot, bos, eos = slots_ref[i_r], cu_ref[i_r], cu_ref[i_r + 1]
-    keep = (has_initial_ref[i_r] != 0).astype(jnp.float32)
-    window = tuple(window_ref[slot, j, cols].astype(jnp.float32) * keep for j in range(width))  # oldest first
+    keep = has_initial_ref[i_r] != 0
+    # where, not a product: a stale slot may hold NaN or Inf, and 0 * NaN is NaN.
+    window = tuple(jnp.where(keep, window_ref[slot, j, cols].astype(jnp.float32), 0.0) for j in range(width))
     taps = [weight_ref[cols, i].astype(jnp.float32) for i in range(width + 1)]
     bias = bias_ref[cols]
     ckpt_len, ckpt_slot = checkpoint_lens_ref[i_r], checkpoint_slots_ref[i_r]

@@ -66,7 +66,8 @@ def _gdn_prefill_kernel(
     i_k, cols = i_h // group, pl.ds(pl.program_id(2) * block_v, block_v)
     slot, bos, eos = slots_ref[i_r], cu_ref[i_r], cu_ref[i_r + 1]
     ckpt_len, ckpt_slot = checkpoint_lens_ref[i_r], checkpoint_slots_ref[i_r]
-    state = state_ref[slot, i_h, :, cols] * (has_initial_ref[i_r] != 0).astype(jnp.float32)
+    # where, not a product: a stale slot may hold NaN or Inf, and 0 * NaN is NaN.
+    state = jnp.where(has_initial_ref[i_r] != 0, state_ref[slot, i_h, :, cols], 0.0)
     row_i = jax.lax.broadcasted_iota(jnp.int32, (chunk_size, chunk_size), 0)
     col_j = jax.lax.broadcasted_iota(jnp.int32, (chunk_size, chunk_size), 1)
     positions = jnp.arange(chunk_size)
