@@ -27,7 +27,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.fake_device import FakeDevice
 from scheduler.invariants import check_drained, check_invariants
 from scheduler.lifecycle import abort_request, add_request
-from scheduler.plan import BatchPlan, StepResult
+from scheduler.plan import BatchPlan, RowKind, StepResult
 from scheduler.replay import ring_rows
 from scheduler.request import Request, SamplingParams
 from scheduler.schedule import schedule
@@ -98,7 +98,7 @@ def fake_result(rng: np.random.Generator, plan: BatchPlan, k: int) -> StepResult
     rows = plan.row_bucket
     sampled = rng.integers(3, VOCAB, (rows, 1 + k), dtype=np.int32)
     sampled[rng.random((rows, 1 + k)) < 0.02] = EOS
-    accepted = np.where(plan.row_kind == 3, rng.integers(0, k + 1, rows), 0).astype(np.int32)
+    accepted = np.where(plan.row_kind == RowKind.VERIFY, rng.integers(0, k + 1, rows), 0).astype(np.int32)
     echoed = np.arange(k) < accepted[:, None]
     sampled[:, :k] = np.where(echoed, plan.draft_token_ids, sampled[:, :k])
     return StepResult(sampled, accepted, rng.integers(3, VOCAB, (rows, k), dtype=np.int32))

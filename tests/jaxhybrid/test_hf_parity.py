@@ -1,11 +1,14 @@
-"""Logits of `load_model` match HuggingFace transformers on the committed fixtures (float32)."""
+"""Logits of `load_model` match HuggingFace transformers on the committed fixtures (float32).
+
+PyTorch and XLA order their sums differently (and HF runs GDN/SSD token by token or in its own chunks),
+so the logits agree to float32 rounding of `model_depth` (tests/tolerances.py) at the case's length.
+"""
 
 import numpy as np
 import pytest
 
 from tests.hf_fixtures import FAMILIES, HF_FIXTURES, fixture_model
-
-TOLERANCE = 2e-3
+from tests.tolerances import assert_float32_close, model_depth
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -17,5 +20,5 @@ def test_logits_match_transformers(family):
     for case in cases:
         logits = np.asarray(model(reference[f"tokens_{case}"]))
         expected = reference[f"logits_{case}"]
-        error = np.abs(logits - expected).max()
-        assert error <= TOLERANCE, f"{family} {case}: max abs error {error:.2e}"
+        depth = model_depth(model.config, expected.shape[-2])
+        assert_float32_close(logits, expected, depth, f"{family} {case}")

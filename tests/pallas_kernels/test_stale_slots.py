@@ -23,8 +23,8 @@ from test_mamba2_replay import SsdReplay
 
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.conv1d import conv1d_prefill, conv1d_verify
-from pallas_kernels.gdn import gdn_decode, gdn_materialise, gdn_prefill
-from pallas_kernels.mamba2 import ssd_decode, ssd_materialise, ssd_prefill
+from pallas_kernels.gdn import gdn_materialise, gdn_prefill
+from pallas_kernels.mamba2 import ssd_materialise, ssd_prefill
 
 BACKENDS = ["reference", "interpret"]
 POISONS = [np.nan, np.inf, -np.inf]
@@ -177,7 +177,8 @@ def test_materialise_reads_only_the_entries_it_folds():
         for ring in pools[1:]:
             ring[1:] = np.nan
         extra = (SSD_A,) if replay is SsdReplay else ()
-        args = (np.array([1, 2], np.int32), np.array([3, 0], np.int32), np.array([1, 0], np.int32), np.zeros(2, np.int32))
+        src, dst, ring_start = (np.array(a, np.int32) for a in ([1, 2], [3, 0], [1, 0]))
+        args = (src, dst, ring_start, np.zeros(2, np.int32))
         for backend in BACKENDS:
             out = np.asarray(materialise(*[p.copy() for p in pools], *extra, *args, backend=backend))
             np.testing.assert_array_equal(out[3], pools[0][1])

@@ -3,6 +3,8 @@
 import numpy as np
 from hypothesis import strategies as st
 
+from tests.tolerances import Float32
+
 
 def cu_seqlens(lengths: list[int], num_rows: int) -> np.ndarray:
     """[R+1] i32 boundaries; missing rows are zero-length padding rows."""
@@ -75,28 +77,28 @@ def split_row_twice(fn, token_args, state, length, split, num_tokens, **kwargs):
     return np.concatenate([np.asarray(o1)[:split], np.asarray(o2)[: length - split]]), np.asarray(final)
 
 
-def check_packed_equals_per_row_calls(fns, token_args, states, cu, num_tokens, tol):
+def check_packed_equals_per_row_calls(fns, token_args, states, cu, num_tokens, tol: Float32):
     """Each fn(*token_args, cu, states) on the packed bucket equals one call per row (the FLA varlen check)."""
     for fn in fns:
         out, final = fn(*token_args, cu, states)
         out_rows, final_rows = run_rows_separately(fn, token_args, states, cu, num_tokens)
-        np.testing.assert_allclose(out[: cu[-1]], out_rows, **tol)
-        np.testing.assert_allclose(final, final_rows, **tol)
+        tol.check(out[: cu[-1]], out_rows)
+        tol.check(final, final_rows)
 
 
-def check_split_row_carries_state(fns, token_args, state, length, split, num_tokens, tol):
+def check_split_row_carries_state(fns, token_args, state, length, split, num_tokens, tol: Float32):
     """Each fn on one row of `length` tokens equals two calls split at `split`, carrying the state."""
     for fn in fns:
         out, final = fn(*token_args, np.array([0, length], np.int32), state)
         out_split, final_split = split_row_twice(fn, token_args, state, length, split, num_tokens)
-        np.testing.assert_allclose(out[:length], out_split, **tol)
-        np.testing.assert_allclose(final, final_split, **tol)
+        tol.check(out[:length], out_split)
+        tol.check(final, final_split)
 
 
-def check_chunked_matches_recurrent(recurrent, chunked, token_args, states, cu, tol):
+def check_chunked_matches_recurrent(recurrent, chunked, token_args, states, cu, tol: Float32):
     """Real tokens' outputs and every row's final state agree; all outputs (padding too) are finite."""
     out_ref, final_ref = recurrent(*token_args, cu, states)
     out, final = chunked(*token_args, cu, states)
-    np.testing.assert_allclose(out[: cu[-1]], out_ref[: cu[-1]], **tol)
-    np.testing.assert_allclose(final, final_ref, **tol)
+    tol.check(out[: cu[-1]], out_ref[: cu[-1]])
+    tol.check(final, final_ref)
     assert np.isfinite(out).all()

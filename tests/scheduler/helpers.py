@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler import Request, SamplingParams, SchedulerConfig, StepResult, add_request, init_state, schedule, update
+from scheduler import (
+    Request,
+    RowKind,
+    SamplingParams,
+    SchedulerConfig,
+    StepResult,
+    add_request,
+    init_state,
+    schedule,
+    update,
+)
 from scheduler.fake_device import FakeDevice
 from scheduler.plan import BatchPlan
 from scheduler.replay import ring_rows
@@ -25,7 +35,7 @@ def result_for(plan: BatchPlan, k: int, accepted: int = 0, token: int = 7) -> St
     """Every row samples `token`; verify rows accept `accepted` drafts (echoing them)."""
     rows = plan.row_bucket
     sampled = np.full((rows, 1 + k), token, np.int32)
-    num_accepted = np.where(plan.row_kind == 3, accepted, 0).astype(np.int32)
+    num_accepted = np.where(plan.row_kind == RowKind.VERIFY, accepted, 0).astype(np.int32)
     sampled[:, :k] = np.where(np.arange(k) < num_accepted[:, None], plan.draft_token_ids, sampled[:, :k])
     return StepResult(sampled, num_accepted, np.full((rows, k), token + 1, np.int32))
 
@@ -48,6 +58,20 @@ class Driver:
         self.outputs += outs
         assert not self.device.errors, self.device.errors
         return plan
+
+    def drain(self, workload: str, accepted: int = 0, max_steps: int = 300) -> None:
+        """Step until no request has work left; a livelock fails after `max_steps` naming the workload."""
+        self.run_until(lambda _: not self.state.has_work(), workload, accepted, max_steps)
+
+    def run_until(self, done, workload: str, accepted: int = 0, max_steps: int = 300) -> BatchPlan | None:
+        """Step until `done(last plan or None)`; returns that plan; fails after `max_steps` steps."""
+        plan = None
+        for _ in range(max_steps):
+            if done(plan):
+                return plan
+            plan = self.step(accepted)
+        raise AssertionError(f"{workload}: not done after {max_steps} steps (livelock?); waiting "
+                             f"{list(self.state.waiting)}, running {list(self.state.row_of)}")
 
     def chunks(self, plan: BatchPlan) -> dict[str, tuple[int, int]]:
         """request id -> (context_len, context_len + query_len) of each row of `plan`."""

@@ -39,8 +39,7 @@ def test_a_finished_request_frees_its_tail_blocks_first():
     driver.add(request("a", range(1, 66), max_tokens=3))
     plan = driver.step()
     blocks = plan.block_table[0, :4].tolist()  # the 64 tokens of 4 full KV blocks are cached on release
-    while driver.state.requests:
-        driver.step()
+    driver.run_until(lambda _: not driver.state.requests, "a: 65 tokens, 3 new")
     assert driver.state.blocks.free_cached.tolist() == blocks[::-1]
 
 
@@ -90,8 +89,7 @@ def test_c1_one_running_slot_and_kv_for_the_drafts():
 def test_c2_hit_shares_blocks_copies_the_slot_and_grows_one_block_at_a_time():
     driver = Driver(make_config(num_spec_tokens=0, mamba_block_size=32))
     driver.add(request("a", range(100), max_tokens=2))
-    while driver.state.has_work():
-        driver.step()
+    driver.drain("a: 100 tokens, 2 new")
     driver.add(request("b", list(range(100)) + [7, 7], max_tokens=40))
     plan = driver.step()
     assert plan.context_lens[0] == 96 and plan.hit_copy_dst[0] == plan.state_slots[0]
@@ -123,8 +121,7 @@ def test_c4_pools_return_to_their_initial_free_counts():
     driver = Driver(make_config(num_spec_tokens=2, num_blocks=128))
     for i in range(6):
         driver.add(request(f"r{i}", [3] * 30 + [i] * 20, max_tokens=9))
-    while driver.state.has_work():
-        driver.step(accepted=1)
+    driver.drain("6 requests with a shared 30-token prefix, K=2", accepted=1)
     assert check_drained(driver.state) == []
     assert driver.state.blocks.num_free == 127
 

@@ -108,8 +108,7 @@ def test_e3_consumer_waits_while_producing_without_blocking_others():
     driver.add(request("U", [30] * 5))
     plan = driver.step()
     assert set(plan.request_ids) == {"P", "U"} and "C" in driver.state.waiting  # U is not blocked by C
-    while "C" not in driver.chunks(plan):
-        plan = driver.step()
+    plan = driver.run_until(lambda last: last and "C" in driver.chunks(last), "E3: C waits for P's checkpoint")
     assert driver.chunks(plan)["C"][0] == 48 and plan.num_hit_copies == 1  # READY: a hit at exactly c
     assert not driver.state.claims
 
@@ -134,8 +133,7 @@ def test_e5_only_the_declared_boundary_is_cached():
     driver.step()
     key = driver.state.logs["P"].hashes[1]
     assert driver.state.slots.ready_slot(key) is not None
-    while driver.state.has_work():
-        driver.step()
+    driver.drain("E5: P with a checkpoint at 32 decodes 40 tokens")
     hashes = driver.state.blocks  # the KV blocks are cached as usual ...
     assert len(hashes.hash_to_block) >= 4
     cached = set(driver.state.slots.hash_to_slot)
@@ -169,23 +167,23 @@ def test_e8_producer_lost_before_ready_hands_the_role_on(lose):
     assert not driver.state.claims
     reserved = driver.state.slots.kind == SlotKind.RESERVED
     assert not reserved.any()
-    for _ in range(40):
-        if not driver.state.has_work():
-            break
-        driver.step()
-    assert not driver.state.has_work()  # nobody waited forever
+    driver.drain(f"P {lose.__name__}d with C waiting", max_steps=40)  # nobody waits forever
 
 
-def test_a_consumer_admitted_before_a_resumed_producer_takes_over_the_role():
+def test_a_preempted_producer_back_at_the_queue_head_reclaims_the_role():
+    """Preempting P releases its checkpoint hash (nobody can wait on a lost producer); P goes back to
+    the front of the queue, ahead of C, so the next admission makes P the producer again and C its
+    consumer."""
     driver = _driver(max_num_batched_tokens=16)
     driver.add(request("P", PRODUCER, checkpoint=48))
     driver.step()
     driver.add(request("C", CONSUMER, checkpoint=48))
     driver.state = preempt_request(driver.state, "P")  # P goes back to the queue head
+    assert not driver.state.claims and driver.state.waiting == ("P", "C")
     driver.step()
     assert _claim(driver).producer_id == "P"  # P is first in line again and reclaims
-    while driver.state.has_work():
-        driver.step()
+    driver.drain("P preempted after C queued")
+    assert {o.request_id for o in driver.outputs if o.finished} == {"P", "C"}
 
 
 def _compare_the_producer_wait_shortcut(monkeypatch) -> list[bool]:
@@ -222,8 +220,7 @@ def test_consumers_wait_for_a_producing_checkpoint_without_a_prefix_search(monke
         driver.add(request(f"C{i}", CONSUMER, checkpoint=48))
     driver.step()
     assert answers.count(True) == 4 and len(driver.state.waiting) == 4
-    while driver.state.has_work():
-        driver.step()
+    driver.drain("4 consumers queued behind a producing P")
 
 
 def test_a_consumer_with_a_cached_prefix_past_a_producing_checkpoint_does_not_wait(monkeypatch):
@@ -241,8 +238,7 @@ def test_a_consumer_with_a_cached_prefix_past_a_producing_checkpoint_does_not_wa
     assert answers == [False, False] and driver.state.waiting == ("C",)  # P had no claim yet; C's prefix is cached
     plan = driver.step()
     assert driver.chunks(plan)["C"] == (128, 130) and plan.num_hit_copies == 1
-    while driver.state.has_work():
-        driver.step()
+    driver.drain("C with a cached prefix past P's producing checkpoint")
 
 
 @pytest.mark.parametrize("budget, seed", [(32, 1), (64, 2), (256, 3)])

@@ -79,8 +79,7 @@ def test_decode_crossing_a_boundary_materialises_it_next_step_and_it_gets_hit():
     assert plan.materialize_src[0] == plan.state_slots[0]
     assert driver.state.slots.kind[plan.materialize_dst[0]] == SlotKind.CACHED
     history = driver.state.token_ids("a")
-    while driver.state.has_work():
-        driver.step(accepted=1)
+    driver.drain("a decodes 12 tokens with K=3 across boundary 32", accepted=1)
     driver.add(request("b", history[:40]))
     plan = driver.step()
     assert plan.context_lens[0] == 32 and plan.num_hit_copies == 1  # checked against I1 by the fake device

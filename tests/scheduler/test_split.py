@@ -94,8 +94,7 @@ def test_a8_ten_identical_prompts_hit_without_i1_violations(prompt, drop):
     for i in range(4):
         driver.add(request(f"late{i}", tokens, max_tokens=4))
         driver.step(accepted=2)
-    while driver.state.has_work():
-        driver.step(accepted=1)
+    driver.drain("10 equal prompts + 4 late ones, 2 then 1 drafts accepted", accepted=1)
     assert driver.device.hits_checked >= 1  # the late requests hit the published state, checked against I1
 
 
@@ -163,6 +162,10 @@ GRID = list(itertools.product([64, 1600], [2, 3, 5], ["inside", "edge", "past"],
                               [4.0, 1.0, 0.5], [True, False]))
 
 
+def test_grid_has_216_cases():
+    assert len(GRID) == 216
+
+
 @pytest.mark.parametrize("bs, lookahead, tail, full_blocks, budget_blocks, drop", GRID)
 def test_grid_multi_module_mtp_prefill_lookahead(bs, lookahead, tail, full_blocks, budget_blocks, drop):
     prompt = full_blocks * bs + {"inside": lookahead - 1, "edge": lookahead, "past": lookahead + 1}[tail]
@@ -176,4 +179,3 @@ def test_grid_multi_module_mtp_prefill_lookahead(bs, lookahead, tail, full_block
         if prompt - lookahead < end < prompt:
             assert end % bs == 0 or budget < bs, f"end {end} inside the window off a boundary"
             assert min(budget, prompt - start) < prompt - start or start % bs, "could have finished"
-    assert len(GRID) == 216

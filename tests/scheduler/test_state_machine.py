@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from scheduler import StepResult, abort_request, add_request, init_state, preempt_request, schedule, update
+from scheduler import RowKind, StepResult, abort_request, add_request, init_state, preempt_request, schedule, update
 from scheduler.fake_device import FakeDevice
 from scheduler.invariants import check_drained, check_invariants
 from scheduler.replay import ring_rows
@@ -58,7 +58,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.device.run(self.state, plan)
         rows = plan.row_bucket
         accepted = np.array(data.draw(st.lists(st.integers(0, K), min_size=rows, max_size=rows)), np.int32)
-        accepted = np.where(plan.row_kind == 3, accepted, 0).astype(np.int32)
+        accepted = np.where(plan.row_kind == RowKind.VERIFY, accepted, 0).astype(np.int32)
         sampled = np.array(data.draw(st.lists(st.integers(3, 9), min_size=rows * (1 + K), max_size=rows * (1 + K))),
                            np.int32).reshape(rows, 1 + K)
         sampled[:, :K] = np.where(np.arange(K) < accepted[:, None], plan.draft_token_ids, sampled[:, :K])
