@@ -12,9 +12,9 @@ from typing import NamedTuple
 
 from scheduler.checkpoints import CheckpointEvent, CheckpointStatus, Claim, advance, checkpoint_status
 from scheduler.history import start_tail
+from scheduler.journal import frozen
 from scheduler.lifecycle import StateEdit, free_row, max_len
 from scheduler.pass_state import Pass, append_blocks, emit_prefill
-from scheduler.persistent import frozen
 from scheduler.prefix_cache import NO_HIT, PrefixHit, cached_units, checkpoint_hit, find_hit
 from scheduler.slots import SlotKind
 from scheduler.split import SplitInput, split_chunk
@@ -46,7 +46,7 @@ class Role(enum.Enum):
 class Admission(NamedTuple):
     hit: PrefixHit
     role: Role
-    key: int | None
+    key: bytes | None
     pair_src: int  # producer running slot for a paired consumer
 
 
@@ -123,7 +123,7 @@ def _checkpoint_role(p: Pass, hashes: list[int], c: int, hit: PrefixHit, num_cac
     return Admission(hit, Role.PRODUCER, key, 0)
 
 
-def _pair(p: Pass, key: int, c: int) -> Admission:
+def _pair(p: Pass, key: bytes, c: int) -> Admission:
     """Share the producer's KV blocks for [0, c) and its state after phase 1 of this step."""
     rows, producer_row = p.edit.rows, p.edit.claims[key].producer_row
     block_ids = frozen(rows.block_table[producer_row, :c // p.edit.cfg.block_size].copy())

@@ -14,7 +14,7 @@ import numpy as np
 
 from scheduler.buckets import pick_bucket
 from scheduler.config import SchedulerConfig
-from scheduler.persistent import frozen
+from scheduler.journal import frozen
 from scheduler.plan import BatchPlan, RowKind
 from scheduler.state import COMMITTED, LAST_TOKEN, NUM_COMPUTED, RING_START, RUNNING_SLOT
 

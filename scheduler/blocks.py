@@ -1,63 +1,65 @@
 """Paged KV block pool: allocate, ref-count, free, hash-cache and LRU-evict blocks; block 0 is null.
 
-A block's chained hash is kept both ways: `hash_to_block` (a `PMap`, for prefix lookups) and
-`block_hash` (a `PArray`, 0 = none, so that releasing or publishing many blocks is vectorised).
-Free blocks are either uncached (no hash; a stack, reused first, last released first) or cached
-(still hit-able under their hash; a FIFO ring, least recently released evicted first). The ring
+A block's chained hash key is kept both ways: `hash_to_block` (for prefix lookups) and `block_key`
+(an object array, None = unpublished, so that releasing or publishing many blocks is vectorised).
+Free blocks are either uncached (no key; a stack, reused first, last released first) or cached
+(still hit-able under their key; a FIFO ring, least recently released evicted first). The ring
 deletes lazily: the block at ring position p (absolute, `queue_head <= p < queue_end`, stored at
 `p % capacity`) is live only while `queue_pos[block] == p`; a hit that takes a free cached block,
 or a second release, just moves `queue_pos`, and eviction skips dead entries. Full rings are
 compacted (amortised), and the order is exact LRU.
-A `BlockPool` value is immutable; `schedule`/`update` call `edit()` for a private `BlockPoolEdit`
-and `freeze()` it. Every array is persistent (`PArray`, `PMap`), so a transition costs O(blocks
-touched), never a copy of the pool (a large GPU pool has ~10^5-10^6 blocks).
+The pool is part of the single-use scheduler state: a transition writes it in place through undo
+logs (journal.py), so it costs O(blocks touched), never a copy of the pool (a large GPU pool has
+~10^5-10^6 blocks), and `rollback` restores it if the transition raises.
 """
 
 from __future__ import annotations
 
 import operator
 from itertools import compress, islice, takewhile
-from typing import NamedTuple
 
 import numpy as np
 
-from scheduler.persistent import PArray, PMap
+from scheduler.journal import UndoArray, UndoMap
 
 NULL_BLOCK = 0
 _NOT_QUEUED = -1
 
 
-class BlockPool(NamedTuple):
+class BlockPool:
     """refs: [num_blocks] int32 live references (block-table entries) per block (`ref_count`).
-    uncached: [num_blocks] int32 stack; its first `num_uncached` entries are the free uncached blocks.
+    stack: [num_blocks] int32; its first `num_uncached` entries are the free uncached blocks.
     ring: [2 num_blocks] int32 the cached queue, positions [queue_head, queue_end) at `p % len(ring)`.
-    queue_pos: [num_blocks] int64 ring position of the block's live entry, -1 if none.
+    positions: [num_blocks] int64 ring position of the block's live entry, -1 if none (`queue_pos`).
     num_cached_free: live ring entries (free blocks that are still hit-able).
-    hash_to_block: the KV prefix cache (chained block hash -> block id).
-    block_hash: [num_blocks] int64 the hash each cached block is published under, 0 if none."""
+    hash_to_block: the KV prefix cache (chained block hash key -> block id).
+    keys: [num_blocks] object, the key each cached block is published under, None if none (`block_key`).
+    Reads go through the read-only views (`ref_count`, `queue_pos`, `block_key`), writes through the
+    `UndoArray`s."""
 
-    refs: PArray
-    uncached: PArray
-    num_uncached: int
-    ring: PArray
-    queue_head: int
-    queue_end: int
-    queue_pos: PArray
-    num_cached_free: int
-    hash_to_block: PMap
-    block_hash: PArray
+    _SCALARS = ("num_uncached", "num_cached_free", "queue_head", "queue_end")
 
-    @staticmethod
-    def create(num_blocks: int) -> BlockPool:
+    def __init__(self, num_blocks: int) -> None:
         stack = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)  # block 1 on top: handed out first
-        return BlockPool(PArray(np.zeros(num_blocks, np.int32)), PArray(stack), num_blocks - 1,
-                         PArray(np.zeros(2 * num_blocks, np.int32)), 0, 0,
-                         PArray(np.full(num_blocks, _NOT_QUEUED, np.int64)), 0, PMap(),
-                         PArray(np.zeros(num_blocks, np.int64)))
+        self.refs, self.stack = UndoArray(np.zeros(num_blocks, np.int32)), UndoArray(stack)
+        self.ring = UndoArray(np.zeros(2 * num_blocks, np.int32))
+        self.positions = UndoArray(np.full(num_blocks, _NOT_QUEUED, np.int64))
+        self.keys = UndoArray(np.full(num_blocks, None, object))
+        self.hash_to_block = UndoMap()
+        self.num_uncached, self.num_cached_free, self.queue_head, self.queue_end = num_blocks - 1, 0, 0, 0
+        self._saved = None
 
     @property
     def ref_count(self) -> np.ndarray:
-        return self.refs.get()
+        return self.refs.view
+
+    @property
+    def queue_pos(self) -> np.ndarray:
+        return self.positions.view
+
+    @property
+    def block_key(self) -> np.ndarray:
+        return self.keys.view
 
     @property
     def num_free(self) -> int:
@@ -66,50 +68,31 @@ class BlockPool(NamedTuple):
     @property
     def free_uncached(self) -> np.ndarray:
         """The free uncached blocks, the next one to be handed out last."""
-        return self.uncached.get()[:self.num_uncached].copy()
+        return self.stack.view[:self.num_uncached].copy()
 
     @property
     def free_cached(self) -> np.ndarray:
         """The free cached blocks, least recently released first."""
         positions = np.arange(self.queue_head, self.queue_end)
-        queue = self.ring.get()[positions % len(self.ring.get())]
-        return queue[self.queue_pos.get()[queue] == positions]
+        queue = self.ring.view[positions % len(self.ring.view)]
+        return queue[self.queue_pos[queue] == positions]
 
-    def edit(self) -> BlockPoolEdit:
-        return BlockPoolEdit(self)
-
-    def cached_prefix_length(self, hashes: list[int], limit: int) -> int:
-        """Number of leading hashes (at most `limit`) whose blocks are in the prefix cache."""
-        return len(list(takewhile(self.hash_to_block.data().__contains__, islice(hashes, limit))))
-
-
-class BlockPoolEdit:
-    """A private, mutable working copy of a BlockPool inside one transition."""
-
-    def __init__(self, pool: BlockPool) -> None:
-        self.refs, self.stack, self.ring = pool.refs.edit(), pool.uncached.edit(), pool.ring.edit()
-        self.positions, self.hashes = pool.queue_pos.edit(), pool.block_hash.edit()
-        # reads go through these read-only views, writes through the edits above
-        self.ref_count, self.queue_pos, self.block_hash = self.refs.view, self.positions.view, self.hashes.view
-        self.hash_to_block = pool.hash_to_block.edit()
-        self.num_uncached, self.num_cached_free = pool.num_uncached, pool.num_cached_free
-        self.queue_head, self.queue_end = pool.queue_head, pool.queue_end
-
-    @property
-    def num_free(self) -> int:
-        return self.num_uncached + self.num_cached_free
+    def begin(self) -> None:
+        self._saved = tuple(getattr(self, name) for name in self._SCALARS)
 
     def rollback(self) -> None:
-        for edit in (self.refs, self.stack, self.ring, self.positions, self.hashes, self.hash_to_block):
-            edit.rollback()
+        for part in (self.refs, self.stack, self.ring, self.positions, self.keys, self.hash_to_block):
+            part.rollback()
+        for name, value in zip(self._SCALARS, self._saved, strict=True):
+            setattr(self, name, value)
 
-    def freeze(self) -> BlockPool:
-        return BlockPool(self.refs.freeze(), self.stack.freeze(), self.num_uncached, self.ring.freeze(),
-                         self.queue_head, self.queue_end, self.positions.freeze(), self.num_cached_free,
-                         self.hash_to_block.freeze(), self.hashes.freeze())
+    def commit(self) -> None:
+        for part in (self.refs, self.stack, self.ring, self.positions, self.keys, self.hash_to_block):
+            part.commit()
 
-    def cached_prefix_length(self, hashes: list[int], limit: int) -> int:
-        return BlockPool.cached_prefix_length(self, hashes, limit)  # type: ignore[arg-type]
+    def cached_prefix_length(self, hashes: list, limit: int) -> int:
+        """Number of leading hashes (at most `limit`) whose blocks are in the prefix cache."""
+        return len(list(takewhile(self.hash_to_block.data().__contains__, islice(hashes, limit))))
 
     def num_free_after_taking(self, block_ids: np.ndarray) -> int:
         """Free blocks left if the cached `block_ids` (a prefix hit) get referenced."""
@@ -148,8 +131,8 @@ class BlockPoolEdit:
             out.append(window[live])
             count -= len(live)
         evicted = np.concatenate(out) if len(out) > 1 else out[0]
-        self.hash_to_block.remove_many(self.block_hash[evicted].tolist())
-        self.hashes[evicted] = 0
+        self.hash_to_block.remove_many(self.block_key[evicted].tolist())
+        self.keys[evicted] = None
         self.positions[evicted] = _NOT_QUEUED
         self.num_cached_free -= len(evicted)
         return evicted
@@ -167,7 +150,7 @@ class BlockPoolEdit:
         refs = self.ref_count[blocks] - drop
         self.refs[blocks] = refs
         freed = blocks[refs == 0]
-        cached = self.block_hash[freed] != 0
+        cached = self.block_key[freed] != None  # noqa: E711 - elementwise over an object array
         uncached = freed[~cached]
         self.stack[self.num_uncached:self.num_uncached + len(uncached)] = uncached
         self.num_uncached += len(uncached)
@@ -192,10 +175,10 @@ class BlockPoolEdit:
         self.num_cached_free -= len(live)
         self._enqueue(live)
 
-    def register(self, block_ids: np.ndarray | list[int], block_hashes: list[int]) -> None:
-        """Publish computed blocks under their chained hashes (first writer wins on duplicates)."""
+    def register(self, block_ids: np.ndarray | list[int], block_hashes: list) -> None:
+        """Publish computed blocks under their chained hash keys (first writer wins on duplicates)."""
         blocks, known = np.asarray(block_ids), self.hash_to_block.data().__contains__
-        unpublished = self.block_hash[blocks] == 0
+        unpublished = self.block_key[blocks] == None  # noqa: E711 - elementwise over an object array
         if unpublished.all() and not any(map(known, block_hashes)):  # the usual case: all of them are new
             keys, values = block_hashes, blocks.tolist()
         else:
@@ -205,8 +188,9 @@ class BlockPoolEdit:
         published = dict(zip(reversed(keys), reversed(values), strict=True))
         if published:
             self.hash_to_block.insert_new(published)
-            self.hashes[np.fromiter(published.values(), np.int64, len(published))] = np.fromiter(
-                published, np.int64, len(published))
+            keys = np.empty(len(published), object)
+            keys[:] = list(published)
+            self.keys[np.fromiter(published.values(), np.int64, len(published))] = keys
 
 
 def _by_last_entry(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

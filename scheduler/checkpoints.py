@@ -92,11 +92,11 @@ TRANSITIONS: dict[tuple[CheckpointStatus, CheckpointEvent], CheckpointStatus] = 
 }
 
 
-def advance(status: CheckpointStatus, event: CheckpointEvent, key: int) -> CheckpointStatus:
+def advance(status: CheckpointStatus, event: CheckpointEvent, key: bytes) -> CheckpointStatus:
     """The status after `event`; raises (changing nothing) when the table does not allow it."""
     new = TRANSITIONS.get((status, event))
     if new is None:
-        raise RuntimeError(f"checkpoint {key:#x}: can't handle {event.value} in status {status.value}")
+        raise RuntimeError(f"checkpoint {key.hex()[:16]}: can't handle {event.value} in status {status.value}")
     return new
 
 
@@ -110,7 +110,7 @@ class Claim(NamedTuple):
     producer_row: int = -1
 
 
-def checkpoint_status(claims: dict[int, Claim], ready_slot: int | None, key: int) -> CheckpointStatus:
+def checkpoint_status(claims: dict[bytes, Claim], ready_slot: int | None, key: bytes) -> CheckpointStatus:
     claim = claims.get(key)
     if claim is not None:
         return claim.status

@@ -1,4 +1,4 @@
-"""Committed tokens of running requests: the shared TokenLog buffer plus a per-row numpy tail.
+"""Committed tokens of running requests: the TokenLog plus a per-row numpy tail.
 
 A running row keeps the tokens of its current, partial log block in `rows.tail`: from the block
 start `U * (num_tokens // U)` to `num_tokens`, with U = `config.log_unit` (the Mamba block size).
@@ -14,11 +14,14 @@ are in both places. Parking a row moves (and hashes) its tail into the log.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
-from scheduler.persistent import PArrayEdit, PMapEdit, frozen
-from scheduler.prefix_cache import unit_digests
+from scheduler.journal import UndoArray, frozen
 from scheduler.state import Rows, TokenLog, num_logged
+
+WritableLog = Callable[[str], TokenLog]  # request id -> its log, its appends undone if the transition raises
 
 
 def start_tail(log: TokenLog, rows: Rows, row: int, num_tokens: int, unit: int) -> None:
@@ -27,7 +30,7 @@ def start_tail(log: TokenLog, rows: Rows, row: int, num_tokens: int, unit: int) 
     rows.edit("tail")[row, :num_tokens - start] = log.slice(start, num_tokens)
 
 
-def append_tokens(logs: PMapEdit, rows: Rows, unit: int, hash_unit: int, request_ids: tuple[str, ...],
+def append_tokens(logs: WritableLog, rows: Rows, unit: int, hash_unit: int, request_ids: tuple[str, ...],
                   row_ids: np.ndarray, token_ids: np.ndarray, before: np.ndarray, counts: np.ndarray) -> None:
     """Commit the first counts[i] of token_ids[i] (shape [n, W], W <= 1 + K) to rows holding before[i]."""
     tail = rows.edit("tail")
@@ -45,7 +48,7 @@ def append_tokens(logs: PMapEdit, rows: Rows, unit: int, hash_unit: int, request
         full = full[offset[full] + counts[full] >= unit]
 
 
-def _log_blocks(logs: PMapEdit, tail: PArrayEdit, rows: Rows, request_ids: list[str],
+def _log_blocks(logs: WritableLog, tail: UndoArray, rows: Rows, request_ids: list[str],
                 row_ids: np.ndarray, starts: np.ndarray, unit: int, hash_unit: int) -> None:
     """Move each row's full first tail block [start, start + unit) into its log and shift the
     tails left by a block."""
@@ -55,7 +58,7 @@ def _log_blocks(logs: PMapEdit, tail: PArrayEdit, rows: Rows, request_ids: list[
     _append_blocks(logs, blocks, request_ids, starts, logged, starts + unit, hash_unit)
 
 
-def park_tails(logs: PMapEdit, rows: Rows, request_ids: list[str], row_ids: np.ndarray, unit: int,
+def park_tails(logs: WritableLog, rows: Rows, request_ids: list[str], row_ids: np.ndarray, unit: int,
                hash_unit: int) -> None:
     """Move the tails of rows that are being released into their logs (a parked request has only that)."""
     total = rows.num_tokens[row_ids]
@@ -63,26 +66,12 @@ def park_tails(logs: PMapEdit, rows: Rows, request_ids: list[str], row_ids: np.n
                    num_logged(rows, row_ids, unit), total, hash_unit)
 
 
-def _append_blocks(logs: PMapEdit, blocks: np.ndarray, request_ids: list[str], starts: np.ndarray,
+def _append_blocks(logs: WritableLog, blocks: np.ndarray, request_ids: list[str], starts: np.ndarray,
                    logged: np.ndarray, ends: np.ndarray, hash_unit: int) -> None:
     """Append tokens [logged[i], ends[i]) of each request to its log, taken from blocks[i] (a private
-    [n, unit] copy of tail blocks, block i starting at token starts[i]); the hash units of all the
-    blocks are digested in one call."""
+    [n, unit] copy of tail blocks, block i starting at token starts[i])."""
     blocks = frozen(blocks)  # the logs keep views of its rows
-    digests = unit_digests(blocks, hash_unit).tolist()
-    for request_id, block, block_digests, start, begin, end in zip(
-            request_ids, blocks, digests, starts.tolist(), logged.tolist(), ends.tolist(), strict=True):
+    for request_id, block, start, begin, end in zip(
+            request_ids, blocks, starts.tolist(), logged.tolist(), ends.tolist(), strict=True):
         if end > begin:
-            log = _writable_log(logs, request_id, begin, hash_unit)
-            first = start // hash_unit
-            log.append_block(block[begin - start:end - start], block_digests[begin // hash_unit - first:
-                                                                             end // hash_unit - first])
-
-
-def _writable_log(logs: PMapEdit, request_id: str, logged: int, hash_unit: int) -> TokenLog:
-    """The request's log, to append to a view of `logged` tokens: a private copy if another state
-    appended to the shared buffer first."""
-    log = logs[request_id]
-    if log.length != logged:
-        log = logs[request_id] = log.branch(logged, hash_unit)
-    return log
+            logs(request_id).extend(block[begin - start:end - start], hash_unit)

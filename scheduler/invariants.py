@@ -38,11 +38,11 @@ def _blocks(state: SchedulerState) -> list[str]:
     free = np.concatenate([pool.free_uncached, pool.free_cached])
     if np.unique(free).size != free.size or set(free.tolist()) != set(np.flatnonzero(pool.ref_count == 0)) - {0}:
         errors.append("free queues differ from the unreferenced blocks")
-    block_hash = pool.block_hash.get()
-    published = {int(b): int(block_hash[b]) for b in np.flatnonzero(block_hash)}
+    keys = pool.block_key
+    published = {int(b): keys[b] for b in np.flatnonzero(keys != None)}  # noqa: E711 - elementwise
     if {b: h for h, b in pool.hash_to_block.to_dict().items()} != published:
         errors.append("KV hash maps are not inverse")
-    if not block_hash[pool.free_cached].all():
+    if any(key is None for key in keys[pool.free_cached]):
         errors.append("a block in free_cached holds no hash")
     if pool.num_cached_free != len(pool.free_cached):
         errors.append(f"num_cached_free {pool.num_cached_free} != {len(pool.free_cached)} live queue entries")
@@ -71,12 +71,12 @@ def _claims(state: SchedulerState) -> list[str]:
     errors = []
     for key, claim in state.claims.items():
         if claim.status is CheckpointStatus.UNREADY and state.in_flight is None:
-            errors.append(f"checkpoint {key:#x} UNREADY with no step in flight")
+            errors.append(f"checkpoint {key.hex()[:16]} UNREADY with no step in flight")
         if claim.status is CheckpointStatus.PRODUCING:
             if claim.producer_id not in state.row_of:
-                errors.append(f"checkpoint {key:#x} held by {claim.producer_id!r}, which is not running")
+                errors.append(f"checkpoint {key.hex()[:16]} held by {claim.producer_id!r}, which is not running")
             if state.slots.kind[claim.slot] != SlotKind.RESERVED:
-                errors.append(f"checkpoint {key:#x} slot {claim.slot} is not RESERVED")
+                errors.append(f"checkpoint {key.hex()[:16]} slot {claim.slot} is not RESERVED")
     return errors
 
 

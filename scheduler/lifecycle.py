@@ -1,7 +1,8 @@
 """Request lifecycle outside the step: add, abort, and freeing everything a request holds.
 
-`StateEdit` is the private working copy that every transition (add, abort, schedule, update)
-changes and then freezes into the next `SchedulerState`; the input state is never touched.
+`StateEdit` is how every transition (add, abort, schedule, update) changes the single-use state:
+the large parts in place with undo logs, the small ones (queues, claims) as private copies; `freeze()`
+commits them and hands the state back under a new generation, an exception rolls them back.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import numpy as np
 from scheduler.checkpoints import CheckpointEvent, CheckpointStatus, advance
 from scheduler.config import SchedulerConfig
 from scheduler.history import park_tails
-from scheduler.persistent import frozen
+from scheduler.journal import frozen
+from scheduler.prefix_cache import root_hash
 from scheduler.request import Request
 from scheduler.slots import NULL_SLOT
 from scheduler.state import (
@@ -20,42 +22,50 @@ from scheduler.state import (
     NUM_TOKENS,
     RUNNING_SLOT,
     SchedulerState,
+    StateData,
     TokenLog,
     request_num_tokens,
 )
 
 
 class StateEdit:
-    """Working copies of one state's parts; `freeze()` builds the next immutable state. Used as a
-    context manager: if the transition raises, the writes it made to the shared persistent arrays
-    and maps are undone, so the input state stays whole. Nothing here is copied in proportion to
-    the number of requests unless it changes (`waiting` is copied on its first write), so a step
-    costs the same with ten or ten thousand queued requests."""
+    """One transition's view of the state it consumes. Used as a context manager: if the transition
+    raises, every write is undone and the input state stays valid and unchanged. The waiting queue
+    is copied only on its first write, so a step costs the same with ten or ten thousand queued
+    requests."""
 
     def __init__(self, state: SchedulerState) -> None:
-        self.cfg = state.config
-        self.rows = state.rows.copy()
-        self.blocks = state.blocks.edit()
-        self.slots = state.slots.edit()
-        self.claims = dict(state.claims)
-        self.requests = state.requests.edit()
-        self._waiting, self._waiting_copy = state.waiting, None
-        self.running = list(state.running)
-        self._running_rows, self._rows_valid = state.running_rows, len(state.running)  # a valid prefix
-        self.row_of = state.row_of.edit()
-        self.logs = state.logs.edit()
-        self.parked = state.parked_tokens.edit()
-        self.materializations = state.materializations
-        self.in_flight = state.in_flight
-        self.step = state.step
+        data: StateData = state.live()
+        self._data, self._generation, self.cfg = data, data.generation, data.config
+        self.rows, self.blocks, self.slots = data.rows, data.blocks, data.slots
+        self.requests, self.row_of, self.logs, self.parked = data.requests, data.row_of, data.logs, data.parked_tokens
+        for part in (self.rows, self.blocks, self.slots):
+            part.begin()
+        self._log_marks: dict[int, tuple[TokenLog, tuple[int, int]]] = {}
+        self.claims = dict(data.claims)
+        self._waiting, self._waiting_copy = data.waiting, None
+        self.running = list(data.running)
+        self._running_rows, self._rows_valid = data.running_rows, len(data.running)  # a valid prefix
+        self.materializations = data.materializations
+        self.in_flight = data.in_flight
+        self.step = data.step
 
     def __enter__(self) -> StateEdit:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        if error is not None:
+        if error is not None and self._data.generation == self._generation:  # raised before `freeze`
             for part in (self.rows, self.blocks, self.slots, self.requests, self.row_of, self.logs, self.parked):
                 part.rollback()
+            for log, mark in self._log_marks.values():
+                log.truncate(mark)
+
+    def writable_log(self, request_id: str) -> TokenLog:
+        """The request's log, to append to (its appends are undone if the transition raises)."""
+        log = self.logs[request_id]
+        if id(log) not in self._log_marks:
+            self._log_marks[id(log)] = (log, log.mark())
+        return log
 
     @property
     def waiting(self) -> tuple[str, ...] | list[str]:
@@ -88,10 +98,15 @@ class StateEdit:
         self._rows_valid = len(self._running_rows)
 
     def freeze(self) -> SchedulerState:
-        return SchedulerState(self.cfg, self.requests.freeze(), tuple(self.waiting), tuple(self.running),
-                              self.running_rows(), self.row_of.freeze(), self.rows.frozen(), self.blocks.freeze(),
-                              self.slots.freeze(), self.claims, self.logs.freeze(), self.parked.freeze(),
-                              self.materializations, self.in_flight, self.step)
+        """Commit the writes; returns the state's new handle (the one passed in is consumed)."""
+        data = self._data
+        for part in (self.rows, self.blocks, self.slots, self.requests, self.row_of, self.logs, self.parked):
+            part.commit()
+        data.waiting, data.running, data.running_rows = tuple(self.waiting), tuple(self.running), self.running_rows()
+        data.claims, data.materializations, data.in_flight, data.step = (self.claims, self.materializations,
+                                                                         self.in_flight, self.step)
+        data.generation += 1
+        return SchedulerState(data)
 
     def num_tokens(self, request_id: str) -> int:
         return request_num_tokens(self.rows, self.row_of, self.parked, request_id)
@@ -104,7 +119,8 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
     """Queue a request; raises ValueError (state unchanged) if it is malformed or can never fit."""
     _validate_request(state, request)
     with StateEdit(state) as edit:
-        edit.logs[request.request_id] = TokenLog.create(request.prompt_token_ids, state.config.hash_unit)
+        edit.logs[request.request_id] = TokenLog.create(request.prompt_token_ids, state.config.hash_unit,
+                                                        root_hash(request.cache_salt))
         edit.requests[request.request_id] = request
         edit.parked[request.request_id] = request.num_prompt_tokens
         edit.writable_waiting().append(request.request_id)
@@ -169,7 +185,7 @@ def release_rows(edit: StateEdit, request_ids: list[str]) -> None:
     rows, cfg = edit.rows, edit.cfg
     row_ids = np.fromiter(map(edit.row_of.pop, request_ids), np.int64, len(request_ids))
     cols = rows.ints.take(row_ids, axis=1)
-    park_tails(edit.logs, rows, request_ids, row_ids, cfg.log_unit, cfg.hash_unit)
+    park_tails(edit.writable_log, rows, request_ids, row_ids, cfg.log_unit, cfg.hash_unit)
     # decode publishes full blocks once per log block (update.py); cache the rest before letting go
     computed = np.minimum(cols[NUM_COMPUTED], cols[NUM_TOKENS])
     register_blocks(edit, list(zip(request_ids, row_ids.tolist(), log_block_first_block(cfg, computed).tolist(),

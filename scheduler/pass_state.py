@@ -21,11 +21,11 @@ class Pass:
         self.publishes: list[tuple[int, int]] = []
         self.materializes: list[tuple[int, int, int, int]] = []
         self.ready_slots: list[int] = []
-        self.checkpoint_keys: list[int] = []
+        self.checkpoint_keys: list[bytes] = []
         self.decode_ids: list[str] = []  # the running requests scheduled as decode/verify rows
         self.scheduled: set[str] = set()  # prefill rows scheduled so far
 
-    def checkpoint_key(self, rid: str, row: int) -> int | None:
+    def checkpoint_key(self, rid: str, row: int) -> bytes | None:
         c = int(self.edit.rows.checkpoint[row])
         return self.edit.hashes(rid)[c // self.edit.cfg.hash_unit - 1] if c else None
 

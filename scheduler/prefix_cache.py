@@ -1,12 +1,14 @@
-"""Chained block hashes and the align-mode prefix hit: KV blocks plus a READY state slot at one position.
+"""Chained block hash keys and the align-mode prefix hit: KV blocks plus a READY state slot at one position.
 
-Hashes are chained (`hash((parent, digest of the block's tokens))`), so hash i names the whole prefix
-[0, (i+1) h) and two requests share it iff they share those tokens (up to 64-bit collisions: these
-hashes are not built to resist crafted prompts, like vLLM's builtin-hash option). Neither the
-digest nor Python's int-tuple hash is salted, so hashes (and with them every scheduling decision)
-are the same across runs.
+Keys are chained BLAKE2b-256 digests: key i = H(key i-1 || the unit's tokens as little-endian int32),
+so key i names the whole prefix [0, (i+1) h) and two requests share it iff they share those tokens.
+A collision-resistant digest matters in a shared server: with a weak one, one user can craft a prompt
+whose blocks collide with another's and read that prompt's KV and recurrent state as a prefix hit
+(vLLM met this class of bug and moved to SHA-256). The chain starts at `root_hash(cache_salt)`:
+requests share prefixes only under the same salt, so tenants can keep theirs apart. Nothing is
+randomised per process, so keys, and with them every scheduling decision, are the same across runs.
 
-A hit at position p needs the KV blocks [0, p) cached and a READY state slot keyed by hash p/h - 1
+A hit at position p needs the KV blocks [0, p) cached and a READY state slot keyed by key p/h - 1
 (I1: that slot holds exactly the state after p tokens). Hits are taken only where such a state
 exists, i.e. at Mamba block boundaries or declared checkpoints. Under EAGLE/MTP block drop the KV
 part gives up its last matched block first (vLLM's full-attention manager does the same because the
@@ -16,35 +18,33 @@ is still PENDING (being written by this very step) defers the request by one ste
 
 from __future__ import annotations
 
-import functools
+from hashlib import blake2b
 from typing import NamedTuple
 
 import numpy as np
 
-from scheduler.blocks import BlockPool, BlockPoolEdit
-from scheduler.persistent import frozen
-from scheduler.slots import SlotKind, SlotPoolEdit
+from scheduler.blocks import BlockPool
+from scheduler.journal import frozen
+from scheduler.slots import SlotKind, SlotPool
 
-ROOT_HASH = 0x6A68  # parent of the first block
-
-
-@functools.cache
-def _weights(unit: int) -> np.ndarray:
-    return np.random.default_rng(ROOT_HASH).integers(0, 2**63, unit, dtype=np.uint64) * 2 + 1  # odd
+KEY_BYTES = 32
+ROOT_HASH = blake2b(b"jaxhybrid prefix cache", digest_size=KEY_BYTES).digest()  # parent of an unsalted first block
 
 
-def unit_digests(tokens: np.ndarray, unit: int) -> np.ndarray:
-    """uint64 digest of each run of `unit` tokens along the last axis (its length a multiple of
-    `unit`): a random-weighted sum of the tokens mod 2^64, one numpy call for any number of units."""
-    return (tokens.reshape(*tokens.shape[:-1], -1, unit).astype(np.uint64) * _weights(unit)).sum(axis=-1)
+def root_hash(cache_salt: str | None) -> bytes:
+    """The parent of a request's first block: prefixes are shared only between requests of one salt."""
+    if cache_salt is None:
+        return ROOT_HASH
+    return blake2b(ROOT_HASH + cache_salt.encode(), digest_size=KEY_BYTES).digest()
 
 
-def chain_hashes(parent: int, digests: list[int]) -> list[int]:
-    """Chained hashes of consecutive units given their digests, the first unit's parent being `parent`;
-    the chain step is Python's unsalted int-tuple hash."""
-    out = []
-    for digest in digests:
-        parent = hash((parent, digest)) or 1  # 0 means "no hash" in BlockPool.block_hash
+def chain_hashes(parent: bytes, tokens: np.ndarray, unit: int) -> list[bytes]:
+    """Chained keys of the consecutive full units of `unit` tokens in `tokens`, the first unit's parent
+    being `parent`: one C-level digest per unit, never a Python loop over tokens."""
+    data = np.ascontiguousarray(tokens, "<i4").tobytes()
+    step, out = 4 * unit, []
+    for start in range(0, len(data) - step + 1, step):
+        parent = blake2b(parent + data[start:start + step], digest_size=KEY_BYTES).digest()
         out.append(parent)
     return out
 
@@ -62,13 +62,13 @@ class PrefixHit(NamedTuple):
 NO_HIT = PrefixHit(0, frozen(np.zeros(0, np.int32)), 0, False)
 
 
-def cached_units(blocks: BlockPool | BlockPoolEdit, hashes: list[int], prefill_end: int, unit: int) -> int:
+def cached_units(blocks: BlockPool, hashes: list[bytes], prefill_end: int, unit: int) -> int:
     """Leading hash units of a request (known tokens end at `prefill_end`) whose KV blocks are cached,
     keeping at least one token to compute."""
     return blocks.cached_prefix_length(hashes, min(len(hashes), (prefill_end - 1) // unit))
 
 
-def find_hit(blocks: BlockPool | BlockPoolEdit, slots: SlotPoolEdit, hashes: list[int], num_cached: int, unit: int,
+def find_hit(blocks: BlockPool, slots: SlotPool, hashes: list[bytes], num_cached: int, unit: int,
              block_drop: bool) -> PrefixHit:
     """Longest usable prefix hit within the first `num_cached` hash units (`cached_units`)."""
     num_kv = max(num_cached - 1, 0) if block_drop else num_cached
@@ -85,11 +85,11 @@ def find_hit(blocks: BlockPool | BlockPoolEdit, slots: SlotPoolEdit, hashes: lis
     return NO_HIT
 
 
-def _block_ids(blocks: BlockPool | BlockPoolEdit, hashes: list[int]) -> np.ndarray:
+def _block_ids(blocks: BlockPool, hashes: list[bytes]) -> np.ndarray:
     return frozen(np.fromiter(map(blocks.hash_to_block.data().__getitem__, hashes), np.int32, len(hashes)))
 
 
-def checkpoint_hit(blocks: BlockPool | BlockPoolEdit, slots: SlotPoolEdit, hashes: list[int], position: int,
+def checkpoint_hit(blocks: BlockPool, slots: SlotPool, hashes: list[bytes], position: int,
                    unit: int, num_cached: int) -> PrefixHit:
     """A hit at exactly the declared checkpoint (no block drop: the position was chosen by the user);
     `num_cached` as for `find_hit`."""

@@ -45,12 +45,14 @@ class Request:
     prompt_token_ids: the prompt with any checkpoint marker already stripped.
     checkpoint_position: the declared checkpoint `c` (a multiple of the hash unit, 0 < c < len), from
         `checkpoints.parse_checkpoint_marker`; None when the prompt had no marker.
+    cache_salt: requests share cached prefixes only with requests of the same salt (a tenant's key).
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams = SamplingParams()
     checkpoint_position: int | None = None
+    cache_salt: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

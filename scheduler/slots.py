@@ -8,17 +8,15 @@ Slot kinds:
   PENDING   a prefix state that the in-flight step writes (publish or materialise); it becomes CACHED
             in `update`, so nobody can hit a state whose writing step has not run.
   RESERVED  held by a checkpoint producer until its chunk reaches the checkpoint.
-Like `blocks.py`, a `SlotPool` value is immutable and `edit()` gives a working copy for one transition;
-the hash maps are persistent (`PMap`), so caching a state never copies the whole map.
+Like `blocks.py`, the pool is part of the single-use scheduler state, written in place: `begin` keeps
+the small per-slot arrays to restore if the transition raises, the hash maps have undo logs.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
-from scheduler.persistent import PMap, frozen
+from scheduler.journal import UndoMap
 
 NULL_SLOT = 0
 _NEVER = np.iinfo(np.int64).max  # LRU age of a slot that cannot be evicted
@@ -34,62 +32,49 @@ class SlotKind:
     RESERVED = 4
 
 
-class SlotPool(NamedTuple):
+class SlotPool:
     """kind: [num_state_slots] int8 SlotKind. stamp: [num_state_slots] int64 LRU clock of CACHED slots.
     hash_to_slot / slot_to_hash: prefix states of kind CACHED, PENDING or RESERVED.
-    num_free_or_cached: slots of kind FREE or CACHED (what an allocation may take), kept as a count."""
+    num_free_or_cached: slots of kind FREE or CACHED (what an allocation may take), kept as a count.
+    pinned: cached slots read by this step's hit copies (not evictable); evicted: hash keys evicted
+    by this transition (checkpoint table: READY -> ABSENT). Both are reset by `begin`."""
 
-    kind: np.ndarray
-    stamp: np.ndarray
-    hash_to_slot: PMap
-    slot_to_hash: PMap
-    num_free_or_cached: int
+    def __init__(self, num_slots: int) -> None:
+        self.kind = np.zeros(num_slots, np.int8)
+        self.kind[NULL_SLOT] = SlotKind.RUNNING  # never handed out; padding rows point at it
+        self.stamp = np.zeros(num_slots, np.int64)
+        self.hash_to_slot, self.slot_to_hash = UndoMap(), UndoMap()
+        self.num_free_or_cached = num_slots - 1
+        self.pinned: set[int] = set()
+        self.evicted: list = []
+        self._saved = None
 
-    @staticmethod
-    def create(num_slots: int) -> SlotPool:
-        kind = np.zeros(num_slots, np.int8)
-        kind[NULL_SLOT] = SlotKind.RUNNING  # never handed out; padding rows point at it
-        return SlotPool(frozen(kind), frozen(np.zeros(num_slots, np.int64)), PMap(), PMap(), num_slots - 1)
-
-    def edit(self) -> SlotPoolEdit:
-        return SlotPoolEdit(self)
-
-    def ready_slot(self, key: int) -> int | None:
-        slot = self.hash_to_slot.get(key)
-        return slot if slot is not None and self.kind[slot] == SlotKind.CACHED else None
-
-
-class SlotPoolEdit:
-    """A private, mutable working copy of a SlotPool inside one transition."""
-
-    def __init__(self, pool: SlotPool) -> None:
-        self.kind = pool.kind.copy()
-        self.stamp = pool.stamp.copy()
-        self.hash_to_slot = pool.hash_to_slot.edit()
-        self.slot_to_hash = pool.slot_to_hash.edit()
-        self.pinned: set[int] = set()  # cached slots read by this step's hit copies: not evictable
-        self.evicted: list[int] = []  # hashes evicted by this edit (checkpoint table: READY -> ABSENT)
-        self.num_free_or_cached = pool.num_free_or_cached
+    def begin(self) -> None:
+        self._saved = (self.kind.copy(), self.stamp.copy(), self.num_free_or_cached)
+        self.pinned, self.evicted = set(), []
 
     def rollback(self) -> None:
+        self.kind, self.stamp, self.num_free_or_cached = self._saved
         self.hash_to_slot.rollback()
         self.slot_to_hash.rollback()
 
-    def freeze(self) -> SlotPool:
-        return SlotPool(frozen(self.kind), frozen(self.stamp), self.hash_to_slot.freeze(), self.slot_to_hash.freeze(),
-                        self.num_free_or_cached)
+    def commit(self) -> None:
+        self._saved = None
+        self.hash_to_slot.commit()
+        self.slot_to_hash.commit()
 
-    def ready_slot(self, key: int) -> int | None:
-        return SlotPool.ready_slot(self, key)  # type: ignore[arg-type]
+    def ready_slot(self, key) -> int | None:
+        slot = self.hash_to_slot.get(key)
+        return slot if slot is not None and self.kind[slot] == SlotKind.CACHED else None
 
     def num_available(self) -> int:
         return self.num_free_or_cached - len(self.pinned)
 
-    def allocate(self, kind: int, key: int | None = None) -> int:
+    def allocate(self, kind: int, key=None) -> int:
         """One slot of `kind` (optionally owning prefix hash `key`): a free one, else evict the LRU cached."""
         return self.allocate_many(kind, 1, None if key is None else [key])[0]
 
-    def allocate_many(self, kind: int, count: int, keys: list[int] | None = None) -> list[int]:
+    def allocate_many(self, kind: int, count: int, keys: list | None = None) -> list[int]:
         """`count` slots of `kind` (owning the distinct prefix hashes `keys`, if given): free ones first,
         then LRU-evicted cached ones."""
         if count == 1:  # the common case: FREE is the smallest kind, so argmin finds the first free slot

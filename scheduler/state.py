@@ -1,22 +1,25 @@
-"""SchedulerState: the whole control-plane state as one immutable value (row table, queues, pools).
+"""SchedulerState: the whole control-plane state, a single-use value (row table, queues, pools).
 
-How a transition stays cheap without ever changing an old state:
-  * hot per-row counters are two small numpy buffers (`Rows.ints`, `Rows.bools`), copied once per
-    transition and read-only afterwards; hot paths gather all columns of many rows in one call;
-  * the large tables (block tables, token tails, the block pool's arrays) are `PArray`s, and the
-    hash maps and per-request maps `PMap`s (persistent.py): a transition writes them in place and
-    pays O(entries written), not O(requests), while every older state still reads exactly its own
-    contents;
-  * token histories (`TokenLog`) are append-only and shared: a state sees only its prefix, and a
-    writer whose view is not the buffer's end branches off a copy; a running request's newest
-    tokens sit in the row table's tail until they fill a log block (history.py);
-  * cold per-request data are frozen `Request` values; the waiting queue is a tuple, copied only by
-    a transition that changes it.
+Like a donated JAX buffer, a state is consumed by the transition it is passed to: the transition
+changes the one underlying `StateData` in place and hands it back under a new generation, and any
+later use of the consumed handle raises `StaleStateError`. A transition that raises rolls its writes
+back (journal.py) and leaves its input valid and unchanged. `snapshot()` (or `copy.deepcopy`) gives
+an independent copy, for tests and debugging. Transitions stay functions of their inputs (no hidden
+globals, no clocks), so a log of events replays every decision bit for bit (replay_log.py).
+  * hot per-row counters are two small numpy buffers (`Rows.ints`, `Rows.bools`); hot paths gather
+    all columns of many rows in one call;
+  * the large tables (block tables, token tails, the block pool's arrays) and the hash and
+    per-request maps are written in place with undo logs, so a step pays O(entries written), not
+    O(requests);
+  * token histories (`TokenLog`) are append-only; a running request's newest tokens sit in the row
+    table's tail until they fill a log block (history.py);
+  * cold per-request data are frozen `Request` values.
 """
 
 from __future__ import annotations
 
 import bisect
+import copy
 from typing import NamedTuple
 
 import numpy as np
@@ -24,8 +27,8 @@ import numpy as np
 from scheduler.blocks import BlockPool
 from scheduler.checkpoints import Claim
 from scheduler.config import SchedulerConfig
-from scheduler.persistent import PArray, PArrayEdit, PMap, frozen
-from scheduler.prefix_cache import ROOT_HASH, chain_hashes, unit_digests
+from scheduler.journal import UndoArray, UndoMap, frozen
+from scheduler.prefix_cache import ROOT_HASH, chain_hashes
 from scheduler.slots import SlotPool
 
 # per-row int32 columns, indexed by row id in [0, max_num_seqs)
@@ -51,58 +54,47 @@ BOOL_COLUMNS = ("active", "prefill_done", "has_stop")  # has_stop: extra stop_to
 
 class Rows:
     """The row table: INT_COLUMNS and BOOL_COLUMNS [S] (read as attributes, e.g. `rows.num_computed`,
-    each a view of one row of the `ints` or `bools` buffer, so a transition copies two small arrays
-    instead of fifteen and hot paths gather every column of many rows in one call), drafts [S, K]
-    int32, and two persistent tables: block_table [S, B] int32 and tail [S, log_unit + K] int32
-    (tokens of the partial log block, history.py). The tables (up to ~0.5 MB each) are `PArray`s,
-    so a transition pays only for the entries it writes, through `rows.edit(name)`."""
+    each a view of one row of the `ints` or `bools` buffer, so hot paths gather every column of many
+    rows in one call), drafts [S, K] int32, and two tables written through undo logs: block_table
+    [S, B] int32 and tail [S, log_unit + K] int32 (tokens of the partial log block, history.py).
+    `begin` keeps the small buffers to restore if the transition raises; the tables (up to ~0.5 MB
+    each) keep undo logs instead, so a transition pays only for the entries it writes."""
 
-    __slots__ = ("ints", "bools", "drafts", "_tables", "_edits")
+    __slots__ = ("ints", "bools", "drafts", "_tables", "_saved")
 
-    @staticmethod
-    def create(cfg: SchedulerConfig) -> Rows:
-        rows, size = Rows(), cfg.max_num_seqs
-        rows.ints = np.zeros((len(INT_COLUMNS), size), np.int32)
-        rows.bools = np.zeros((len(BOOL_COLUMNS), size), bool)
-        rows.drafts = np.zeros((size, cfg.num_spec_tokens), np.int32)
-        rows._tables = {"block_table": PArray(np.zeros((size, cfg.max_blocks_per_request), np.int32)),
-                        "tail": PArray(np.zeros((size, cfg.log_unit + cfg.num_spec_tokens), np.int32))}
-        rows._edits = {}
-        return rows.frozen()
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        size = cfg.max_num_seqs
+        self.ints = np.zeros((len(INT_COLUMNS), size), np.int32)
+        self.bools = np.zeros((len(BOOL_COLUMNS), size), bool)
+        self.drafts = np.zeros((size, cfg.num_spec_tokens), np.int32)
+        self._tables = {"block_table": UndoArray(np.zeros((size, cfg.max_blocks_per_request), np.int32)),
+                        "tail": UndoArray(np.zeros((size, cfg.log_unit + cfg.num_spec_tokens), np.int32))}
+        self._saved = None
 
     @property
     def block_table(self) -> np.ndarray:
-        return self._tables["block_table"].get()
+        return self._tables["block_table"].view
 
     @property
     def tail(self) -> np.ndarray:
-        return self._tables["tail"].get()
+        return self._tables["tail"].view
 
-    def copy(self) -> Rows:
-        """Writable columns and drafts; the tables are written through `edit`."""
-        rows = Rows()
-        rows.ints, rows.bools, rows.drafts = self.ints.copy(), self.bools.copy(), self.drafts.copy()
-        rows._tables, rows._edits = self._tables, {}
-        return rows
+    def edit(self, name: str) -> UndoArray:
+        """The writer of table `name`."""
+        return self._tables[name]
 
-    def edit(self, name: str) -> PArrayEdit:
-        """The writer of table `name` for this transition."""
-        if name not in self._edits:
-            self._edits[name] = self._tables[name].edit()
-        return self._edits[name]
+    def begin(self) -> None:
+        self._saved = (self.ints.copy(), self.bools.copy(), self.drafts.copy())
 
     def rollback(self) -> None:
-        for edit in self._edits.values():
-            edit.rollback()
+        self.ints, self.bools, self.drafts = self._saved
+        for table in self._tables.values():
+            table.rollback()
 
-    def frozen(self) -> Rows:
-        # column views are taken on each read, so freezing the buffers freezes every view
-        for buffer in (self.ints, self.bools, self.drafts):
-            buffer.setflags(write=False)
-        if self._edits:
-            self._tables = self._tables | {name: edit.freeze() for name, edit in self._edits.items()}
-            self._edits = {}
-        return self
+    def commit(self) -> None:
+        self._saved = None
+        for table in self._tables.values():
+            table.commit()
 
     def clear(self, rows: np.ndarray) -> None:
         # block_table, drafts and tail are only read below num_blocks, after a sample or after
@@ -129,18 +121,20 @@ _NO_TOKENS = frozen(np.zeros(0, np.int32))
 
 class TokenLog:
     """Append-only token history of one request, as read-only int32 chunks (the prompt, then log
-    blocks and parked tails), plus the chained hashes of its full hash units (always
-    `length // hash_unit` of them). States share one TokenLog and each reads only the prefix it
-    knows; `history.py` branches off a copy when a writer's view is not the buffer's end."""
+    blocks and parked tails), plus the chained hash keys of its full hash units (always
+    `length // hash_unit` of them), chained from `root` (prefix_cache.root_hash)."""
 
-    __slots__ = ("chunks", "ends", "hashes")
+    __slots__ = ("chunks", "ends", "hashes", "root")
 
-    def __init__(self, chunks: list[np.ndarray], ends: list[int], hashes: list[int]) -> None:
-        self.chunks, self.ends, self.hashes = chunks, ends, hashes
+    def __init__(self, root: bytes = ROOT_HASH) -> None:
+        self.chunks: list[np.ndarray] = []
+        self.ends: list[int] = []
+        self.hashes: list[bytes] = []
+        self.root = root
 
     @staticmethod
-    def create(tokens, hash_unit: int) -> TokenLog:
-        log = TokenLog([], [], [])
+    def create(tokens, hash_unit: int, root: bytes = ROOT_HASH) -> TokenLog:
+        log = TokenLog(root)
         log.extend(frozen(np.array(tokens, np.int32)), hash_unit)
         return log
 
@@ -151,23 +145,20 @@ class TokenLog:
     def extend(self, tokens: np.ndarray, hash_unit: int) -> None:
         """Append the read-only `tokens` (kept, not copied) and hash the hash units they complete."""
         first = len(self.hashes) * hash_unit
-        self._append(tokens)
-        last = self.length // hash_unit * hash_unit
-        if last > first:
-            self._chain(unit_digests(self.slice(first, last), hash_unit).tolist())
-
-    def append_block(self, tokens: np.ndarray, digests: list[int]) -> None:
-        """Append the read-only `tokens` whose hash units, with any logged tokens of the first one,
-        have the digests `digests` (history.py computes them for many rows in one call)."""
-        self._append(tokens)
-        self._chain(digests)
-
-    def _append(self, tokens: np.ndarray) -> None:
         self.chunks.append(tokens)
         self.ends.append(self.length + len(tokens))
+        last = self.length // hash_unit * hash_unit
+        if last > first:
+            parent = self.hashes[-1] if self.hashes else self.root
+            self.hashes += chain_hashes(parent, self.slice(first, last), hash_unit)
 
-    def _chain(self, digests: list[int]) -> None:
-        self.hashes += chain_hashes(self.hashes[-1] if self.hashes else ROOT_HASH, digests)
+    def mark(self) -> tuple[int, int]:
+        """Where the log ends now, for `truncate` (a transition that raises undoes its appends)."""
+        return len(self.chunks), len(self.hashes)
+
+    def truncate(self, mark: tuple[int, int]) -> None:
+        num_chunks, num_hashes = mark
+        del self.chunks[num_chunks:], self.ends[num_chunks:], self.hashes[num_hashes:]
 
     def slice(self, start: int, end: int) -> np.ndarray:
         """Tokens [start, end) (end <= length) as one array: a view when they lie in one chunk."""
@@ -180,15 +171,6 @@ class TokenLog:
         j = bisect.bisect_left(self.ends, end)  # the chunk holding token `end - 1`
         return np.concatenate([self.chunks[i][start - begin:], *self.chunks[i + 1:j],
                                self.chunks[j][:end - self.ends[j - 1]]])
-
-    def branch(self, num_tokens: int, hash_unit: int) -> TokenLog:
-        """A private copy of the view of `num_tokens`, for a writer whose view is not the buffer's end."""
-        keep = bisect.bisect_right(self.ends, num_tokens)
-        chunks, ends = self.chunks[:keep], self.ends[:keep]
-        if num_tokens > (ends[-1] if ends else 0):
-            chunks.append(frozen(self.slice(ends[-1] if ends else 0, num_tokens)))
-            ends.append(num_tokens)
-        return TokenLog(chunks, ends, self.hashes[:num_tokens // hash_unit])
 
 
 def num_logged(rows: Rows, row_ids, unit: int):
@@ -222,7 +204,7 @@ class InFlight(NamedTuple):
 
     step_id: int
     ready_slots: tuple[int, ...]      # PENDING cache slots written by the step
-    checkpoint_keys: tuple[int, ...]  # UNREADY checkpoints completed by the step
+    checkpoint_keys: tuple[bytes, ...]  # UNREADY checkpoints completed by the step
 
 
 class Materialize(NamedTuple):
@@ -230,31 +212,36 @@ class Materialize(NamedTuple):
 
     request_id: str
     running_slot: int
-    key: int
+    key: bytes
     ring_start: int
     count: int
 
 
-class SchedulerState(NamedTuple):
-    """The whole control-plane state: an immutable value (a NamedTuple: built in one C call per step).
-    The per-request maps are persistent (`PMap`): a transition pays for the entries it changes, not
-    for the number of requests. `claims` is a small dict private to this version: never mutate it."""
+class StaleStateError(RuntimeError):
+    """A scheduler state was used after a transition consumed it."""
 
-    config: SchedulerConfig
-    requests: PMap                     # request id -> Request: every live request, waiting or running
-    waiting: tuple[str, ...]           # FCFS; preempted requests go back to the front
-    running: tuple[str, ...]           # admission order; the newest is preempted first
-    running_rows: np.ndarray           # [len(running)] int64 read-only: the row of each running request
-    row_of: PMap                       # request id -> row of each running request
-    rows: Rows
-    blocks: BlockPool
-    slots: SlotPool
-    claims: dict[int, Claim]           # checkpoint keys that are PRODUCING or UNREADY
-    logs: PMap                         # request id -> TokenLog
-    parked_tokens: PMap                # request id -> committed tokens of a request without a row
-    materializations: tuple[Materialize, ...]
-    in_flight: InFlight | None
-    step: int                          # steps scheduled so far; also the LRU clock
+
+class StateData:
+    """What a `SchedulerState` handle points at: the one mutable state of a scheduler, whose
+    `generation` names the only live handle. Per-request maps and tables are written in place."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.requests = UndoMap()            # request id -> Request: every live request, waiting or running
+        self.waiting: tuple[str, ...] = ()   # FCFS; preempted requests go back to the front
+        self.running: tuple[str, ...] = ()   # admission order; the newest is preempted first
+        self.running_rows = frozen(np.zeros(0, np.int64))  # [len(running)] the row of each running request
+        self.row_of = UndoMap()              # request id -> row of each running request
+        self.rows = Rows(config)
+        self.blocks = BlockPool(config.num_blocks)
+        self.slots = SlotPool(config.num_state_slots)
+        self.claims: dict[bytes, Claim] = {}  # checkpoint keys that are PRODUCING or UNREADY
+        self.logs = UndoMap()                # request id -> TokenLog
+        self.parked_tokens = UndoMap()       # request id -> committed tokens of a request without a row
+        self.materializations: tuple[Materialize, ...] = ()
+        self.in_flight: InFlight | None = None
+        self.step = 0                        # steps scheduled so far; also the LRU clock
+        self.generation = 0
 
     def num_tokens(self, request_id: str) -> int:
         return request_num_tokens(self.rows, self.row_of, self.parked_tokens, request_id)
@@ -267,7 +254,31 @@ class SchedulerState(NamedTuple):
         return bool(self.requests)
 
 
+class SchedulerState:
+    """A handle to the scheduler state of one generation: reads go through to its `StateData` while
+    no transition has consumed it, and raise `StaleStateError` afterwards."""
+
+    __slots__ = ("_data", "_generation")
+
+    def __init__(self, data: StateData) -> None:
+        self._data, self._generation = data, data.generation
+
+    def live(self) -> StateData:
+        if self._data.generation != self._generation:
+            raise StaleStateError(f"this scheduler state (generation {self._generation}) was consumed by a "
+                                  f"transition; use the state it returned (generation {self._data.generation})")
+        return self._data
+
+    def __getattr__(self, name: str):
+        return getattr(self.live(), name)
+
+    def snapshot(self) -> SchedulerState:
+        """An independent copy of this state (tests, debugging, what-if branches)."""
+        return copy.deepcopy(self)
+
+    def __deepcopy__(self, memo) -> SchedulerState:
+        return SchedulerState(copy.deepcopy(self.live(), memo))
+
+
 def init_state(config: SchedulerConfig) -> SchedulerState:
-    return SchedulerState(config, PMap(), (), (), frozen(np.zeros(0, np.int64)), PMap(), Rows.create(config),
-                          BlockPool.create(config.num_blocks), SlotPool.create(config.num_state_slots), {}, PMap(),
-                          PMap(), (), None, 0)
+    return SchedulerState(StateData(config))

@@ -20,8 +20,8 @@ import numpy as np
 
 from scheduler.checkpoints import CheckpointEvent, advance
 from scheduler.history import append_tokens
+from scheduler.journal import frozen
 from scheduler.lifecycle import StateEdit, forget, log_block_first_block, register_blocks, release_rows
-from scheduler.persistent import frozen
 from scheduler.plan import BatchPlan, RowKind, StepResult, check_step_result
 from scheduler.replay import commit, crossed_boundary, materialize_count, ring_rows
 from scheduler.request import StepOutputs
@@ -65,7 +65,8 @@ def update(state: SchedulerState, plan: BatchPlan, result: StepResult) -> tuple[
             outputs.append(_update_decodes(edit, plan, result, _live(edit, plan, 0, num_decode)))
         if plan.num_rows > num_decode:
             outputs.append(_update_prefills(edit, plan, result, _live(edit, plan, num_decode, plan.num_rows)))
-        return edit.freeze(), _join(outputs, 1 + state.config.num_spec_tokens)
+        outputs = _join(outputs, 1 + edit.cfg.num_spec_tokens)
+        return edit.freeze(), outputs
 
 
 def _live(edit: StateEdit, plan: BatchPlan, lo: int, hi: int) -> _Live:
@@ -140,7 +141,7 @@ def _emit(edit: StateEdit, live: _Live, cols: np.ndarray, sampled: np.ndarray, c
         keep, codes = _cut(edit, live, before, max_len, sampled, counts, eos_hits)
     else:  # the usual step: nobody stops, every row keeps all its tokens
         keep, codes = counts, np.zeros(len(counts), np.int8)
-    append_tokens(edit.logs, edit.rows, edit.cfg.log_unit, edit.cfg.hash_unit, live.rids, live.rows, sampled,
+    append_tokens(edit.writable_log, edit.rows, edit.cfg.log_unit, edit.cfg.hash_unit, live.rids, live.rows, sampled,
                   before, keep)
     return StepOutputs(live.rids, frozen(sampled), frozen(keep), frozen(codes))
 

@@ -15,21 +15,16 @@ from tests.scheduler.helpers import Driver, make_config, request, result_for
 
 
 def test_block_pool_allocates_uncached_first_then_lru():
-    pool = BlockPool.create(6)
-    edit = pool.edit()
-    assert edit.allocate(3).tolist() == [1, 2, 3]
-    edit.register([1, 2], [111, 222])
-    edit.release([2])
-    edit.release([1])
-    edit.release([3])
-    after = edit.freeze()
-    edit = after.edit()
-    assert edit.allocate(2).tolist() == [3, 4]  # uncached free blocks go first
-    assert edit.allocate(2).tolist() == [5, 2]  # then the least recently released cached one
-    assert 222 not in edit.hash_to_block and 111 in edit.hash_to_block
-    final = edit.freeze()
-    assert final.num_free == 1 and final.free_cached.tolist() == [1]
-    assert pool.num_free == 5 and 111 in after.hash_to_block and 222 in after.hash_to_block  # old values intact
+    pool = BlockPool(6)
+    assert pool.allocate(3).tolist() == [1, 2, 3]
+    pool.register([1, 2], [111, 222])
+    pool.release([2])
+    pool.release([1])
+    pool.release([3])
+    assert pool.allocate(2).tolist() == [3, 4]  # uncached free blocks go first
+    assert pool.allocate(2).tolist() == [5, 2]  # then the least recently released cached one
+    assert 222 not in pool.hash_to_block and 111 in pool.hash_to_block
+    assert pool.num_free == 1 and pool.free_cached.tolist() == [1]
 
 
 def test_a_finished_request_frees_its_tail_blocks_first():
@@ -44,7 +39,8 @@ def test_a_finished_request_frees_its_tail_blocks_first():
 
 
 def test_slot_pool_prefers_free_slots_and_never_evicts_pinned_ones():
-    edit = SlotPool.create(4).edit()
+    edit = SlotPool(4)
+    edit.begin()
     a, b = edit.allocate(SlotKind.PENDING, 10), edit.allocate(SlotKind.PENDING, 20)
     edit.make_ready(a, 1)
     edit.make_ready(b, 2)
@@ -61,7 +57,8 @@ def test_slot_pool_evicts_many_in_the_order_of_one_at_a_time(stamps, data):
     """Evicting several slots in one call picks exactly what repeated single evictions would:
     oldest stamp first, the lowest slot among equal stamps, pinned slots never."""
     def filled():
-        edit = SlotPool.create(len(stamps) + 1).edit()
+        edit = SlotPool(len(stamps) + 1)
+        edit.begin()
         for key, stamp in enumerate(stamps):
             edit.make_ready(edit.allocate(SlotKind.PENDING, key), stamp)
         return edit
@@ -110,7 +107,7 @@ def test_c3_same_step_hit_on_a_pending_state_is_deferred_one_step():
     driver.step(accepted=3)  # crosses 32: the next schedule materialises it (PENDING)
     prefix = driver.state.token_ids("a")[:32] + [1, 2, 3]
     driver.add(request("b", prefix))
-    state, plan = schedule(driver.state)
+    state, plan = schedule(driver.state.snapshot())  # a look ahead, on a copy
     assert plan.num_materializations == 1 and "b" not in plan.request_ids and "b" in state.waiting
     driver.step(accepted=0)  # the same pass for real: b is deferred, the state gets written
     plan = driver.step(accepted=0)
@@ -188,59 +185,56 @@ def _assert_pool_matches(pool: BlockPool, model: _PoolModel) -> None:
 
 @settings(max_examples=30, deadline=None)
 @given(st.data())
-def test_block_pool_versions_match_a_plain_model(data):
-    """Random allocate / release / hit / publish on random versions (branching included) of a small
-    pool, so that the cached ring wraps and compacts: every version keeps matching its own model."""
+def test_block_pool_matches_a_plain_model_and_rolls_back(data):
+    """Random allocate / release / hit / publish transactions on a small pool, so that the cached ring
+    wraps and compacts; a third of the transactions roll back: the pool matches its model throughout."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    versions = [(BlockPool.create(6), _PoolModel(6))]
+    pool, model = BlockPool(6), _PoolModel(6)
     next_key = iter(range(1, 10**6))
     for _ in range(data.draw(st.integers(1, 150))):
-        pool, model = versions[rng.integers(len(versions))]
-        edit, model = pool.edit(), model.copy()
+        pool.begin()
+        before = model.copy()
         for _ in range(rng.integers(1, 4)):
             held = [b for b in range(1, 6) if model.refs[b]]
             hit = [b for b in model.lru if rng.random() < 0.3] + [b for b in held if rng.random() < 0.2]
             choice = rng.choice(4, p=[0.15, 0.35, 0.35, 0.15])  # hits and releases leave dead ring entries
             if choice == 0 and model.stack + model.lru:
                 count = int(rng.integers(1, len(model.stack) + len(model.lru) + 1))
-                assert edit.allocate(count).tolist() == model.allocate(count)
+                assert pool.allocate(count).tolist() == model.allocate(count)
             elif choice == 1 and held:
                 # a block may go as often as it is held (requests sharing a prefix released together)
                 gone = [b for b in held for _ in range(model.refs[b]) if rng.random() < 0.5]
                 rng.shuffle(gone)
-                edit.release(gone, distinct=len(set(gone)) == len(gone) and rng.random() < 0.5)
+                pool.release(gone, distinct=len(set(gone)) == len(gone) and rng.random() < 0.5)
                 model.release(gone)
             elif choice == 2 and hit:
-                edit.take(np.array(hit, np.int32))
+                pool.take(np.array(hit, np.int32))
                 model.take(hit)
             elif held:
                 keys = [next(next_key) if rng.random() < 0.8 else 1 for _ in held]
-                edit.register(held, keys)
+                pool.register(held, keys)
                 model.register(held, keys)
-            assert edit.num_free == len(model.stack) + len(model.lru)
-        versions.append((edit.freeze(), model))
-        _assert_pool_matches(*versions[rng.integers(len(versions))])
-    for pool, model in versions:
+            assert pool.num_free == len(model.stack) + len(model.lru)
+        if rng.random() < 0.3:
+            pool.rollback()
+            model = before
+        else:
+            pool.commit()
         _assert_pool_matches(pool, model)
 
 
 def test_cached_ring_compacts_dead_entries_and_keeps_lru_order():
-    pool = BlockPool.create(4)  # a ring of 8 positions
-    edit = pool.edit()
-    blocks = edit.allocate(3).tolist()
-    edit.register(blocks, [101, 102, 103])
-    versions = []
+    pool = BlockPool(4)  # a ring of 8 positions
+    blocks = pool.allocate(3).tolist()
+    pool.register(blocks, [101, 102, 103])
+    spans = []
     for cycle in range(6):  # each cycle leaves 3 dead entries: the ring must compact to go on
         order = blocks[cycle % 3:] + blocks[:cycle % 3]
         for block in order:
-            edit.release([block])
-        versions.append((edit.freeze(), order))
+            pool.release([block])
+        assert pool.free_cached.tolist() == order and pool.num_free == 3
+        spans.append(pool.queue_end - pool.queue_head)
         if cycle < 5:
-            edit = versions[-1][0].edit()
-            edit.take(np.array(blocks, np.int32))
-    assert max(v[0].queue_end - v[0].queue_head for v in versions) <= 8 < versions[-1][0].queue_end
-    for frozen_pool, order in versions:  # every version still sees its own LRU order
-        assert frozen_pool.free_cached.tolist() == order and frozen_pool.num_free == 3
-        edit = frozen_pool.edit()
-        assert edit.allocate(3).tolist() == order  # evicted oldest first
-        assert edit.freeze().num_free == 0 and frozen_pool.free_cached.tolist() == order
+            pool.take(np.array(blocks, np.int32))
+    assert max(spans) <= 8 < pool.queue_end
+    assert pool.allocate(3).tolist() == order and pool.num_free == 0  # evicted oldest first

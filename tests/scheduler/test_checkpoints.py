@@ -62,16 +62,16 @@ def test_every_status_event_pair_is_either_in_the_table_or_rejected():
     for status in CheckpointStatus:
         for event in CheckpointEvent:
             if (status, event) in TRANSITIONS:
-                assert advance(status, event, 1) is TRANSITIONS[status, event]
+                assert advance(status, event, b"\x01" * 32) is TRANSITIONS[status, event]
             else:
                 with pytest.raises(RuntimeError, match="can't handle"):
-                    advance(status, event, 1)
+                    advance(status, event, b"\x01" * 32)
 
 
 def test_happy_path_walks_absent_to_ready():
     status = CheckpointStatus.ABSENT
     for event in (CheckpointEvent.CLAIM, CheckpointEvent.SCHEDULE_END, CheckpointEvent.STEP_DONE):
-        status = advance(status, event, 1)
+        status = advance(status, event, b"\x01" * 32)
     assert status is CheckpointStatus.READY
 
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from scheduler import FinishReason, RequestOutput, StepOutputs, schedule, update
-from scheduler.persistent import frozen
-from scheduler.prefix_cache import ROOT_HASH, chain_hashes, unit_digests
+from scheduler.journal import frozen
+from scheduler.prefix_cache import ROOT_HASH, root_hash
 from scheduler.state import TokenLog
 from tests.scheduler.helpers import Driver, make_config, request, result_for
 
@@ -52,26 +54,54 @@ def test_token_history_and_hashes_survive_tails_of_any_block_size(block_size, k)
         log = driver.state.logs[rid]  # whole log blocks (plus the prompt), hashed per KV block
         assert log.length >= len(tokens) // cfg.log_unit * cfg.log_unit
         assert log.slice(0, log.length).tolist() == tokens[:log.length]
-        full = log.length // block_size
-        digests = unit_digests(np.array(tokens[:full * block_size]), block_size).tolist()
-        assert log.hashes == chain_hashes(ROOT_HASH, digests)
+        assert log.hashes == blake2b_chain(ROOT_HASH, tokens[:log.length], block_size)
+
+
+def blake2b_chain(root: bytes, tokens: list[int], unit: int) -> list[bytes]:
+    """The prefix keys, written out independently: BLAKE2b-256 of (parent key, the unit's int32 tokens)."""
+    keys, parent = [], root
+    for start in range(0, len(tokens) // unit * unit, unit):
+        data = b"".join(t.to_bytes(4, "little", signed=True) for t in tokens[start:start + unit])
+        parent = hashlib.blake2b(parent + data, digest_size=32).digest()
+        keys.append(parent)
+    return keys
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 50), min_size=1, max_size=9), min_size=1, max_size=6),
        st.integers(1, 4), st.data())
-def test_token_log_slices_branches_and_hashes_like_one_list(chunks, hash_unit, data):
+def test_token_log_slices_and_hashes_like_one_list_and_truncates_to_a_mark(chunks, hash_unit, data):
     log = TokenLog.create(chunks[0], hash_unit)
-    for chunk in chunks[1:]:
+    cut = data.draw(st.integers(1, len(chunks)))
+    for i, chunk in enumerate(chunks[1:], start=1):
+        if i == cut:
+            mark = log.mark()
         log.extend(frozen(np.array(chunk, np.int32)), hash_unit)
     tokens = [t for chunk in chunks for t in chunk]
-    full = len(tokens) // hash_unit * hash_unit
     assert log.length == len(tokens)
-    assert log.hashes == chain_hashes(ROOT_HASH, unit_digests(np.array(tokens[:full]), hash_unit).tolist())
+    assert log.hashes == blake2b_chain(ROOT_HASH, tokens, hash_unit)
     start = data.draw(st.integers(0, len(tokens)))
     end = data.draw(st.integers(start, len(tokens)))
     assert log.slice(start, end).tolist() == tokens[start:end]
-    branch = log.branch(end, hash_unit)
-    assert branch.slice(0, end).tolist() == tokens[:end] and branch.hashes == log.hashes[:end // hash_unit]
-    branch.extend(frozen(np.array([7, 7, 7], np.int32)), hash_unit)  # the branch writes only its own copy
-    assert log.slice(0, log.length).tolist() == tokens and branch.length == end + 3
+    if cut < len(chunks):  # a transition that raised undoes its appends
+        log.truncate(mark)
+        kept = [t for chunk in chunks[:cut] for t in chunk]
+        assert log.slice(0, log.length).tolist() == kept and log.hashes == blake2b_chain(ROOT_HASH, kept, hash_unit)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 2**20), min_size=16, max_size=16), st.lists(st.integers(0, 2**20), min_size=16,
+       max_size=16), st.lists(st.integers(-3, 3), min_size=16, max_size=16))
+def test_block_keys_are_not_linear_in_the_tokens(a, b, delta):
+    """A weighted-sum digest (the old scheme) moves by the same amount whenever the same token change is
+    applied to any block, which is what lets lattice reduction craft colliding blocks: keys must not."""
+    shift = lambda tokens: [t + d for t, d in zip(tokens, delta, strict=True)]
+    assume(a != b and any(delta) and min(shift(a) + shift(b)) >= 0)
+    key = lambda tokens: int.from_bytes(TokenLog.create(tokens, 16).hashes[0][:8], "little")
+    assert (key(shift(a)) - key(a)) % 2**64 != (key(shift(b)) - key(b)) % 2**64
+
+
+def test_a_cache_salt_separates_the_prefix_keys_of_equal_prompts():
+    tokens = list(range(32))
+    plain, salted, other = (TokenLog.create(tokens, 16, root_hash(salt)).hashes for salt in (None, "a", "b"))
+    assert plain == TokenLog.create(tokens, 16).hashes and len({*plain, *salted, *other}) == 6

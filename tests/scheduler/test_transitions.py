@@ -22,7 +22,7 @@ from scheduler import (
 )
 from scheduler.invariants import check_drained, check_invariants
 from scheduler.slots import SlotKind
-from scheduler.state import BOOL_COLUMNS, INT_COLUMNS
+from scheduler.state import BOOL_COLUMNS, INT_COLUMNS, StaleStateError
 from tests.scheduler.helpers import Driver, make_config, request, result_for
 
 
@@ -60,31 +60,60 @@ def _busy_state(k: int = 2):
     return driver
 
 
-def test_transitions_leave_the_old_state_unchanged_and_are_deterministic():
+def test_a_consumed_state_raises_and_handed_out_arrays_stay_put():
+    """The sequence of the issue: arrays taken from a state stay readable, a consumed state raises."""
+    driver = Driver(make_config(mamba_block_size=64))
+    driver.add(request("a", range(1, 21), max_tokens=4))
+    s0 = driver.state
+    s1, plan = schedule(s0)
+    s2, _ = update(s1, plan, result_for(plan, 0))
+    table = s2.rows.block_table[0, :4].copy()
+    assert table.tolist() == [1, 2, 0, 0]
+    for stale in (s0, s1):
+        with pytest.raises(StaleStateError):
+            stale.rows  # noqa: B018 - the read itself must raise
+        with pytest.raises(StaleStateError):
+            schedule(stale)
+    assert s2.rows.block_table[0, :4].tolist() == table.tolist()
+
+
+def test_plan_and_output_arrays_are_owned_by_their_receiver():
+    """Arrays of a plan and of the outputs are held across the next two transitions and do not change."""
+    driver = _busy_state()
+    state, plan = schedule(driver.state)
+    held = {name: np.array(value) for name, value in plan._asdict().items() if isinstance(value, np.ndarray)}
+    state, outputs = update(state, plan, result_for(plan, 2, accepted=1))
+    held_out = [np.array(outputs.token_ids), np.array(outputs.num_new_tokens)]
+    state, next_plan = schedule(state)
+    state, _ = update(state, next_plan, result_for(next_plan, 2, accepted=2))
+    for name, value in held.items():
+        np.testing.assert_array_equal(getattr(plan, name), value, err_msg=name)
+    np.testing.assert_array_equal(outputs.token_ids, held_out[0])
+    np.testing.assert_array_equal(outputs.num_new_tokens, held_out[1])
+    for name in held:
+        assert not np.shares_memory(getattr(plan, name), state.rows.block_table), name
+
+
+def test_transitions_are_deterministic_functions_of_their_input():
     driver = _busy_state()
     s0 = driver.state
-    before = snapshot(s0)
-    s1, plan = schedule(s0)
-    s1b, plan_b = schedule(s0)
-    assert_same(before, snapshot(s0))
+    copy_a, copy_b = s0.snapshot(), copy.deepcopy(s0)
+    assert_same(snapshot(copy_a), snapshot(s0))
+    s1, plan = schedule(copy_a)
+    s1b, plan_b = schedule(copy_b)
     assert_same(snapshot(s1), snapshot(s1b))
     assert all(np.array_equal(getattr(plan, f), getattr(plan_b, f)) for f in ("token_ids", "slot_mapping"))
-    mid = snapshot(s1)
     result = result_for(plan, 2, accepted=1)
     s2, out = update(s1, plan, result)
-    s2b, out_b = update(s1, plan, result)  # the shared token buffers are copied, not overwritten
+    s2b, out_b = update(s1b, plan, result)
     assert out == out_b
-    assert_same(mid, snapshot(s1))
     assert_same(snapshot(s2), snapshot(s2b))
-    for mutate in (lambda s: add_request(s, request("new", [1, 2, 3])), lambda s: abort_request(s, "r1")):
-        s3 = snapshot(s2)
-        mutate(s2)
-        assert_same(s3, snapshot(s2))
+    assert_same(snapshot(s0), snapshot(driver.state))  # the original was never touched by its copies
 
 
 def test_a_transition_that_raises_midway_leaves_the_state_whole(monkeypatch):
-    """Transitions write the shared persistent tables in place; an error after some writes (here a
-    failing plan assembly, after blocks were allocated and tables grown) must undo them."""
+    """Transitions write the state's tables in place; an error after some writes (here a failing plan
+    assembly, after blocks were allocated and tables grown) must undo them and keep the input valid."""
     s0 = _busy_state().state
     before = snapshot(s0)
 
@@ -101,27 +130,22 @@ def test_a_transition_that_raises_midway_leaves_the_state_whole(monkeypatch):
     assert np.array_equal(plan.slot_mapping, reference_plan.slot_mapping) and check_invariants(s1) == []
 
 
-def test_a_step_copies_nothing_in_proportion_to_the_queue():
-    """A batch job queues thousands of requests behind a full batch: a step that admits, finishes and
-    logs nothing must share the per-request maps and the queue of its input, not copy them."""
-    driver = Driver(make_config(max_num_seqs=2))
-    for i in range(40):
-        driver.add(request(f"r{i}", range(1, 10), max_tokens=50))
-    driver.step()  # admits r0 and r1 and prefills them
-    old = driver.state
-    driver.step()  # decode only: no admission, finish, or full log block
-    new = driver.state
-    assert new.step == old.step + 1 and new.running == old.running and len(new.waiting) == 38
-    for name in ("requests", "waiting", "row_of", "logs", "parked_tokens"):
-        assert getattr(new, name) is getattr(old, name), name
+def test_an_update_that_raises_midway_undoes_its_token_log_appends(monkeypatch):
+    driver = Driver(make_config(mamba_block_size=16, num_spec_tokens=0))
+    driver.add(request("a", range(1, 17), max_tokens=40))
+    for _ in range(16):  # the 16th decode token fills a log block: update appends it to the log
+        driver.step()
+    state, plan = schedule(driver.state)
+    before = snapshot(state)
 
-
-def test_state_columns_are_read_only():
-    state = _busy_state().state
-    with pytest.raises(ValueError):
-        state.rows.num_computed[0] = 5
-    with pytest.raises(ValueError):
-        state.blocks.ref_count[1] = 3
+    def broken(*args, **kwargs):
+        raise RuntimeError("finish failed")
+    monkeypatch.setattr(sys.modules["scheduler.update"], "_finish_rows", broken)
+    with pytest.raises(RuntimeError, match="finish failed"):
+        update(state, plan, result_for(plan, 0))
+    monkeypatch.undo()
+    assert_same(before, snapshot(state))
+    update(state, plan, result_for(plan, 0))
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -138,6 +162,7 @@ def test_bad_requests_raise_and_leave_the_state_unchanged(bad, message):
     with pytest.raises(ValueError, match=message):
         add_request(state, bad)
     assert_same(before, snapshot(state))
+    add_request(state, request("next", [4, 5]))  # still the live state
 
 
 def test_duplicate_ids_and_unknown_aborts_raise():
@@ -161,13 +186,13 @@ def test_schedule_twice_without_update_and_foreign_plans_are_refused():
     state, plan = schedule(add_request(init_state(make_config()), request("a", [1, 2, 3])))
     with pytest.raises(RuntimeError, match="in flight"):
         schedule(state)
-    state2, _ = update(state, plan, result_for(plan, 0))
-    with pytest.raises(ValueError, match="not the step in flight"):
-        update(state2, plan, result_for(plan, 0))
     bad = StepResult(np.zeros((plan.row_bucket, 1), np.int32), np.full(plan.row_bucket, 3, np.int32),
                      np.zeros((plan.row_bucket, 0), np.int32))
     with pytest.raises(ValueError, match="num_accepted"):
-        update(state, plan, bad)
+        update(state, plan, bad)  # refused: the state stays usable
+    state2, _ = update(state, plan, result_for(plan, 0))
+    with pytest.raises(ValueError, match="not the step in flight"):
+        update(state2, plan, result_for(plan, 0))
 
 
 def test_verify_rows_get_one_plus_k_tokens_and_commit_accepted_drafts():
