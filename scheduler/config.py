@@ -35,6 +35,7 @@ class SchedulerConfig:
         block_table_buckets: allowed widths of a BatchPlan's block table (the most KV blocks of any
             row in the step, padded); `()` picks powers of two from 8, capped at the most blocks one
             request can hold.
+        vocab_size: token ids of a request must lie in [0, vocab_size); None skips the check.
     """
 
     block_size: int = 16
@@ -52,6 +53,7 @@ class SchedulerConfig:
     token_buckets: tuple[int, ...] = field(default=())
     row_buckets: tuple[int, ...] = field(default=())
     block_table_buckets: tuple[int, ...] = field(default=())
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         _resolve_defaults(self)
@@ -108,9 +110,16 @@ def _validate_sizes(cfg: SchedulerConfig) -> None:
     _require(cfg.num_spec_tokens >= 0, "num_spec_tokens", f"must be >= 0, got {cfg.num_spec_tokens}")
     _require(cfg.num_lookahead >= 0, "num_lookahead", f"must be >= 0, got {cfg.num_lookahead}")
     _require(cfg.num_blocks >= 2, "num_blocks", f"needs the null block and one more, got {cfg.num_blocks}")
-    min_slots = 3 if cfg.align else 2  # null + running (+ one checkpoint slot in align mode)
+    # A request admitted alone must always fit, or the queue head waits forever: the null slot and a
+    # running slot, plus in align mode a producer's reserved checkpoint slot and the cached slot of its
+    # prefix hit, pinned while it is copied.
+    min_slots = 4 if cfg.align else 2
     _require(cfg.num_state_slots >= min_slots, "num_state_slots",
-             f"needs at least {min_slots} in cache_mode {cfg.cache_mode!r}, got {cfg.num_state_slots}")
+             f"needs at least {min_slots} in cache_mode {cfg.cache_mode!r} (null, running"
+             f"{', checkpoint, prefix hit' if cfg.align else ''}), got {cfg.num_state_slots}")
+    _require(cfg.ring_size >= 1 + cfg.num_spec_tokens, "ring_size",
+             f"{cfg.ring_size} cannot hold one verify row of {1 + cfg.num_spec_tokens} tokens")
+    _require(cfg.vocab_size is None or cfg.vocab_size >= 1, "vocab_size", f"must be >= 1, got {cfg.vocab_size}")
     _require(cfg.max_num_batched_tokens >= 1 + cfg.num_spec_tokens, "max_num_batched_tokens",
              f"{cfg.max_num_batched_tokens} cannot hold one verify row of {1 + cfg.num_spec_tokens} tokens")
 

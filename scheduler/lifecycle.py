@@ -14,7 +14,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.history import park_tails
 from scheduler.journal import frozen
 from scheduler.prefix_cache import root_hash
-from scheduler.request import Request
+from scheduler.request import Request, is_int
 from scheduler.slots import NULL_SLOT
 from scheduler.state import (
     NUM_BLOCKS,
@@ -129,6 +129,8 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
 
 def _validate_request(state: SchedulerState, request: Request) -> None:
     cfg, rid, num_prompt = state.config, request.request_id, request.num_prompt_tokens
+    if not isinstance(rid, str):
+        raise ValueError(f"request_id must be a str, got {rid!r}")
     if rid in state.requests:
         raise ValueError(f"request_id {rid!r} is already in use")
     if num_prompt == 0:
@@ -136,18 +138,32 @@ def _validate_request(state: SchedulerState, request: Request) -> None:
     if num_prompt >= cfg.max_model_len:
         raise ValueError(f"request {rid!r}: prompt of {num_prompt} tokens leaves no room for output "
                          f"within max_model_len {cfg.max_model_len}")
+    _validate_token_ids(request, cfg.vocab_size)
     _validate_checkpoint(request, cfg.hash_unit)
+    if request.cache_salt is not None and not isinstance(request.cache_salt, str):
+        raise ValueError(f"request {rid!r}: cache_salt must be a str or None, got {request.cache_salt!r}")
     need = -(-(max_len(cfg, request) + cfg.num_spec_tokens) // cfg.block_size)
     if need > cfg.num_blocks - 1:
         raise ValueError(f"request {rid!r} can never fit: it needs {need} KV blocks at its longest and the "
                          f"pool has {cfg.num_blocks - 1}")
 
 
+def _validate_token_ids(request: Request, vocab_size: int | None) -> None:
+    tokens = np.asarray(request.prompt_token_ids)
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        raise ValueError(f"request {request.request_id!r}: prompt_token_ids must be integers, got {tokens.dtype} "
+                         f"values")
+    high = np.iinfo(np.int32).max if vocab_size is None else vocab_size
+    if tokens.min() < 0 or tokens.max() >= high:
+        bad = int(tokens[(tokens < 0) | (tokens >= high)][0])
+        raise ValueError(f"request {request.request_id!r}: token id {bad} is outside [0, {high})")
+
+
 def _validate_checkpoint(request: Request, unit: int) -> None:
     c = request.checkpoint_position
-    if c is not None and (c <= 0 or c >= request.num_prompt_tokens or c % unit):
-        raise ValueError(f"request {request.request_id!r}: checkpoint_position {c} must be a positive multiple "
-                         f"of the hash unit {unit} inside the prompt of {request.num_prompt_tokens} tokens")
+    if c is not None and (not is_int(c) or c <= 0 or c >= request.num_prompt_tokens or c % unit):
+        raise ValueError(f"request {request.request_id!r}: checkpoint_position {c!r} must be a positive integer "
+                         f"multiple of the hash unit {unit} inside the prompt of {request.num_prompt_tokens} tokens")
 
 
 def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:

@@ -10,6 +10,11 @@ from typing import NamedTuple
 import numpy as np
 
 
+def is_int(value) -> bool:
+    """A Python or numpy integer, not a bool or a float that happens to be whole."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Stop conditions the scheduler enforces (the runner does the sampling itself).
@@ -24,8 +29,15 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.eos_token_id is not None and (not is_int(self.eos_token_id) or self.eos_token_id < 0):
+            raise ValueError(f"SamplingParams.eos_token_id must be an integer >= 0 or None, got {self.eos_token_id!r}")
+        if not isinstance(self.stop_token_ids, tuple) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a tuple of integers >= 0, "
+                             f"got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
     def stopping_eos(self) -> int | None:

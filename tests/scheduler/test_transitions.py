@@ -282,3 +282,41 @@ def test_plan_padding_points_at_the_null_slot_and_block():
         lo, hi = plan.cu_seqlens[r], plan.cu_seqlens[r + 1]
         blocks = plan.block_table[r, plan.positions[lo:hi] // 16]
         assert (plan.slot_mapping[lo:hi] == blocks * 16 + plan.positions[lo:hi] % 16).all() and blocks.all()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: request("f", [1.5, 2, 3]), "integers"),
+    (lambda: request("neg", [1, -2, 3]), r"\[0, 1000\)"),
+    (lambda: request("big", [1, 2, 1000]), r"\[0, 1000\)"),
+    (lambda: request("cf", [1] * 40, checkpoint=32.0), "checkpoint_position"),
+    (lambda: request("mt", [1, 2], max_tokens=2.0), "max_tokens"),
+    (lambda: request("st", [1, 2], stop_token_ids=(3, 4.0)), "stop_token_ids"),
+    (lambda: request("eos", [1, 2], eos_token_id=-1), "eos_token_id"),
+])
+def test_request_fields_are_type_and_range_checked(make, message):
+    """Finding 6: a float checkpoint used to wedge every later schedule; float ids were truncated."""
+    state = add_request(init_state(make_config(vocab_size=1000)), request("ok", [1, 2, 3]))
+    before = snapshot(state)
+    with pytest.raises(ValueError, match=message):
+        add_request(state, make())
+    assert_same(before, snapshot(state))
+    state, plan = schedule(state)
+    assert plan.request_ids == ("ok",)
+
+
+def test_a_ring_smaller_than_one_verify_row_is_rejected():
+    with pytest.raises(ValueError, match="ring_size"):
+        SchedulerConfig(num_spec_tokens=3, ring_size=3)
+
+
+def test_the_slot_pool_minimum_cannot_deadlock_a_producer_with_a_hit():
+    """Finding 1: a producer with a prefix hit needs a running, a reserved and a pinned hit slot."""
+    with pytest.raises(ValueError, match="num_state_slots"):
+        make_config(num_state_slots=3)
+    driver = Driver(make_config(num_state_slots=4))
+    driver.add(request("U", range(100, 140)))
+    driver.drain("U")
+    driver.add(request("P", range(100, 160), checkpoint=48))
+    driver.add(request("X", [7] * 10))
+    driver.drain("P with a checkpoint and a hit, X behind it, 4 state slots", max_steps=20)
+    assert {o.request_id for o in driver.outputs if o.finished} == {"U", "P", "X"}
