@@ -90,6 +90,8 @@ def _plan_admission(p: Pass, rid: str) -> Admission | None:
     hashes = edit.hashes(rid)
     num_cached = cached_units(edit.blocks, hashes, edit.num_tokens(rid), unit)
     hit = find_hit(edit.blocks, edit.slots, hashes, num_cached, unit, edit.cfg.eagle_block_drop)
+    if hit.deferred and hit.num_tokens == c:  # the state being written is our checkpoint: pair with it
+        return _checkpoint_role(p, hashes, c, NO_HIT, num_cached)
     if hit.deferred:
         return None  # same-step deferral: the longer state is written by this very step
     if c is None or hit.num_tokens >= c:

@@ -51,7 +51,8 @@ def chain_hashes(parent: bytes, tokens: np.ndarray, unit: int) -> list[bytes]:
 
 class PrefixHit(NamedTuple):
     """num_tokens: hit length p (0 = no hit). block_ids: [p/h] int32 read-only, the cached KV blocks. slot: the READY
-    state slot to copy into the running slot (0 when no hit). deferred: a longer state is PENDING."""
+    state slot to copy into the running slot (0 when no hit). deferred: the longest cached state, after
+    num_tokens tokens, is PENDING (written by this very step): no hit now (block_ids empty, slot 0)."""
 
     num_tokens: int
     block_ids: np.ndarray
@@ -79,8 +80,8 @@ def find_hit(blocks: BlockPool, slots: SlotPool, hashes: list[bytes], num_cached
     for count, slot in reversed(cached):
         if slots.kind[slot] == SlotKind.RESERVED:
             continue
-        if slots.kind[slot] == SlotKind.PENDING:
-            return PrefixHit(0, NO_HIT.block_ids, 0, True)
+        if slots.kind[slot] == SlotKind.PENDING:  # num_tokens says which state is being written
+            return PrefixHit(count * unit, NO_HIT.block_ids, 0, True)
         return PrefixHit(count * unit, _block_ids(blocks, hashes[:count]), slot, False)
     return NO_HIT
 

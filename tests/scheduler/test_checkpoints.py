@@ -247,3 +247,18 @@ def test_the_producer_wait_shortcut_agrees_on_simulator_workloads(monkeypatch, b
     args = parse_args(["--token-budget", str(budget), "--checkpoint-fraction", "0.6"])
     report = run_seed(config_from(args), Workload(steps=150, checkpoint_fraction=0.6), seed=seed)
     assert report.ok, report.summary()
+
+
+@pytest.mark.parametrize("k, drop", [(0, False), (2, True)])
+def test_a_consumer_pairs_even_when_the_checkpoint_prefix_kv_is_cached(k, drop):
+    """Finding 2: the producer's own pending checkpoint state, reached through cached KV blocks, used to
+    defer its consumer by a step instead of pairing it."""
+    driver = _driver(mamba_block_size=64, num_spec_tokens=k, eagle_block_drop=drop)
+    driver.add(request("U", [10] * 48 + [30] * 12))
+    driver.drain("U caches the KV of [10] * 48")
+    driver.add(request("P", [10] * 100, checkpoint=48))
+    driver.add(request("C", [10] * 48 + [20] * 50, checkpoint=48))
+    plan = driver.step()
+    assert driver.chunks(plan) == {"P": (0, 48), "C": (48, 98)} and plan.num_pair_copies == 1
+    assert list(plan.phase[:2]) == [1, 2]
+    driver.drain("P and C")
