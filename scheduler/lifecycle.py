@@ -47,6 +47,7 @@ class StateEdit:
         self.running = list(data.running)
         self._running_rows, self._rows_valid = data.running_rows, len(data.running)  # a valid prefix
         self.materializations = data.materializations
+        self.aborting = data.aborting
         self.in_flight = data.in_flight
         self.step = data.step
 
@@ -105,6 +106,7 @@ class StateEdit:
         data.waiting, data.running, data.running_rows = tuple(self.waiting), tuple(self.running), self.running_rows()
         data.claims, data.materializations, data.in_flight, data.step = (self.claims, self.materializations,
                                                                          self.in_flight, self.step)
+        data.aborting = self.aborting
         data.generation += 1
         return SchedulerState(data)
 
@@ -167,10 +169,18 @@ def _validate_checkpoint(request: Request, unit: int) -> None:
 
 
 def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
-    """Remove a request and free what it holds; raises KeyError (state unchanged) if unknown."""
+    """Remove a request and free what it holds; raises KeyError (state unchanged) if unknown.
+
+    A running request aborted while a step is in flight is released by that step's `update`: the step
+    still writes its KV blocks and states (a producer's checkpoint among them), which are published
+    then, and nothing it holds is reused before the step has run. It emits no more tokens."""
     if request_id not in state.requests:
         raise KeyError(f"abort_request: unknown request_id {request_id!r}")
     with StateEdit(state) as edit:
+        if request_id in edit.row_of and edit.in_flight is not None:
+            if request_id not in edit.aborting:
+                edit.aborting += (request_id,)
+            return edit.freeze()
         if request_id in edit.row_of:
             release_rows(edit, [request_id])
         else:

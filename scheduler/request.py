@@ -122,6 +122,16 @@ class StepOutputs:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StepOutputs) and list(self) == list(other)
 
+    def without(self, request_ids: set[str]) -> StepOutputs:
+        """These outputs less the entries of `request_ids`."""
+        keep = [i for i, rid in enumerate(self.request_ids) if rid not in request_ids]
+        if len(keep) == len(self.request_ids):
+            return self
+        arrays = (self.token_ids[keep], self.num_new_tokens[keep], self.finish_codes[keep])
+        for array in arrays:
+            array.setflags(write=False)
+        return StepOutputs(tuple(self.request_ids[i] for i in keep), *arrays)
+
     @property
     def finished_ids(self) -> list[str]:
         """Requests that ended in this step (their rows and memory are already released)."""

@@ -239,6 +239,7 @@ class StateData:
         self.logs = UndoMap()                # request id -> TokenLog
         self.parked_tokens = UndoMap()       # request id -> committed tokens of a request without a row
         self.materializations: tuple[Materialize, ...] = ()
+        self.aborting: tuple[str, ...] = ()  # running requests aborted while a step is in flight
         self.in_flight: InFlight | None = None
         self.step = 0                        # steps scheduled so far; also the LRU clock
         self.generation = 0

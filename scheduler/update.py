@@ -66,6 +66,8 @@ def update(state: SchedulerState, plan: BatchPlan, result: StepResult) -> tuple[
         if plan.num_rows > num_decode:
             outputs.append(_update_prefills(edit, plan, result, _live(edit, plan, num_decode, plan.num_rows)))
         outputs = _join(outputs, 1 + edit.cfg.num_spec_tokens)
+        if edit.aborting:
+            outputs = _release_aborted(edit, outputs)
         return edit.freeze(), outputs
 
 
@@ -201,6 +203,17 @@ def _finish_rows(edit: StateEdit, outputs: StepOutputs) -> None:
         release_rows(edit, finished)
         for rid in finished:
             forget(edit, rid)
+
+
+def _release_aborted(edit: StateEdit, outputs: StepOutputs) -> StepOutputs:
+    """Release the requests aborted while the step ran, now that it has: they emit nothing."""
+    gone = [rid for rid in edit.aborting if rid in edit.row_of]  # not those that finished in the step
+    if gone:
+        release_rows(edit, gone)
+        for rid in gone:
+            forget(edit, rid)
+    aborted, edit.aborting = set(edit.aborting), ()
+    return outputs.without(aborted)
 
 
 def _join(parts: list[StepOutputs], width: int) -> StepOutputs:

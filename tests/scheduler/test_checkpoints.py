@@ -6,12 +6,21 @@ import sys
 
 import pytest
 
-from scheduler import CheckpointMarkerError, abort_request, parse_checkpoint_marker, preempt_request
+from scheduler import (
+    CheckpointMarkerError,
+    abort_request,
+    add_request,
+    parse_checkpoint_marker,
+    preempt_request,
+    schedule,
+    update,
+)
 from scheduler.checkpoints import TRANSITIONS, CheckpointEvent, CheckpointStatus, advance
+from scheduler.invariants import check_drained
 from scheduler.simulate import config_from, parse_args
 from scheduler.simulator import Workload, run_seed
 from scheduler.slots import SlotKind
-from tests.scheduler.helpers import Driver, make_config, request
+from tests.scheduler.helpers import Driver, make_config, request, result_for
 
 MARKER = 99
 
@@ -262,3 +271,26 @@ def test_a_consumer_pairs_even_when_the_checkpoint_prefix_kv_is_cached(k, drop):
     assert driver.chunks(plan) == {"P": (0, 48), "C": (48, 98)} and plan.num_pair_copies == 1
     assert list(plan.phase[:2]) == [1, 2]
     driver.drain("P and C")
+
+
+def test_a_producer_aborted_in_flight_still_serves_its_consumers():
+    """Finding 5: P is aborted between `schedule` and `update` of the step that computes its checkpoint.
+    That step still runs: its KV blocks and checkpoint state are published once it completes, so the
+    consumers queued meanwhile hit at 48 instead of each recomputing the prefix."""
+    driver = _driver(mamba_block_size=64)
+    driver.add(request("P", [10] * 100, checkpoint=48))
+    state, plan = schedule(driver.state)
+    assert driver.chunks(plan) == {"P": (0, 48)}
+    for i in range(4):
+        state = add_request(state, request(f"C{i}", [10] * 48 + [20 + i] * 30, checkpoint=48))
+    state = abort_request(state, "P")
+    driver.device.run(state, plan)
+    driver.state, _ = update(state, plan, result_for(plan, 0))
+    computed = []
+    for _ in range(40):
+        if not driver.state.has_work():
+            break
+        plan = driver.step()
+        computed += [end - start for start, end in driver.chunks(plan).values() if end - start > 1]
+    assert not driver.state.has_work() and sum(computed) == 4 * 30, computed
+    assert check_drained(driver.state) == []
