@@ -52,6 +52,7 @@ def _blocks(state: SchedulerState) -> list[str]:
 def _slots(state: SchedulerState) -> list[str]:
     rows, pool, errors = state.rows, state.slots, []
     running = [int(rows.running_slot[row]) for row in _live_rows(state)]
+    running += [m.running_slot for m in state.materializations if m.released]  # held until materialised
     if len(set(running)) != len(running) or NULL_SLOT in running:
         errors.append(f"running slots {running} repeat or use the null slot")
     kinds = pool.kind

@@ -221,13 +221,16 @@ def release_rows(edit: StateEdit, request_ids: list[str]) -> None:
     table = rows.block_table
     held = [table[row, :count][::-1] for row, count in zip(row_ids.tolist(), cols[NUM_BLOCKS].tolist(), strict=True)]
     edit.blocks.release(np.concatenate(held), distinct=len(held) == 1)  # requests may share prefix blocks
-    for slot in cols[RUNNING_SLOT].tolist():
-        if slot != NULL_SLOT:
-            edit.slots.release(slot)
     gone = set(request_ids)
+    # a boundary crossed in a request's last step is still materialised: its running slot stays with the
+    # ask until the next step has read it
+    edit.materializations = tuple(m._replace(released=True) if m.request_id in gone else m
+                                  for m in edit.materializations)
+    kept = {m.running_slot for m in edit.materializations if m.released}
+    for slot in cols[RUNNING_SLOT].tolist():
+        if slot != NULL_SLOT and slot not in kept:
+            edit.slots.release(slot)
     release_claims(edit, gone)
-    # their running slots (the materialisation sources) are gone: drop the asks
-    edit.materializations = tuple(m for m in edit.materializations if m.request_id not in gone)
     for request_id, num_tokens in zip(request_ids, cols[NUM_TOKENS].tolist(), strict=True):
         edit.parked[request_id] = num_tokens
     edit.remove_running(request_ids)

@@ -95,19 +95,23 @@ def _issue_materializations(p: Pass) -> None:
     applied before this step's layers (so before its flush changes S0)."""
     edit, asks = p.edit, p.edit.materializations
     edit.materializations = ()
-    rows = [edit.row_of.get(m.request_id) for m in asks]
-    asks = [m for m, row in zip(asks, rows, strict=True) if row is not None]  # finished or preempted: dropped
     if not asks:
         return
-    running_slots = edit.rows.running_slot[[row for row in rows if row is not None]].tolist()
+    rows = [edit.row_of.get(m.request_id) for m in asks]
+    # the slot a running request reads from now (a preempted and readmitted one has another)
+    slots = edit.rows.running_slot[[0 if row is None else row for row in rows]].tolist()
     cached, wanted = edit.slots.hash_to_slot.data(), {}
-    for m, slot in zip(asks, running_slots, strict=True):  # caching is best effort: skip what is cached
-        if slot == m.running_slot and m.key not in cached and m.key not in wanted:
+    for m, row, slot in zip(asks, rows, slots, strict=True):  # caching is best effort: skip what is cached
+        valid = m.released or (row is not None and slot == m.running_slot)
+        if valid and m.key not in cached and m.key not in wanted:
             wanted[m.key] = m
-    asks = list(wanted.values())[:edit.slots.num_available()]
-    dsts = edit.slots.allocate_many(SlotKind.PENDING, len(asks), [m.key for m in asks])
-    p.materializes += [(m.running_slot, dst, m.ring_start, m.count) for m, dst in zip(asks, dsts, strict=True)]
+    chosen = list(wanted.values())[:edit.slots.num_available()]
+    dsts = edit.slots.allocate_many(SlotKind.PENDING, len(chosen), [m.key for m in chosen])
+    p.materializes += [(m.running_slot, dst, m.ring_start, m.count) for m, dst in zip(chosen, dsts, strict=True)]
     p.ready_slots += dsts
+    for m in asks:  # materialise reads them first thing in the step, before anything can write them
+        if m.released:
+            edit.slots.release(m.running_slot)
 
 
 def _schedule_running_prefills(p: Pass) -> None:

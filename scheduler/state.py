@@ -215,6 +215,7 @@ class Materialize(NamedTuple):
     key: bytes
     ring_start: int
     count: int
+    released: bool = False  # the request is gone; its running slot is kept for this read alone
 
 
 class StaleStateError(RuntimeError):
@@ -252,7 +253,8 @@ class StateData:
                               request_id)
 
     def has_work(self) -> bool:
-        return bool(self.requests)
+        """Requests to serve, or a finished one's boundary state still to materialise."""
+        return bool(self.requests or self.materializations)
 
 
 class SchedulerState:

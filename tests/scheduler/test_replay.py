@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from scheduler.invariants import check_drained
 from scheduler.replay import commit, crossed_boundary, flush_flags, materialize_count, ring_rows
 from scheduler.slots import SlotKind
 from tests.scheduler.helpers import Driver, make_config, request
@@ -83,3 +84,19 @@ def test_decode_crossing_a_boundary_materialises_it_next_step_and_it_gets_hit():
     driver.add(request("b", history[:40]))
     plan = driver.step()
     assert plan.context_lens[0] == 32 and plan.num_hit_copies == 1  # checked against I1 by the fake device
+
+
+@pytest.mark.parametrize("k, prompt, max_tokens", [(3, 30, 5), (0, 31, 2)])
+def test_a_boundary_crossed_in_a_requests_last_step_is_materialised(k, prompt, max_tokens):
+    """Finding 3: the verify step that finishes A crosses 32; its state used to be dropped with the row."""
+    driver = Driver(make_config(num_spec_tokens=k, mamba_block_size=32, eagle_block_drop=False))
+    tokens = list(range(5, 5 + prompt))
+    driver.add(request("a", tokens, max_tokens=max_tokens))
+    driver.drain("a finishes in the step that crosses 32", accepted=k)
+    history = tokens + [t for o in driver.outputs for t in o.new_token_ids]
+    assert len(history) >= 34 - (k == 0)
+    driver.add(request("b", history[:34] + [1, 2]))
+    plan = driver.step()
+    assert plan.context_lens[0] == 32 and plan.num_hit_copies == 1  # checked against I1 by the fake device
+    driver.drain("b")
+    assert check_drained(driver.state) == []
