@@ -11,14 +11,13 @@ import numpy as np
 
 from scheduler.checkpoints import CheckpointEvent, CheckpointStatus, advance
 from scheduler.config import SchedulerConfig
-from scheduler.history import park_tails
+from scheduler.history import park_tails, unit_keys
 from scheduler.journal import frozen
 from scheduler.prefix_cache import root_hash
 from scheduler.request import Request, is_int
 from scheduler.slots import NULL_SLOT
 from scheduler.state import (
     NUM_BLOCKS,
-    NUM_COMPUTED,
     NUM_TOKENS,
     RUNNING_SLOT,
     SchedulerState,
@@ -212,10 +211,6 @@ def release_rows(edit: StateEdit, request_ids: list[str]) -> None:
     row_ids = np.fromiter(map(edit.row_of.pop, request_ids), np.int64, len(request_ids))
     cols = rows.ints.take(row_ids, axis=1)
     park_tails(edit.writable_log, rows, request_ids, row_ids, cfg.log_unit, cfg.hash_unit)
-    # decode publishes full blocks once per log block (update.py); cache the rest before letting go
-    computed = np.minimum(cols[NUM_COMPUTED], cols[NUM_TOKENS])
-    register_blocks(edit, list(zip(request_ids, row_ids.tolist(), log_block_first_block(cfg, computed).tolist(),
-                                   (computed // cfg.hash_unit).tolist(), strict=True)))
     # each request's blocks tail first, so that its tail is evicted before its head (as vLLM does): a
     # head keeps serving prefix hits on its own, a tail without its head is never hit again
     table = rows.block_table
@@ -242,18 +237,12 @@ def max_len(cfg: SchedulerConfig, request: Request) -> int:
     return min(request.num_prompt_tokens + request.sampling_params.max_tokens, cfg.max_model_len)
 
 
-def log_block_first_block(cfg: SchedulerConfig, num_tokens):
-    """The first KV block of the log block that holds token `num_tokens` (int or array): decode
-    publishes KV blocks once per log block, so blocks from here on may still be unpublished."""
-    return num_tokens // cfg.log_unit * cfg.log_unit // cfg.hash_unit
-
-
 def register_blocks(edit: StateEdit, spans: list[tuple[str, int, int, int]]) -> None:
     """Publish the KV blocks [first, last) of each (request, row, first, last) under their chained
-    hashes; every one of them must be full and computed by a step that has run."""
-    table, keys, blocks = edit.rows.block_table, [], []
+    keys; every one of them must be full and computed by a step that has run."""
+    table, keys, blocks, cfg = edit.rows.block_table, [], [], edit.cfg
     for request_id, row, first, last in spans:
-        keys += edit.logs[request_id].hashes[first:last]
+        keys += unit_keys(edit.logs[request_id], edit.rows, row, first, last, cfg.log_unit, cfg.hash_unit)
         blocks.append(table[row, first:last])
     if keys:
         edit.blocks.register(np.concatenate(blocks), keys)

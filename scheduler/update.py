@@ -2,14 +2,14 @@
 
 Order: first the step's commitments become visible (PENDING cache slots -> CACHED, UNREADY
 checkpoints -> READY), then verify/decode rows are committed vectorised (accepted drafts plus the
-bonus token; rejected drafts are a ReplaySSM cursor move), then prefill rows. Newly full KV blocks
-are published under their chained hash here, after the step that wrote them has run (decode rows
-once per Mamba block, see `_publish_crossed_blocks`). A verify row whose accepted tokens cross a
-Mamba block boundary asks the next `schedule` to materialise that boundary's state. Rows of requests
-aborted while the step was in flight are ignored.
+bonus token; rejected drafts are a ReplaySSM cursor move), then prefill rows. KV blocks are
+published under their chained keys as soon as they are full and the step that wrote them has run
+(`_publish_crossed_blocks`). A verify row whose accepted tokens cross a Mamba block boundary asks
+the next `schedule` to materialise that boundary's state. Requests aborted while the step was in
+flight are released last, after their computed blocks and states are published, and emit nothing.
 Per-row work is vectorised over the step's rows: the outputs are one `StepOutputs` of arrays and new
-tokens go to the row tails (history.py), so Python loops run only over the rows that finish or cross
-a Mamba block boundary (with k = 3 and 256-token blocks, ~1 row in 100).
+tokens go to the row tails (history.py), so Python loops run only over the rows that finish or fill
+a KV block (with k = 3 and 16-token blocks, ~1 row in 4).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 from scheduler.checkpoints import CheckpointEvent, advance
 from scheduler.history import append_tokens
 from scheduler.journal import frozen
-from scheduler.lifecycle import StateEdit, forget, log_block_first_block, register_blocks, release_rows
+from scheduler.lifecycle import StateEdit, forget, register_blocks, release_rows
 from scheduler.plan import BatchPlan, RowKind, StepResult, check_step_result
 from scheduler.replay import commit, crossed_boundary, materialize_count, ring_rows
 from scheduler.request import StepOutputs
@@ -165,21 +165,22 @@ def _cut(edit: StateEdit, live: _Live, before: np.ndarray, max_len: np.ndarray, 
 
 def _publish_crossed_blocks(edit: StateEdit, live: _Live, before: np.ndarray, after: np.ndarray,
                             num_tokens: np.ndarray) -> None:
-    """Rows whose computed tokens crossed a log (= Mamba) block boundary publish that block's KV
-    blocks and, in align mode, ask for the boundary state. Publishing KV blocks once per log block
-    instead of once per KV block loses no hit: a hit needs a cached state, and states are cached
-    only at these boundaries (release_rows publishes the rest when the request ends)."""
-    row_ids, cfg = live.rows, edit.cfg
-    boundary = crossed_boundary(before, after, cfg.log_unit)
-    # a row cut by a stop token may have computed past its last token: it ends now, release_rows publishes
-    crossed = ((boundary > 0) & (boundary <= num_tokens)).nonzero()[0]
-    if not crossed.size:
+    """Rows whose computed and committed tokens filled KV blocks publish them at once, as vLLM does: a
+    request sharing the prefix may need them next step (under block drop a hit at a Mamba boundary
+    needs the KV block after it). Rows that crossed a Mamba block boundary ask, in align mode, for
+    the boundary state. A row cut by a stop token may have computed past its last token: it ends
+    now, and release_rows publishes what it committed."""
+    row_ids, unit = live.rows, edit.cfg.hash_unit
+    first, last = before // unit, np.minimum(after, num_tokens) // unit
+    filled = (last > first).nonzero()[0]
+    if not filled.size:
         return
-    first = log_block_first_block(cfg, before[crossed])
-    register_blocks(edit, list(zip([live.rids[j] for j in crossed.tolist()], row_ids[crossed].tolist(),
-                                   first.tolist(), (boundary[crossed] // cfg.hash_unit).tolist(), strict=True)))
-    if cfg.align:
-        _ask_materializations(edit, live, crossed, boundary[crossed])
+    register_blocks(edit, list(zip([live.rids[j] for j in filled.tolist()], row_ids[filled].tolist(),
+                                   first[filled].tolist(), last[filled].tolist(), strict=True)))
+    boundary = crossed_boundary(before[filled], after[filled], edit.cfg.log_unit)
+    crossed = ((boundary > 0) & (boundary <= num_tokens[filled])).nonzero()[0]
+    if edit.cfg.align and crossed.size:
+        _ask_materializations(edit, live, filled[crossed], boundary[crossed])
 
 
 def _ask_materializations(edit: StateEdit, live: _Live, crossed: np.ndarray, boundary: np.ndarray) -> None:

@@ -100,3 +100,15 @@ def test_a_boundary_crossed_in_a_requests_last_step_is_materialised(k, prompt, m
     assert plan.context_lens[0] == 32 and plan.num_hit_copies == 1  # checked against I1 by the fake device
     driver.drain("b")
     assert check_drained(driver.state) == []
+
+
+def test_a_full_kv_block_is_published_as_soon_as_decode_fills_it():
+    """Finding 4: decode used to publish KV blocks once per Mamba block, so with block drop B (sharing A's
+    first 88 tokens) could not reach A's state at 64: the block [64, 80) it needs was not yet published."""
+    driver = Driver(make_config(num_spec_tokens=3, block_size=16, mamba_block_size=64))
+    driver.add(request("a", range(1, 61), max_tokens=60))
+    driver.run_until(lambda _: driver.state.num_tokens("a") >= 92, "a decodes past 92", accepted=3)
+    driver.add(request("b", driver.state.token_ids("a")[:88] + [1, 2, 3, 4, 5]))
+    plan = driver.step(accepted=3)
+    row = plan.request_ids.index("b")
+    assert plan.context_lens[row] == 64 and plan.num_hit_copies == 1
