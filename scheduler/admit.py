@@ -10,17 +10,20 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
+import numpy as np
+
 from scheduler.checkpoints import CheckpointEvent, CheckpointStatus, Claim, advance, checkpoint_status
 from scheduler.history import start_tail
 from scheduler.journal import frozen
-from scheduler.lifecycle import StateEdit, free_row, max_len
-from scheduler.pass_state import Pass, append_blocks, emit_prefill
+from scheduler.lifecycle import StateEdit, free_row, logits_from, max_len
+from scheduler.pass_state import Pass, append_blocks, chunk_limits, emit_prefill
 from scheduler.prefix_cache import NO_HIT, PrefixHit, cached_units, checkpoint_hit, find_hit
 from scheduler.slots import SlotKind
 from scheduler.split import SplitInput, split_chunk
 from scheduler.state import (
     CHECKPOINT,
     EOS,
+    LOGITS_FROM,
     MAX_LEN,
     NUM_BLOCKS,
     NUM_COMPUTED,
@@ -69,7 +72,8 @@ def _admit_one(p: Pass, rid: str) -> Verdict:
     checkpoint = request.checkpoint_position if plan.role is Role.PRODUCER else None
     cfg = p.edit.cfg
     marked = cfg.align and request.checkpoint_position is not None
-    n = split_chunk(SplitInput(start, p.budget, prefill_end, cfg.mamba_block_size, cfg.max_num_batched_tokens,
+    budget, max_chunk = chunk_limits(p, logits_from(request, prefill_end), start)
+    n = split_chunk(SplitInput(start, budget, prefill_end, cfg.mamba_block_size, max_chunk,
                                cfg.num_lookahead, cfg.eagle_block_drop, checkpoint, cfg.align, marked))
     if n == 0 or not _fits(p, plan, start + n):
         return Verdict.STOP
@@ -88,7 +92,8 @@ def _plan_admission(p: Pass, rid: str) -> Admission | None:
     if c is not None and _waits_for_producer(edit, rid, c // unit):
         return None  # consumer waits for READY without blocking anyone else
     hashes = edit.hashes(rid)
-    num_cached = cached_units(edit.blocks, hashes, edit.num_tokens(rid), unit)
+    # a hit stops at the first position that asks for a logit, keeping at least one token to compute
+    num_cached = cached_units(edit.blocks, hashes, logits_from(edit.requests[rid], edit.num_tokens(rid)) + 1, unit)
     hit = find_hit(edit.blocks, edit.slots, hashes, num_cached, unit, edit.cfg.eagle_block_drop)
     if hit.deferred and hit.num_tokens == c:  # the state being written is our checkpoint: pair with it
         return _checkpoint_role(p, hashes, c, NO_HIT, num_cached)
@@ -161,7 +166,7 @@ def _commit(p: Pass, rid: str, plan: Admission, prefill_end: int) -> int:
 
 
 _ADMISSION_COLUMNS = [NUM_COMPUTED, NUM_BLOCKS, NUM_TOKENS, PREFILL_END, NUM_PROMPT, MAX_LEN, CHECKPOINT, EOS,
-                      RUNNING_SLOT]
+                      RUNNING_SLOT, LOGITS_FROM]
 
 
 def _claim_row(p: Pass, rid: str, hit: PrefixHit, prefill_end: int, slot: int) -> int:
@@ -171,7 +176,9 @@ def _claim_row(p: Pass, rid: str, hit: PrefixHit, prefill_end: int, slot: int) -
     eos = -1 if params.stopping_eos is None else params.stopping_eos
     checkpoint = (request.checkpoint_position or 0) if cfg.align else 0
     rows.ints[_ADMISSION_COLUMNS, row] = (hit.num_tokens, len(hit.block_ids), prefill_end, prefill_end, num_prompt,
-                                          max_len(cfg, request), checkpoint, eos, slot)
+                                          max_len(cfg, request), checkpoint, eos, slot,
+                                          logits_from(request, prefill_end))
+    rows.data[row] = np.frombuffer(request.row_data, np.uint8)
     rows.active[row] = True
     rows.has_stop[row] = bool(params.stop_token_ids)
     start_tail(edit.logs[rid], rows, row, prefill_end, cfg.log_unit)

@@ -34,7 +34,7 @@ class PrefillRow(NamedTuple):
     request_id: str
     start: int
     token_ids: np.ndarray      # [n] int32
-    samples: bool              # the chunk ends the prefill: one logit at its last token
+    num_logits: int            # logits at the chunk's last tokens: 1 if it ends the prefill, more for prompt logprobs
     phase: int
     has_initial_state: bool
     state_slot: int
@@ -57,29 +57,32 @@ _COPY_FIELDS = ("hit_copy_src", "hit_copy_dst", "pair_copy_src", "pair_copy_dst"
 
 
 def assemble(cfg: SchedulerConfig, step_id: int, decode: DecodeBatch, prefills: list[PrefillRow],
-             copies: Copies, block_table: np.ndarray, num_blocks: np.ndarray) -> BatchPlan:
+             copies: Copies, block_table: np.ndarray, num_blocks: np.ndarray, row_data: np.ndarray) -> BatchPlan:
     """Build the padded plan; decode rows come first, then prefill rows in scheduling order.
-    `block_table` / `num_blocks` are the state's columns, already grown for this step."""
+    `block_table` / `num_blocks` / `row_data` are the state's, block tables already grown for this step."""
     n, q = len(decode.rows), 1 + cfg.num_spec_tokens
-    row_ids = np.concatenate([decode.rows, [p.row for p in prefills]]) if prefills else decode.rows
+    row_ids = np.concatenate([decode.rows, [p.row for p in prefills]]).astype(np.int64)  # owned, not a view
     rows_b = pick_bucket(cfg.row_buckets, max(len(row_ids), *map(len, copies)))
     ints = np.zeros((len(_ROW_FIELDS) + len(_COPY_FIELDS), rows_b), np.int32)
     ints[:2, :n] = q
     ints[2:6, :n] = decode.cols[_FROM_COLUMNS]
     if prefills:
         ints[[0, 1, 2, 3, 6], n:len(row_ids)] = np.array(
-            [(len(p.token_ids), p.samples, p.start, p.state_slot, len(p.lookahead)) for p in prefills]).T
+            [(len(p.token_ids), p.num_logits, p.start, p.state_slot, len(p.lookahead)) for p in prefills]).T
     _fill_copies(ints[len(_ROW_FIELDS):], copies)
     cu_seqlens = np.zeros(rows_b + 1, np.int32)
     ints[0].cumsum(out=cu_seqlens[1:])
     tokens = _token_fields(cfg, decode, prefills, row_ids, cu_seqlens, block_table)
     table = _block_table(cfg, row_ids, block_table, num_blocks, rows_b)
     fields = dict(zip(_ROW_FIELDS + _COPY_FIELDS, frozen(ints), strict=True))  # views of a frozen buffer
+    data = np.zeros((rows_b, row_data.shape[1]), np.uint8)
+    data[:len(row_ids)] = row_data[row_ids]
     return BatchPlan(step_id=step_id, num_rows=len(row_ids), num_tokens=int(cu_seqlens[len(row_ids)]),
                      request_ids=tuple(decode.request_ids) + tuple(p.request_id for p in prefills),
                      row_ids=frozen(row_ids), cu_seqlens=frozen(cu_seqlens), block_table=frozen(table),
-                     **_row_flags(cfg, decode, prefills, rows_b), **tokens,
-                     **_sampling_fields(cfg, decode, prefills, cu_seqlens), **fields,
+                     row_data=frozen(data), **_row_flags(cfg, decode, prefills, rows_b), **tokens,
+                     **_logits_fields(cfg, ints[1], cu_seqlens), **_draft_fields(cfg, decode, prefills, rows_b),
+                     **fields,
                      **{f"num_{name}": len(c) for name, c in zip(
                          ("hit_copies", "pair_copies", "publishes", "materializations"), copies, strict=True)})
 
@@ -152,17 +155,23 @@ def _kv_write_slots(block_table: np.ndarray, rows: np.ndarray, positions: np.nda
     return block_table.take(rows * block_table.shape[1] + block) * size + offset
 
 
-def _sampling_fields(cfg: SchedulerConfig, decode: DecodeBatch, prefills: list[PrefillRow],
-                     cu_seqlens: np.ndarray) -> dict:
+def _logits_fields(cfg: SchedulerConfig, num_logits: np.ndarray, cu_seqlens: np.ndarray) -> dict:
+    """Row r asks for the logits of its last num_logits[r] tokens: entries cu_logits[r]..cu_logits[r+1]
+    of the flat, bucket-padded `logits_indices` (packed token indices)."""
+    cu_logits = np.zeros(len(num_logits) + 1, np.int32)
+    num_logits.cumsum(out=cu_logits[1:])
+    total = int(cu_logits[-1])
+    owner = np.repeat(np.arange(len(num_logits), dtype=np.int32) + 1, num_logits)  # row r + 1 of each logit
+    indices = np.zeros(pick_bucket(cfg.logits_buckets, total), np.int32)
+    indices[:total] = cu_seqlens[owner] - cu_logits[owner] + np.arange(total, dtype=np.int32)
+    return dict(logits_indices=frozen(indices), cu_logits=frozen(cu_logits))
+
+
+def _draft_fields(cfg: SchedulerConfig, decode: DecodeBatch, prefills: list[PrefillRow], rows_b: int) -> dict:
     k, n = cfg.num_spec_tokens, len(decode.rows)
-    rows_b = len(cu_seqlens) - 1
-    logits = np.zeros((rows_b, 1 + k), np.int32)
-    logits[:n] = np.arange(n * (1 + k), dtype=np.int32).reshape(n, 1 + k)  # decode rows are packed first
     drafts = np.zeros((rows_b, k), np.int32)
     drafts[:n] = decode.drafts
     lookahead = np.zeros((rows_b, max(cfg.num_lookahead, 1)), np.int32)
     for i, p in enumerate(prefills, start=n):
-        if p.samples:
-            logits[i, 0] = cu_seqlens[i + 1] - 1
         lookahead[i, :len(p.lookahead)] = p.lookahead
-    return dict(logits_indices=frozen(logits), draft_token_ids=frozen(drafts), lookahead_token_ids=frozen(lookahead))
+    return dict(draft_token_ids=frozen(drafts), lookahead_token_ids=frozen(lookahead))

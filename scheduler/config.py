@@ -36,6 +36,11 @@ class SchedulerConfig:
             row in the step, padded); `()` picks powers of two from 8, capped at the most blocks one
             request can hold.
         vocab_size: token ids of a request must lie in [0, vocab_size); None skips the check.
+        max_num_logits: most logits one step asks for (each belongs to a token, so at most
+            max_num_batched_tokens, the default); prompt-logprob chunks are cut to fit.
+        logits_buckets: allowed padded sizes of a BatchPlan's `logits_indices`; `()` picks powers of two.
+        row_data_bytes: size of each request's opaque per-row record (`Request.row_data`: its sampling
+            settings, packed by the engine), handed to the device as `BatchPlan.row_data`.
     """
 
     block_size: int = 16
@@ -54,6 +59,9 @@ class SchedulerConfig:
     row_buckets: tuple[int, ...] = field(default=())
     block_table_buckets: tuple[int, ...] = field(default=())
     vocab_size: int | None = None
+    max_num_logits: int | None = None
+    logits_buckets: tuple[int, ...] = field(default=())
+    row_data_bytes: int = 0
 
     def __post_init__(self) -> None:
         _resolve_defaults(self)
@@ -87,6 +95,10 @@ def _resolve_defaults(cfg: SchedulerConfig) -> None:
         object.__setattr__(cfg, "eagle_block_drop", cfg.num_spec_tokens > 0)
     if not cfg.token_buckets:
         object.__setattr__(cfg, "token_buckets", default_buckets(cfg.max_num_batched_tokens))
+    if cfg.max_num_logits is None:
+        object.__setattr__(cfg, "max_num_logits", cfg.max_num_batched_tokens)
+    if not cfg.logits_buckets:
+        object.__setattr__(cfg, "logits_buckets", default_buckets(cfg.max_num_logits))
     if not cfg.row_buckets:
         object.__setattr__(cfg, "row_buckets", default_buckets(cfg.max_num_seqs))
     if not cfg.block_table_buckets:
@@ -120,12 +132,17 @@ def _validate_sizes(cfg: SchedulerConfig) -> None:
     _require(cfg.ring_size >= 1 + cfg.num_spec_tokens, "ring_size",
              f"{cfg.ring_size} cannot hold one verify row of {1 + cfg.num_spec_tokens} tokens")
     _require(cfg.vocab_size is None or cfg.vocab_size >= 1, "vocab_size", f"must be >= 1, got {cfg.vocab_size}")
+    _require(1 + cfg.num_spec_tokens <= cfg.max_num_logits <= cfg.max_num_batched_tokens, "max_num_logits",
+             f"{cfg.max_num_logits} must hold one verify row of {1 + cfg.num_spec_tokens} logits and at most "
+             f"max_num_batched_tokens {cfg.max_num_batched_tokens}")
+    _require(cfg.row_data_bytes >= 0, "row_data_bytes", f"must be >= 0, got {cfg.row_data_bytes}")
     _require(cfg.max_num_batched_tokens >= 1 + cfg.num_spec_tokens, "max_num_batched_tokens",
              f"{cfg.max_num_batched_tokens} cannot hold one verify row of {1 + cfg.num_spec_tokens} tokens")
 
 
 def _validate_buckets(cfg: SchedulerConfig) -> None:
     for name, cap in (("token_buckets", cfg.max_num_batched_tokens), ("row_buckets", cfg.max_num_seqs),
+                      ("logits_buckets", cfg.max_num_logits),
                       ("block_table_buckets", cfg.max_blocks_per_request)):
         buckets = getattr(cfg, name)
         _require(list(buckets) == sorted(set(buckets)), name, f"must be strictly increasing, got {buckets}")

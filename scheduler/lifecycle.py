@@ -141,6 +141,7 @@ def _validate_request(state: SchedulerState, request: Request) -> None:
                          f"within max_model_len {cfg.max_model_len}")
     _validate_token_ids(request, cfg.vocab_size)
     _validate_checkpoint(request, cfg.hash_unit)
+    _validate_logits_and_row_data(request, cfg.row_data_bytes)
     if request.cache_salt is not None and not isinstance(request.cache_salt, str):
         raise ValueError(f"request {rid!r}: cache_salt must be a str or None, got {request.cache_salt!r}")
     need = -(-(max_len(cfg, request) + cfg.num_spec_tokens) // cfg.block_size)
@@ -158,6 +159,18 @@ def _validate_token_ids(request: Request, vocab_size: int | None) -> None:
     if tokens.min() < 0 or tokens.max() >= high:
         bad = int(tokens[(tokens < 0) | (tokens >= high)][0])
         raise ValueError(f"request {request.request_id!r}: token id {bad} is outside [0, {high})")
+
+
+def _validate_logits_and_row_data(request: Request, row_data_bytes: int) -> None:
+    f, c, rid = request.logits_from, request.checkpoint_position, request.request_id
+    if f is not None and (not is_int(f) or not 0 <= f < request.num_prompt_tokens):
+        raise ValueError(f"request {rid!r}: logits_from {f!r} must be an integer prompt position in "
+                         f"[0, {request.num_prompt_tokens})")
+    if f is not None and c is not None and c > f:
+        raise ValueError(f"request {rid!r}: checkpoint_position {c} lies past logits_from {f}: the checkpoint's "
+                         f"consumers could not compute the logits before it")
+    if not isinstance(request.row_data, bytes) or len(request.row_data) != row_data_bytes:
+        raise ValueError(f"request {rid!r}: row_data must be {row_data_bytes} bytes, got {request.row_data!r:.40}")
 
 
 def _validate_checkpoint(request: Request, unit: int) -> None:
@@ -230,6 +243,14 @@ def release_rows(edit: StateEdit, request_ids: list[str]) -> None:
         edit.parked[request_id] = num_tokens
     edit.remove_running(request_ids)
     rows.clear(row_ids)
+
+
+def logits_from(request: Request, prefill_end: int) -> int:
+    """The first prefill position that asks for a logit: the prompt-logprobs start, else only the
+    sampling position (also for a resumed request, whose prompt logits went out before preemption)."""
+    if request.logits_from is None or prefill_end > request.num_prompt_tokens:
+        return prefill_end - 1
+    return request.logits_from
 
 
 def max_len(cfg: SchedulerConfig, request: Request) -> int:

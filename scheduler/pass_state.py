@@ -14,6 +14,7 @@ class Pass:
     def __init__(self, edit: StateEdit) -> None:
         self.edit = edit
         self.budget = edit.cfg.max_num_batched_tokens
+        self.logits_budget = edit.cfg.max_num_logits  # >= budget unless the config caps the logits
         self.query_len = 1 + edit.cfg.num_spec_tokens
         self.prefills: list[PrefillRow] = []
         self.hit_copies: list[tuple[int, int]] = []
@@ -36,6 +37,15 @@ class Pass:
         if claim is None or claim.producer_id != rid or claim.status is not CheckpointStatus.PRODUCING:
             return None
         return int(self.edit.rows.checkpoint[row])
+
+
+def chunk_limits(p: Pass, logits_from: int, start: int) -> tuple[int, int]:
+    """(budget, max_chunk) of a prefill chunk from `start`: what this step and a whole step may give it.
+    Every position from `logits_from` on also takes a logit, so the logits budget bounds those too."""
+    free = max(logits_from - start, 0)
+    cfg = p.edit.cfg
+    return (min(p.budget, p.logits_budget + free),
+            min(cfg.max_num_batched_tokens, cfg.max_num_logits + free))
 
 
 def make_room(p: Pass, rid: str, row: int, end: int) -> bool:
@@ -63,13 +73,15 @@ def emit_prefill(p: Pass, rid: str, row: int, start: int, n: int) -> None:
     """Add the chunk [start, start + n) of `rid` to the plan, publishing its end state if cacheable."""
     edit, end = p.edit, start + n
     prefill_end = int(edit.rows.prefill_end[row])
+    num_logits = max(end - max(start, int(edit.rows.logits_from[row])), 0)
     phase = _publish_chunk_end(p, rid, row, end) if edit.cfg.align else 2
     log = edit.logs[rid]  # a prefill reads only tokens below prefill_end, all in the log
     samples = end == prefill_end
     lookahead = log.slice(end, end if samples else min(end + edit.cfg.num_lookahead, prefill_end))
-    p.prefills.append(PrefillRow(row, rid, start, log.slice(start, end), samples, phase, start > 0,
+    p.prefills.append(PrefillRow(row, rid, start, log.slice(start, end), num_logits, phase, start > 0,
                                  int(edit.rows.running_slot[row]), lookahead))
     p.budget -= n
+    p.logits_budget -= num_logits
     p.scheduled.add(rid)
 
 

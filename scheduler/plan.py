@@ -2,8 +2,8 @@
 
 Conventions used everywhere:
   * Shapes use T = token bucket, R = row bucket, B = block-table bucket (>= the most KV blocks of any
-    row in the step), K = num_spec_tokens, Lw = max(num_lookahead, 1); T, R and B are the static
-    shape of the step and come from the config's bucket ladders. Rows [0, num_rows) are real;
+    row in the step), L = logits bucket, K = num_spec_tokens, Lw = max(num_lookahead, 1), D =
+    row_data_bytes; T, R, B and L are the static shape of the step (the config's ladders). Rows [0, num_rows) are real;
     tokens [0, num_tokens) are real and packed row after row in `cu_seqlens` order. Everything past
     them is padding.
   * Padding rows have kind PADDING, zero lengths, state slot 0 (the null slot, all zeros and never
@@ -65,8 +65,12 @@ class BatchPlan(NamedTuple):
     slot_mapping: np.ndarray              # [T] int32 KV write slot block * block_size + offset; padding 0
     # sampling and drafts
     draft_token_ids: np.ndarray           # [R, K] int32 drafts being verified (also in token_ids); padding 0
-    logits_indices: np.ndarray            # [R, 1+K] int32 packed token index per logit; unused 0
-    num_logits: np.ndarray                # [R] int32: 0 (non-final prefill chunk), 1 (final chunk / decode), 1+K
+    num_logits: np.ndarray                # [R] int32 logits at the row's last tokens: 0 (non-final prefill chunk),
+                                          # 1 (final chunk / decode), 1+K (verify), more (prompt logprobs)
+    cu_logits: np.ndarray                 # [R+1] int32: row r's logits are entries cu_logits[r]..cu_logits[r+1]
+    logits_indices: np.ndarray            # [L] int32 packed token index of each logit; unused 0. A sampling
+                                          # row samples from its last logit(s): the last 1 (+K) of its entries
+    row_data: np.ndarray                  # [R, D] uint8 each row's opaque Request.row_data; padding 0
     lookahead_token_ids: np.ndarray       # [R, Lw] int32 the next known tokens after a prefill chunk; padding 0
     num_lookahead_tokens: np.ndarray      # [R] int32 valid entries of lookahead_token_ids
     # ReplaySSM trackers of verify/decode rows (prefill rows: 0, 0, False -> they reset the ring)
@@ -96,6 +100,10 @@ class BatchPlan(NamedTuple):
     @property
     def row_bucket(self) -> int:
         return int(self.row_kind.shape[0])
+
+    @property
+    def logits_bucket(self) -> int:
+        return int(self.logits_indices.shape[0])
 
     @property
     def block_table_bucket(self) -> int:

@@ -63,10 +63,10 @@ class PrefixHit(NamedTuple):
 NO_HIT = PrefixHit(0, frozen(np.zeros(0, np.int32)), 0, False)
 
 
-def cached_units(blocks: BlockPool, hashes: list[bytes], prefill_end: int, unit: int) -> int:
-    """Leading hash units of a request (known tokens end at `prefill_end`) whose KV blocks are cached,
-    keeping at least one token to compute."""
-    return blocks.cached_prefix_length(hashes, min(len(hashes), (prefill_end - 1) // unit))
+def cached_units(blocks: BlockPool, hashes: list[bytes], end: int, unit: int) -> int:
+    """Leading hash units of a request whose KV blocks are cached, all before position `end` - 1 (the
+    last known token, or the first that asks for a logit): at least that token is computed."""
+    return blocks.cached_prefix_length(hashes, min(len(hashes), (end - 1) // unit))
 
 
 def find_hit(blocks: BlockPool, slots: SlotPool, hashes: list[bytes], num_cached: int, unit: int,

@@ -17,9 +17,11 @@ def is_int(value) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Stop conditions the scheduler enforces (the runner does the sampling itself).
+    """Stop conditions the scheduler enforces (the runner does the sampling itself, from the settings
+    the engine packs into `Request.row_data`).
 
-    max_tokens: most output tokens. eos_token_id: stops generation unless ignore_eos.
+    max_tokens: most output tokens; 0 scores the prompt only (the request ends with its prefill).
+    eos_token_id: stops generation unless ignore_eos.
     stop_token_ids: further token ids that stop generation (the stop token is emitted).
     """
 
@@ -29,8 +31,8 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not is_int(self.max_tokens) or self.max_tokens < 0:
+            raise ValueError(f"SamplingParams.max_tokens must be an integer >= 0, got {self.max_tokens!r}")
         if self.eos_token_id is not None and (not is_int(self.eos_token_id) or self.eos_token_id < 0):
             raise ValueError(f"SamplingParams.eos_token_id must be an integer >= 0 or None, got {self.eos_token_id!r}")
         if not isinstance(self.stop_token_ids, tuple) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
@@ -58,6 +60,9 @@ class Request:
     checkpoint_position: the declared checkpoint `c` (a multiple of the hash unit, 0 < c < len), from
         `checkpoints.parse_checkpoint_marker`; None when the prompt had no marker.
     cache_salt: requests share cached prefixes only with requests of the same salt (a tenant's key).
+    logits_from: None, or the first prompt position whose logits the step hands out (prompt logprobs:
+        token i's needs position i - 1); prefix hits stop there, so a checkpoint must not lie past it.
+    row_data: the opaque per-row record (`SchedulerConfig.row_data_bytes` bytes) carried to the device.
     """
 
     request_id: str
@@ -65,6 +70,8 @@ class Request:
     sampling_params: SamplingParams = SamplingParams()
     checkpoint_position: int | None = None
     cache_salt: str | None = None
+    logits_from: int | None = None
+    row_data: bytes = b""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -98,7 +105,7 @@ class StepOutputs:
 
     request_ids: tuple[str, ...] [n] requests that gained tokens (rows aborted in flight are absent).
     token_ids: [n, 1+K] int32 read-only; entry i's new tokens are token_ids[i, :num_new_tokens[i]].
-    num_new_tokens: [n] int32 read-only, >= 1.
+    num_new_tokens: [n] int32 read-only, >= 1 (0 for a request with max_tokens = 0, ending with its prefill).
     finish_codes: [n] int8 read-only index into FINISH_REASONS; 0 while the request keeps running.
     Indexing or iterating builds the per-request `RequestOutput` views on demand: a step with 256
     decode rows costs a few array operations, not 256 Python objects, unless a caller asks for them.

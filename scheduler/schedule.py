@@ -21,7 +21,7 @@ import numpy as np
 from scheduler.admit import admit_waiting
 from scheduler.assemble import Copies, DecodeBatch, assemble
 from scheduler.lifecycle import StateEdit, preempt
-from scheduler.pass_state import Pass, emit_prefill, make_room
+from scheduler.pass_state import Pass, chunk_limits, emit_prefill, make_room
 from scheduler.plan import BatchPlan
 from scheduler.replay import flush_flags
 from scheduler.slots import SlotKind
@@ -42,14 +42,15 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, BatchPlan]:
         admit_waiting(p)
         edit.in_flight = InFlight(edit.step, tuple(p.ready_slots), tuple(p.checkpoint_keys))
         copies = Copies(p.hit_copies, p.pair_copies, p.publishes, p.materializes)
-        plan = assemble(edit.cfg, edit.step, decode, p.prefills, copies, edit.rows.block_table, edit.rows.num_blocks)
+        plan = assemble(edit.cfg, edit.step, decode, p.prefills, copies, edit.rows.block_table, edit.rows.num_blocks,
+                        edit.rows.data)
         return edit.freeze(), plan
 
 
 def _decode_rows(p: Pass) -> tuple[list[str], np.ndarray]:
     """Running requests past their prefill, oldest first, as many as the budget holds."""
     running, all_rows = p.edit.running, p.edit.running_rows()
-    index = p.edit.rows.prefill_done[all_rows].nonzero()[0][:p.budget // p.query_len]
+    index = p.edit.rows.prefill_done[all_rows].nonzero()[0][:min(p.budget, p.logits_budget) // p.query_len]
     if len(index) == len(running):
         return list(running), all_rows
     return list(map(running.__getitem__, index.tolist())), all_rows[index]
@@ -66,6 +67,7 @@ def _schedule_decodes(p: Pass) -> DecodeBatch:
         preempt(p.edit, p.edit.running[-1])  # the newest running request gives its memory back
     _grow_block_tables(p, row_ids, need, cols[NUM_BLOCKS])
     p.budget -= len(ids) * p.query_len
+    p.logits_budget -= len(ids) * p.query_len
     p.decode_ids = ids
     flush = flush_flags(cols[COMMITTED], p.query_len, p.edit.cfg.ring_size)
     return DecodeBatch(row_ids, ids, cols, rows.drafts[row_ids], flush)
@@ -130,8 +132,9 @@ def _schedule_running_prefills(p: Pass) -> None:
 
 def _split_input(p: Pass, rid: str, row: int, start: int) -> SplitInput:
     cfg = p.edit.cfg
-    return SplitInput(start=start, budget=p.budget, prefill_end=int(p.edit.rows.prefill_end[row]),
-                      bs=cfg.mamba_block_size, max_chunk=cfg.max_num_batched_tokens,
+    budget, max_chunk = chunk_limits(p, int(p.edit.rows.logits_from[row]), start)
+    return SplitInput(start=start, budget=budget, prefill_end=int(p.edit.rows.prefill_end[row]),
+                      bs=cfg.mamba_block_size, max_chunk=max_chunk,
                       lookahead=cfg.num_lookahead, block_drop=cfg.eagle_block_drop,
                       checkpoint=p.producer_checkpoint(rid, row), align=cfg.align,
                       marked=bool(p.edit.rows.checkpoint[row]))

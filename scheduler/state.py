@@ -45,28 +45,31 @@ INT_COLUMNS = (
     "last_token",     # the sampled token the next verify row starts with
     "checkpoint",     # declared checkpoint position, 0 if none
     "eos",            # eos token id that stops the request, -1 if none (or ignore_eos)
+    "logits_from",    # prefill positions from here on ask for logits (prefill_end - 1: sampling only)
 )
 BOOL_COLUMNS = ("active", "prefill_done", "has_stop")  # has_stop: extra stop_token_ids to check
 # row indices of the columns in `Rows.ints`, for hot paths that gather every column of many rows at once
 (NUM_COMPUTED, NUM_TOKENS, PREFILL_END, NUM_PROMPT, MAX_LEN, RUNNING_SLOT, RING_START, COMMITTED, NUM_BLOCKS,
- LAST_TOKEN, CHECKPOINT, EOS) = range(len(INT_COLUMNS))
+ LAST_TOKEN, CHECKPOINT, EOS, LOGITS_FROM) = range(len(INT_COLUMNS))
 
 
 class Rows:
     """The row table: INT_COLUMNS and BOOL_COLUMNS [S] (read as attributes, e.g. `rows.num_computed`,
     each a view of one row of the `ints` or `bools` buffer, so hot paths gather every column of many
-    rows in one call), drafts [S, K] int32, and two tables written through undo logs: block_table
+    rows in one call), drafts [S, K] int32, data [S, row_data_bytes] uint8 (each request's opaque
+    `row_data`), and two tables written through undo logs: block_table
     [S, B] int32 and tail [S, log_unit + K] int32 (tokens of the partial log block, history.py).
     `begin` keeps the small buffers to restore if the transition raises; the tables (up to ~0.5 MB
     each) keep undo logs instead, so a transition pays only for the entries it writes."""
 
-    __slots__ = ("ints", "bools", "drafts", "_tables", "_saved")
+    __slots__ = ("ints", "bools", "drafts", "data", "_tables", "_saved")
 
     def __init__(self, cfg: SchedulerConfig) -> None:
         size = cfg.max_num_seqs
         self.ints = np.zeros((len(INT_COLUMNS), size), np.int32)
         self.bools = np.zeros((len(BOOL_COLUMNS), size), bool)
         self.drafts = np.zeros((size, cfg.num_spec_tokens), np.int32)
+        self.data = np.zeros((size, cfg.row_data_bytes), np.uint8)
         self._tables = {"block_table": UndoArray(np.zeros((size, cfg.max_blocks_per_request), np.int32)),
                         "tail": UndoArray(np.zeros((size, cfg.log_unit + cfg.num_spec_tokens), np.int32))}
         self._saved = None
@@ -84,10 +87,10 @@ class Rows:
         return self._tables[name]
 
     def begin(self) -> None:
-        self._saved = (self.ints.copy(), self.bools.copy(), self.drafts.copy())
+        self._saved = (self.ints.copy(), self.bools.copy(), self.drafts.copy(), self.data.copy())
 
     def rollback(self) -> None:
-        self.ints, self.bools, self.drafts = self._saved
+        self.ints, self.bools, self.drafts, self.data = self._saved
         for table in self._tables.values():
             table.rollback()
 

@@ -114,7 +114,7 @@ def _update_prefills(edit: StateEdit, plan: BatchPlan, result: StepResult, live:
     rows = edit.rows
     before = rows.num_computed[live.rows]
     rows.num_computed[live.rows] += plan.query_lens[live.index]
-    sampling = _subset(live, plan.num_logits[live.index] > 0)  # the chunk ended the prefill
+    sampling = _subset(live, rows.num_computed[live.rows] == rows.prefill_end[live.rows])  # the prefill ended
     rows.prefill_done[sampling.rows] = True
     rows.last_token[sampling.rows] = result.sampled_token_ids[sampling.index, 0]
     rows.drafts[sampling.rows] = result.draft_token_ids[sampling.index]
