@@ -2,7 +2,8 @@
 
 Prints one summary line `finished=A/B stalls=N i1_violations=N leaks=N` and exits 1 on any stall,
 violation, leak or unfinished request. `--trace --prompt-len N` instead runs one request of N tokens
-and prints its chunk ends step by step.
+and prints its chunk ends step by step. `--record F` also writes every seed's event log to F;
+`--replay F` re-runs those logs and checks that every plan and output is bit-identical.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 import numpy as np
 
 from scheduler.config import SchedulerConfig
+from scheduler.events import load_logs, replay, save_logs
 from scheduler.lifecycle import add_request
 from scheduler.plan import StepResult
 from scheduler.request import Request, SamplingParams
@@ -40,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--abort-fraction", type=float, default=0.1)
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--prompt-len", type=int, default=49)
+    ap.add_argument("--record", metavar="FILE", help="write the event log of every seed (JSON lines)")
+    ap.add_argument("--replay", metavar="FILE", help="replay a recorded file; exit 1 unless bit-identical")
     ap.add_argument("-v", "--verbose", action="store_true", help="print the first problems found")
     return ap.parse_args(argv)
 
@@ -77,11 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from(args)
     if args.trace:
         return trace(cfg, args.prompt_len)
+    if args.replay:
+        problems = [f"log {i}: {p}" for i, log in enumerate(load_logs(args.replay)) for p in replay(log)]
+        print("\n".join(problems[:20]) or f"replayed {args.replay}: every plan and output bit-identical")
+        return 1 if problems else 0
     workload = Workload(steps=args.steps, checkpoint_fraction=args.checkpoint_fraction,
                         abort_fraction=args.abort_fraction)
-    total = Report()
+    total, logs = Report(), [] if args.record else None
     for seed in range(args.seeds):
-        total.add(run_seed(cfg, workload, seed))
+        total.add(run_seed(cfg, workload, seed, logs))
+    if args.record:
+        save_logs(logs, args.record)
     if args.verbose:
         print("\n".join(total.messages[:20]), file=sys.stderr)
         print(f"steps={total.steps} hits_checked={total.hits_checked} preemptions={total.preemptions}",

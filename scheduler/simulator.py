@@ -24,15 +24,13 @@ import numpy as np
 
 from scheduler.checkpoints import parse_checkpoint_marker
 from scheduler.config import SchedulerConfig
+from scheduler.events import EventLog
 from scheduler.fake_device import FakeDevice
 from scheduler.invariants import check_drained, check_invariants
-from scheduler.lifecycle import abort_request, add_request
 from scheduler.plan import BatchPlan, RowKind, StepResult
 from scheduler.replay import ring_rows
 from scheduler.request import Request, SamplingParams
-from scheduler.schedule import schedule
 from scheduler.state import SchedulerState, init_state
-from scheduler.update import update
 
 MARKER, EOS, VOCAB = 99_999, 2, 5_000
 DRAIN_LIMIT = 20_000
@@ -124,6 +122,7 @@ class Run:
         self.cfg, self.w, self.rng = cfg, w, random.Random(seed)
         self.np_rng = np.random.default_rng(seed)
         self.state = init_state(cfg)
+        self.log = EventLog(cfg)  # every transition goes through it, so a run can be replayed
         self.device = FakeDevice(cfg.num_state_slots, ring_rows(cfg.ring_size, cfg.num_spec_tokens))
         self.families = [_tokens(self.rng, self.rng.randrange(1, 3 * cfg.mamba_block_size)) for _ in range(3)]
         self.aborts: dict[int, list[str]] = {}
@@ -137,7 +136,7 @@ class Run:
         while self.rng.random() < rate:
             request = make_request(self.rng, self.cfg, self.w, self.families, f"r{self.next_id}")
             self.next_id += 1
-            self.state = add_request(self.state, request)
+            self.state = self.log.add_request(self.state, request)
             self.report.total += 1
             if self.rng.random() < self.w.abort_fraction:
                 self.aborts.setdefault(step + self.rng.randrange(0, 40), []).append(request.request_id)
@@ -145,14 +144,14 @@ class Run:
     def abort_due(self, step: int) -> None:
         for rid in self.aborts.pop(step, []):
             if rid in self.state.requests:
-                self.state = abort_request(self.state, rid)
+                self.state = self.log.abort_request(self.state, rid)
                 self.report.ended += 1
                 self.device.forget(rid)
 
     def step(self, step: int) -> None:
         self.abort_due(step)
         running = set(self.state.running)
-        self.state, plan = schedule(self.state)
+        self.state, plan = self.log.schedule(self.state)
         self.report.preemptions += len(running & set(self.state.waiting))
         self._check("schedule")
         self.report.stalls += self._note(count_stalls(self.state, plan))
@@ -161,7 +160,7 @@ class Run:
             self.abort_due(step + 1)  # some aborts land while the step is in flight
         result = fake_result(self.np_rng, plan, self.cfg.num_spec_tokens)
         history = {rid: self.state.token_ids(rid) for rid in plan.request_ids if rid in self.state.requests}
-        self.state, outputs = update(self.state, plan, result)
+        self.state, outputs = self.log.update(self.state, plan, result)
         self._check("update")
         for out in outputs:
             if out.finished:
@@ -178,7 +177,7 @@ class Run:
         prompt = (history[rid] + message)[:self.cfg.max_model_len - 2]
         request = Request(f"r{self.next_id}", tuple(prompt), SamplingParams(max_tokens=self.rng.randrange(1, 40)))
         self.next_id += 1
-        self.state = add_request(self.state, request)
+        self.state = self.log.add_request(self.state, request)
         self.report.total += 1
 
     def _check(self, where: str) -> None:
@@ -196,7 +195,8 @@ class Run:
         return self.report
 
 
-def run_seed(cfg: SchedulerConfig, w: Workload, seed: int) -> Report:
+def run_seed(cfg: SchedulerConfig, w: Workload, seed: int, logs: list[EventLog] | None = None) -> Report:
+    """Simulate one seed; its event log is appended to `logs` if given."""
     run = Run(cfg, w, seed)
     step = 0
     while step < w.steps or (run.state.has_work() and step < w.steps + DRAIN_LIMIT):
@@ -205,4 +205,6 @@ def run_seed(cfg: SchedulerConfig, w: Workload, seed: int) -> Report:
         run.step(step)
         step += 1
     run.report.steps = step
+    if logs is not None:
+        logs.append(run.log)
     return run.finish()

@@ -7,6 +7,7 @@ import gc
 import pytest
 
 from scheduler import simulate
+from scheduler.events import load_logs, replay
 from scheduler.simulator import Workload, run_seed
 
 SETTINGS = [  # (lookahead, block drop, token budget): L in {0..5}, drop on/off, half a block .. many blocks
@@ -63,3 +64,21 @@ def test_transitions_make_no_reference_cycles():
         gc.garbage.clear()
         gc.enable()
     assert cycles == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["--num-spec-tokens", "3", "--abort-fraction", "0.3", "--checkpoint-fraction", "0.5"],
+    ["--num-spec-tokens", "0", "--token-budget", "64", "--abort-fraction", "0.2"],
+    ["--num-blocks", "70", "--num-state-slots", "8", "--max-num-seqs", "8"],  # preemptions
+])
+def test_recorded_runs_replay_bit_for_bit_and_a_changed_log_is_caught(tmp_path, capsys, argv):
+    path = tmp_path / "run.jsonl"
+    assert simulate.main(argv + ["--seeds", "2", "--steps", "60", "--record", str(path)]) == 0
+    logs = load_logs(path)
+    kinds = {kind for log in logs for event in log.events for kind in event}
+    assert {"add", "schedule", "update"} <= kinds and ("abort" in kinds or "--num-blocks" in argv)
+    assert simulate.main(["--replay", str(path)]) == 0
+    assert "bit-identical" in capsys.readouterr().out
+    first = next(e["add"] for e in logs[0].events if "add" in e)
+    first["prompt_token_ids"][-1] = 3 + (first["prompt_token_ids"][-1] - 2) % 100  # one other prompt token
+    assert replay(logs[0]) and not replay(logs[1])

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from scheduler import RowKind, StepResult, abort_request, add_request, init_state, preempt_request, schedule, update
+from scheduler import RowKind, StepResult, init_state
+from scheduler.events import EventLog, replay
 from scheduler.fake_device import FakeDevice
 from scheduler.invariants import check_drained, check_invariants
 from scheduler.replay import ring_rows
@@ -28,6 +29,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.state = init_state(CFG)
+        self.log = EventLog(CFG)  # teardown replays it: the same plans and outputs, bit for bit
         self.device = FakeDevice(CFG.num_state_slots, ring_rows(CFG.ring_size, K))
         self.next_id = 0
 
@@ -37,23 +39,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         tokens = prefix[:cut] + tail
         checkpoint = 8 if marked and len(tokens) > 8 and cut >= 8 else None
         new = request(f"r{self.next_id}", tokens, max_tokens, checkpoint, eos_token_id=3)
-        self.state = add_request(self.state, new)
+        self.state = self.log.add_request(self.state, new)
         self.next_id += 1
 
     @precondition(lambda self: self.state.requests)
     @rule(data=st.data())
     def abort(self, data):
         rid = data.draw(st.sampled_from(sorted(self.state.requests)))
-        self.state = abort_request(self.state, rid)
+        self.state = self.log.abort_request(self.state, rid)
 
     @precondition(lambda self: self.state.running)
     @rule(data=st.data())
     def preempt(self, data):
-        self.state = preempt_request(self.state, data.draw(st.sampled_from(sorted(self.state.running))))
+        self.state = self.log.preempt_request(self.state, data.draw(st.sampled_from(sorted(self.state.running))))
 
     @rule(data=st.data())
     def step(self, data):
-        self.state, plan = schedule(self.state)
+        self.state, plan = self.log.schedule(self.state)
         assert check_invariants(self.state) == []
         self.device.run(self.state, plan)
         rows = plan.row_bucket
@@ -63,7 +65,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                            np.int32).reshape(rows, 1 + K)
         sampled[:, :K] = np.where(np.arange(K) < accepted[:, None], plan.draft_token_ids, sampled[:, :K])
         result = StepResult(sampled, accepted, np.full((rows, K), 5, np.int32))
-        self.state, _ = update(self.state, plan, result)
+        self.state, _ = self.log.update(self.state, plan, result)
 
     @invariant()
     def consistent(self):
@@ -74,12 +76,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(2000):
             if not self.state.has_work():
                 break
-            self.state, plan = schedule(self.state)
+            self.state, plan = self.log.schedule(self.state)
             self.device.run(self.state, plan)
-            self.state, _ = update(self.state, plan, result_for(plan, K, accepted=1, token=4))
+            self.state, _ = self.log.update(self.state, plan, result_for(plan, K, accepted=1, token=4))
         assert not self.device.errors, self.device.errors
         assert not self.state.has_work(), "requests never finished"
         assert check_drained(self.state) == []
+        assert replay(self.log) == []
 
 
 SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
