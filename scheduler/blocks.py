@@ -92,7 +92,7 @@ class BlockPool:
 
     def cached_prefix_length(self, hashes: list, limit: int) -> int:
         """Number of leading hashes (at most `limit`) whose blocks are in the prefix cache."""
-        return len(list(takewhile(self.hash_to_block.data().__contains__, islice(hashes, limit))))
+        return len(list(takewhile(self.hash_to_block.__contains__, islice(hashes, limit))))
 
     def num_free_after_taking(self, block_ids: np.ndarray) -> int:
         """Free blocks left if the cached `block_ids` (a prefix hit) get referenced."""
@@ -177,7 +177,7 @@ class BlockPool:
 
     def register(self, block_ids: np.ndarray | list[int], block_hashes: list) -> None:
         """Publish computed blocks under their chained hash keys (first writer wins on duplicates)."""
-        blocks, known = np.asarray(block_ids), self.hash_to_block.data().__contains__
+        blocks, known = np.asarray(block_ids), self.hash_to_block.__contains__
         unpublished = self.block_key[blocks] == None  # noqa: E711 - elementwise over an object array
         if unpublished.all() and not any(map(known, block_hashes)):  # the usual case: all of them are new
             keys, values = block_hashes, blocks.tolist()

@@ -40,7 +40,7 @@ def _blocks(state: SchedulerState) -> list[str]:
         errors.append("free queues differ from the unreferenced blocks")
     keys = pool.block_key
     published = {int(b): keys[b] for b in np.flatnonzero(keys != None)}  # noqa: E711 - elementwise
-    if {b: h for h, b in pool.hash_to_block.to_dict().items()} != published:
+    if {b: h for h, b in pool.hash_to_block.items()} != published:
         errors.append("KV hash maps are not inverse")
     if any(key is None for key in keys[pool.free_cached]):
         errors.append("a block in free_cached holds no hash")

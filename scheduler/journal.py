@@ -8,6 +8,7 @@ A step therefore costs O(entries it writes), never a copy of a table or of the p
 
 from __future__ import annotations
 
+import copy
 from typing import NamedTuple
 
 import numpy as np
@@ -34,85 +35,58 @@ class _Removed(NamedTuple):
     items: dict
 
 
-class UndoMap:
-    """A dict whose writes are undone by `rollback` until `commit`."""
+class UndoMap(dict):
+    """A dict whose writes are undone by `rollback` until `commit`; reads are the dict's own."""
 
-    __slots__ = ("_data", "_undo")
+    __slots__ = ("_undo",)
 
     def __init__(self, data: dict | None = None) -> None:
-        self._data, self._undo = dict(data or {}), []
-
-    def data(self) -> dict:
-        """The contents as a plain dict, for C-level lookups in bulk; read it, never write it."""
-        return self._data
-
-    def get(self, key, default=None):
-        return self._data.get(key, default)
-
-    def __contains__(self, key) -> bool:
-        return key in self._data
-
-    def __getitem__(self, key):
-        return self._data[key]
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __iter__(self):
-        return iter(list(self._data))
-
-    def keys(self) -> list:
-        return list(self._data)
-
-    def values(self) -> list:
-        return list(self._data.values())
-
-    def items(self) -> list:
-        return list(self._data.items())
-
-    def to_dict(self) -> dict:
-        return dict(self._data)
+        super().__init__(data or {})
+        self._undo = []
 
     def __setitem__(self, key, value) -> None:
-        self._undo.append((key, self._data.get(key, _MISSING)))
-        self._data[key] = value
+        self._undo.append((key, self.get(key, _MISSING)))
+        super().__setitem__(key, value)
 
     def insert_new(self, items: dict) -> None:
         """Write many absent keys (a prefill step publishes ~100 blocks at once): one undo entry."""
         self._undo.append(_Inserted(tuple(items)))
-        self._data.update(items)
+        self.update(items)
 
     def __delitem__(self, key) -> None:
         self.pop(key)
 
     def pop(self, key, default=_MISSING):
-        if default is not _MISSING and key not in self._data:
+        if default is not _MISSING and key not in self:
             return default
-        value = self._data.pop(key)
+        value = super().pop(key)
         self._undo.append((key, value))
         return value
 
     def remove_many(self, keys: list) -> None:
         """Remove many present keys (evicted prefix-cache blocks): one undo entry."""
-        data = self._data
-        self._undo.append(_Removed({key: data.pop(key) for key in keys}))
+        pop = super().pop
+        self._undo.append(_Removed({key: pop(key) for key in keys}))
 
     def rollback(self) -> None:
-        data = self._data
+        put, drop = super().__setitem__, super().__delitem__
         for entry in reversed(self._undo):
             if type(entry) is _Inserted:
                 for key in entry.keys:
-                    del data[key]
+                    drop(key)
             elif type(entry) is _Removed:
-                data.update(entry.items)
+                self.update(entry.items)
             elif entry[1] is _MISSING:
-                del data[entry[0]]
+                drop(entry[0])
             else:
-                data[entry[0]] = entry[1]
+                put(*entry)
         self._undo = []
 
     def commit(self) -> None:
         self._undo = []
+
+    def __deepcopy__(self, memo) -> UndoMap:  # a copy starts with no undo log
+        return UndoMap({copy.deepcopy(k, memo): copy.deepcopy(v, memo) for k, v in self.items()})
 
 
 class _Flat(NamedTuple):

@@ -82,7 +82,7 @@ class StateEdit:
         valid, total = self._rows_valid, len(self.running)
         if valid < total or len(self._running_rows) != total:
             # map over a bound C method, not a generator: a Python frame per request costs ~1 us
-            rest = np.fromiter(map(self.row_of.data().__getitem__, self.running[valid:]), np.int64, total - valid)
+            rest = np.fromiter(map(self.row_of.__getitem__, self.running[valid:]), np.int64, total - valid)
             self._running_rows = frozen(np.concatenate([self._running_rows[:valid], rest]))
             self._rows_valid = total
         return self._running_rows

@@ -75,7 +75,7 @@ def find_hit(blocks: BlockPool, slots: SlotPool, hashes: list[bytes], num_cached
     num_kv = max(num_cached - 1, 0) if block_drop else num_cached
     # states are cached at few of these positions (a long prompt has thousands): collect those in one
     # comprehension, then try them longest first
-    cached = [(count, slot) for count, slot in enumerate(map(slots.hash_to_slot.data().get, hashes[:num_kv]), 1)
+    cached = [(count, slot) for count, slot in enumerate(map(slots.hash_to_slot.get, hashes[:num_kv]), 1)
               if slot is not None]
     for count, slot in reversed(cached):
         if slots.kind[slot] == SlotKind.RESERVED:
@@ -87,7 +87,7 @@ def find_hit(blocks: BlockPool, slots: SlotPool, hashes: list[bytes], num_cached
 
 
 def _block_ids(blocks: BlockPool, hashes: list[bytes]) -> np.ndarray:
-    return frozen(np.fromiter(map(blocks.hash_to_block.data().__getitem__, hashes), np.int32, len(hashes)))
+    return frozen(np.fromiter(map(blocks.hash_to_block.__getitem__, hashes), np.int32, len(hashes)))
 
 
 def checkpoint_hit(blocks: BlockPool, slots: SlotPool, hashes: list[bytes], position: int,

@@ -102,7 +102,7 @@ def _issue_materializations(p: Pass) -> None:
     rows = [edit.row_of.get(m.request_id) for m in asks]
     # the slot a running request reads from now (a preempted and readmitted one has another)
     slots = edit.rows.running_slot[[0 if row is None else row for row in rows]].tolist()
-    cached, wanted = edit.slots.hash_to_slot.data(), {}
+    cached, wanted = edit.slots.hash_to_slot, {}
     for m, row, slot in zip(asks, rows, slots, strict=True):  # caching is best effort: skip what is cached
         valid = m.released or (row is not None and slot == m.running_slot)
         if valid and m.key not in cached and m.key not in wanted:

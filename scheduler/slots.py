@@ -87,7 +87,7 @@ class SlotPool:
         self.kind[slots] = kind
         self.num_free_or_cached -= count
         if keys is not None:
-            assert not any(map(self.hash_to_slot.data().__contains__, keys)), "a prefix state already has a slot"
+            assert not any(map(self.hash_to_slot.__contains__, keys)), "a prefix state already has a slot"
             # new keys, and slots that were free or just lost their keys: no undo lookups needed
             self.hash_to_slot.insert_new(dict(zip(keys, slots, strict=True)))
             self.slot_to_hash.insert_new(dict(zip(slots, keys, strict=True)))

@@ -186,7 +186,7 @@ def _publish_crossed_blocks(edit: StateEdit, live: _Live, before: np.ndarray, af
 def _ask_materializations(edit: StateEdit, live: _Live, crossed: np.ndarray, boundary: np.ndarray) -> None:
     cols = edit.rows.ints.take(live.rows[crossed], axis=1)
     count = materialize_count(boundary, cols[NUM_COMPUTED], cols[COMMITTED])
-    cached, unit, asks = edit.slots.hash_to_slot.data(), edit.cfg.hash_unit, list(edit.materializations)
+    cached, unit, asks = edit.slots.hash_to_slot, edit.cfg.hash_unit, list(edit.materializations)
     for j, position, slot, ring_start, entries, marked in zip(
             crossed.tolist(), boundary.tolist(), cols[RUNNING_SLOT].tolist(), cols[RING_START].tolist(),
             count.tolist(), cols[CHECKPOINT].tolist(), strict=True):

@@ -180,7 +180,7 @@ def _assert_pool_matches(pool: BlockPool, model: _PoolModel) -> None:
     assert pool.ref_count.tolist() == model.refs
     assert pool.free_uncached.tolist() == model.stack
     assert pool.free_cached.tolist() == model.lru and pool.num_free == len(model.stack) + len(model.lru)
-    assert pool.hash_to_block.to_dict() == {key: block for block, key in model.hash_of.items()}
+    assert pool.hash_to_block == {key: block for block, key in model.hash_of.items()}
 
 
 @settings(max_examples=30, deadline=None)

@@ -34,7 +34,7 @@ def snapshot(state) -> dict:
             for rid in state.requests}
     return copy.deepcopy(dict(
         rows=rows, logs=logs, waiting=state.waiting, running=state.running, row_of=dict(state.row_of),
-        refs=state.blocks.ref_count.copy(), kv=state.blocks.hash_to_block.to_dict(), kinds=state.slots.kind.copy(),
+        refs=state.blocks.ref_count.copy(), kv=state.blocks.hash_to_block, kinds=state.slots.kind.copy(),
         slots=dict(state.slots.hash_to_slot), claims=dict(state.claims), mats=state.materializations,
         in_flight=state.in_flight, step=state.step, parked=dict(state.parked_tokens)))
 
