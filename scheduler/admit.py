@@ -15,7 +15,7 @@ import numpy as np
 from scheduler.checkpoints import CheckpointEvent, CheckpointStatus, Claim, advance, checkpoint_status
 from scheduler.history import start_tail
 from scheduler.journal import frozen
-from scheduler.lifecycle import StateEdit, free_row, logits_from, max_len
+from scheduler.lifecycle import StateEdit, free_row, logits_from, max_len, publish_full_blocks
 from scheduler.pass_state import Pass, append_blocks, chunk_limits, emit_prefill
 from scheduler.prefix_cache import NO_HIT, PrefixHit, cached_units, checkpoint_hit, find_hit
 from scheduler.slots import SlotKind
@@ -30,6 +30,7 @@ from scheduler.state import (
     NUM_PROMPT,
     NUM_TOKENS,
     PREFILL_END,
+    PUBLISHED,
     RUNNING_SLOT,
 )
 
@@ -55,9 +56,11 @@ class Admission(NamedTuple):
 
 def admit_waiting(p: Pass) -> None:
     cfg = p.edit.cfg
-    for rid in tuple(p.edit.waiting):  # a snapshot: admissions remove from the queue
+    for i, rid in enumerate(tuple(p.edit.waiting)):  # a snapshot: admissions remove from the queue
         if len(p.edit.running) >= cfg.max_num_seqs or p.budget <= 0:
             break
+        if i == 0:  # a prefix lookup sees every full block, decoded ones included
+            publish_full_blocks(p.edit, p.edit.running_rows(), p.edit.running)
         if _admit_one(p, rid) is Verdict.STOP:
             break
 
@@ -165,8 +168,8 @@ def _commit(p: Pass, rid: str, plan: Admission, prefill_end: int) -> int:
     return row
 
 
-_ADMISSION_COLUMNS = [NUM_COMPUTED, NUM_BLOCKS, NUM_TOKENS, PREFILL_END, NUM_PROMPT, MAX_LEN, CHECKPOINT, EOS,
-                      RUNNING_SLOT, LOGITS_FROM]
+_ADMISSION_COLUMNS = [NUM_COMPUTED, NUM_BLOCKS, PUBLISHED, NUM_TOKENS, PREFILL_END, NUM_PROMPT, MAX_LEN,
+                      CHECKPOINT, EOS, RUNNING_SLOT, LOGITS_FROM]
 
 
 def _claim_row(p: Pass, rid: str, hit: PrefixHit, prefill_end: int, slot: int) -> int:
@@ -175,8 +178,8 @@ def _claim_row(p: Pass, rid: str, hit: PrefixHit, prefill_end: int, slot: int) -
     row, rows = free_row(edit), edit.rows
     eos = -1 if params.stopping_eos is None else params.stopping_eos
     checkpoint = (request.checkpoint_position or 0) if cfg.align else 0
-    rows.ints[_ADMISSION_COLUMNS, row] = (hit.num_tokens, len(hit.block_ids), prefill_end, prefill_end, num_prompt,
-                                          max_len(cfg, request), checkpoint, eos, slot,
+    rows.ints[_ADMISSION_COLUMNS, row] = (hit.num_tokens, len(hit.block_ids), len(hit.block_ids), prefill_end,
+                                          prefill_end, num_prompt, max_len(cfg, request), checkpoint, eos, slot,
                                           logits_from(request, prefill_end))
     rows.data[row] = np.frombuffer(request.row_data, np.uint8)
     rows.active[row] = True

@@ -1,7 +1,7 @@
 """Paged KV block pool: allocate, ref-count, free, hash-cache and LRU-evict blocks; block 0 is null.
 
-A block's chained hash key is kept both ways: `hash_to_block` (for prefix lookups) and `block_key`
-(an object array, None = unpublished, so that releasing or publishing many blocks is vectorised).
+A block's chained hash key is kept both ways: `hash_to_block` (for prefix lookups) and `block_to_key`
+(for eviction and to tell cached free blocks from uncached ones).
 Free blocks are either uncached (no key; a stack, reused first, last released first) or cached
 (still hit-able under their key; a FIFO ring, least recently released evicted first). The ring
 deletes lazily: the block at ring position p (absolute, `queue_head <= p < queue_end`, stored at
@@ -15,8 +15,7 @@ logs (journal.py), so it costs O(blocks touched), never a copy of the pool (a la
 
 from __future__ import annotations
 
-import operator
-from itertools import compress, islice, takewhile
+from itertools import islice, takewhile
 
 import numpy as np
 
@@ -33,9 +32,8 @@ class BlockPool:
     positions: [num_blocks] int64 ring position of the block's live entry, -1 if none (`queue_pos`).
     num_cached_free: live ring entries (free blocks that are still hit-able).
     hash_to_block: the KV prefix cache (chained block hash key -> block id).
-    keys: [num_blocks] object, the key each cached block is published under, None if none (`block_key`).
-    Reads go through the read-only views (`ref_count`, `queue_pos`, `block_key`), writes through the
-    `UndoArray`s."""
+    block_to_key: the key each published block is cached under.
+    Array reads go through the read-only views (`ref_count`, `queue_pos`), writes through the `UndoArray`s."""
 
     _SCALARS = ("num_uncached", "num_cached_free", "queue_head", "queue_end")
 
@@ -44,8 +42,7 @@ class BlockPool:
         self.refs, self.stack = UndoArray(np.zeros(num_blocks, np.int32)), UndoArray(stack)
         self.ring = UndoArray(np.zeros(2 * num_blocks, np.int32))
         self.positions = UndoArray(np.full(num_blocks, _NOT_QUEUED, np.int64))
-        self.keys = UndoArray(np.full(num_blocks, None, object))
-        self.hash_to_block = UndoMap()
+        self.hash_to_block, self.block_to_key = UndoMap(), UndoMap()
         self.num_uncached, self.num_cached_free, self.queue_head, self.queue_end = num_blocks - 1, 0, 0, 0
         self._saved = None
 
@@ -56,10 +53,6 @@ class BlockPool:
     @property
     def queue_pos(self) -> np.ndarray:
         return self.positions.view
-
-    @property
-    def block_key(self) -> np.ndarray:
-        return self.keys.view
 
     @property
     def num_free(self) -> int:
@@ -81,13 +74,13 @@ class BlockPool:
         self._saved = tuple(getattr(self, name) for name in self._SCALARS)
 
     def rollback(self) -> None:
-        for part in (self.refs, self.stack, self.ring, self.positions, self.keys, self.hash_to_block):
+        for part in (self.refs, self.stack, self.ring, self.positions, self.hash_to_block, self.block_to_key):
             part.rollback()
         for name, value in zip(self._SCALARS, self._saved, strict=True):
             setattr(self, name, value)
 
     def commit(self) -> None:
-        for part in (self.refs, self.stack, self.ring, self.positions, self.keys, self.hash_to_block):
+        for part in (self.refs, self.stack, self.ring, self.positions, self.hash_to_block, self.block_to_key):
             part.commit()
 
     def cached_prefix_length(self, hashes: list, limit: int) -> int:
@@ -131,8 +124,9 @@ class BlockPool:
             out.append(window[live])
             count -= len(live)
         evicted = np.concatenate(out) if len(out) > 1 else out[0]
-        self.hash_to_block.remove_many(self.block_key[evicted].tolist())
-        self.keys[evicted] = None
+        evicted_list = evicted.tolist()
+        self.hash_to_block.remove_many(list(map(self.block_to_key.__getitem__, evicted_list)))
+        self.block_to_key.remove_many(evicted_list)
         self.positions[evicted] = _NOT_QUEUED
         self.num_cached_free -= len(evicted)
         return evicted
@@ -150,7 +144,7 @@ class BlockPool:
         refs = self.ref_count[blocks] - drop
         self.refs[blocks] = refs
         freed = blocks[refs == 0]
-        cached = self.block_key[freed] != None  # noqa: E711 - elementwise over an object array
+        cached = np.fromiter(map(self.block_to_key.__contains__, freed.tolist()), bool, len(freed))
         uncached = freed[~cached]
         self.stack[self.num_uncached:self.num_uncached + len(uncached)] = uncached
         self.num_uncached += len(uncached)
@@ -176,21 +170,16 @@ class BlockPool:
         self._enqueue(live)
 
     def register(self, block_ids: np.ndarray | list[int], block_hashes: list) -> None:
-        """Publish computed blocks under their chained hash keys (first writer wins on duplicates)."""
-        blocks, known = np.asarray(block_ids), self.hash_to_block.__contains__
-        unpublished = self.block_key[blocks] == None  # noqa: E711 - elementwise over an object array
-        if unpublished.all() and not any(map(known, block_hashes)):  # the usual case: all of them are new
-            keys, values = block_hashes, blocks.tolist()
-        else:
-            fresh = np.fromiter(map(operator.not_, map(known, block_hashes)), bool, len(block_hashes)) & unpublished
-            keys, values = list(compress(block_hashes, fresh.tolist())), blocks[fresh].tolist()
-        # built from the back, so that of two blocks with one hash the first one is written last and stays
-        published = dict(zip(reversed(keys), reversed(values), strict=True))
-        if published:
-            self.hash_to_block.insert_new(published)
-            keys = np.empty(len(published), object)
-            keys[:] = list(published)
-            self.keys[np.fromiter(published.values(), np.int64, len(published))] = keys
+        """Publish computed blocks under their chained hash keys: a block or a key already published
+        keeps its entry, and of two blocks with one key in this call the first wins."""
+        known, published = self.hash_to_block, self.block_to_key
+        fresh = {}
+        for block, key in zip(np.asarray(block_ids).tolist(), block_hashes, strict=True):
+            if key not in known and block not in published and key not in fresh:
+                fresh[key] = block
+        if fresh:
+            known.insert_new(fresh)
+            published.insert_new({block: key for key, block in fresh.items()})
 
 
 def _by_last_entry(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -19,7 +19,6 @@ from collections.abc import Callable
 import numpy as np
 
 from scheduler.journal import UndoArray, frozen
-from scheduler.prefix_cache import chain_hashes
 from scheduler.state import Rows, TokenLog, num_logged
 
 WritableLog = Callable[[str], TokenLog]  # request id -> its log, its appends undone if the transition raises
@@ -57,18 +56,6 @@ def _log_blocks(logs: WritableLog, tail: UndoArray, rows: Rows, request_ids: lis
     tail[row_ids, :-unit] = tail[row_ids, unit:]
     logged = np.maximum(starts, rows.prefill_end[row_ids])  # the prompt part is in the log already
     _append_blocks(logs, blocks, request_ids, starts, logged, starts + unit, hash_unit)
-
-
-def unit_keys(log: TokenLog, rows: Rows, row: int, first: int, last: int, unit: int, hash_unit: int) -> list[bytes]:
-    """Prefix keys of hash units [first, last) of the request running in `row` (all its tokens
-    committed): from its log where it has them, the rest chained over its tail. A full KV block is
-    published as soon as it is computed, long before its log block fills."""
-    have = len(log.hashes)
-    if last <= have:
-        return log.hashes[first:last]
-    block_start = int(rows.num_tokens[row]) // unit * unit  # the tail starts here, at or before have * hash_unit
-    tokens = rows.tail[row, have * hash_unit - block_start:last * hash_unit - block_start]
-    return (log.hashes + chain_hashes(log.hashes[-1] if have else log.root, tokens, hash_unit))[first:last]
 
 
 def park_tails(logs: WritableLog, rows: Rows, request_ids: list[str], row_ids: np.ndarray, unit: int,

@@ -38,11 +38,9 @@ def _blocks(state: SchedulerState) -> list[str]:
     free = np.concatenate([pool.free_uncached, pool.free_cached])
     if np.unique(free).size != free.size or set(free.tolist()) != set(np.flatnonzero(pool.ref_count == 0)) - {0}:
         errors.append("free queues differ from the unreferenced blocks")
-    keys = pool.block_key
-    published = {int(b): keys[b] for b in np.flatnonzero(keys != None)}  # noqa: E711 - elementwise
-    if {b: h for h, b in pool.hash_to_block.items()} != published:
+    if {b: h for h, b in pool.hash_to_block.items()} != dict(pool.block_to_key):
         errors.append("KV hash maps are not inverse")
-    if any(key is None for key in keys[pool.free_cached]):
+    if not all(map(pool.block_to_key.__contains__, pool.free_cached.tolist())):
         errors.append("a block in free_cached holds no hash")
     if pool.num_cached_free != len(pool.free_cached):
         errors.append(f"num_cached_free {pool.num_cached_free} != {len(pool.free_cached)} live queue entries")

@@ -7,18 +7,22 @@ commits them and hands the state back under a new generation, an exception rolls
 
 from __future__ import annotations
 
+from hashlib import blake2b
+
 import numpy as np
 
 from scheduler.checkpoints import CheckpointEvent, CheckpointStatus, advance
 from scheduler.config import SchedulerConfig
-from scheduler.history import park_tails, unit_keys
+from scheduler.history import park_tails
 from scheduler.journal import frozen
-from scheduler.prefix_cache import root_hash
+from scheduler.prefix_cache import KEY_BYTES, root_hash
 from scheduler.request import Request, is_int
 from scheduler.slots import NULL_SLOT
 from scheduler.state import (
     NUM_BLOCKS,
+    NUM_COMPUTED,
     NUM_TOKENS,
+    PUBLISHED,
     RUNNING_SLOT,
     SchedulerState,
     StateData,
@@ -40,7 +44,8 @@ class StateEdit:
         self.requests, self.row_of, self.logs, self.parked = data.requests, data.row_of, data.logs, data.parked_tokens
         for part in (self.rows, self.blocks, self.slots):
             part.begin()
-        self._log_marks: dict[int, tuple[TokenLog, tuple[int, int]]] = {}
+        self._log_marks: dict[str, tuple[TokenLog, tuple[int, int]]] = {}
+        self.hash_marks: list[tuple[list[bytes], int]] = []  # keys chained over row tails, and their old lengths
         self.claims = dict(data.claims)
         self._waiting, self._waiting_copy = data.waiting, None
         self.running = list(data.running)
@@ -59,12 +64,14 @@ class StateEdit:
                 part.rollback()
             for log, mark in self._log_marks.values():
                 log.truncate(mark)
+            for hashes, length in reversed(self.hash_marks):
+                del hashes[length:]
 
     def writable_log(self, request_id: str) -> TokenLog:
         """The request's log, to append to (its appends are undone if the transition raises)."""
         log = self.logs[request_id]
-        if id(log) not in self._log_marks:
-            self._log_marks[id(log)] = (log, log.mark())
+        if request_id not in self._log_marks:
+            self._log_marks[request_id] = (log, log.mark())
         return log
 
     @property
@@ -222,6 +229,7 @@ def release_rows(edit: StateEdit, request_ids: list[str]) -> None:
     all at once (a step's finished requests are released together)."""
     rows, cfg = edit.rows, edit.cfg
     row_ids = np.fromiter(map(edit.row_of.pop, request_ids), np.int64, len(request_ids))
+    publish_full_blocks(edit, row_ids, request_ids)  # before the blocks go: a later prompt may share them
     cols = rows.ints.take(row_ids, axis=1)
     park_tails(edit.writable_log, rows, request_ids, row_ids, cfg.log_unit, cfg.hash_unit)
     # each request's blocks tail first, so that its tail is evicted before its head (as vLLM does): a
@@ -258,15 +266,52 @@ def max_len(cfg: SchedulerConfig, request: Request) -> int:
     return min(request.num_prompt_tokens + request.sampling_params.max_tokens, cfg.max_model_len)
 
 
-def register_blocks(edit: StateEdit, spans: list[tuple[str, int, int, int]]) -> None:
-    """Publish the KV blocks [first, last) of each (request, row, first, last) under their chained
-    keys; every one of them must be full and computed by a step that has run."""
-    table, keys, blocks, cfg = edit.rows.block_table, [], [], edit.cfg
-    for request_id, row, first, last in spans:
-        keys += unit_keys(edit.logs[request_id], edit.rows, row, first, last, cfg.log_unit, cfg.hash_unit)
-        blocks.append(table[row, first:last])
-    if keys:
-        edit.blocks.register(np.concatenate(blocks), keys)
+def publish_full_blocks(edit: StateEdit, row_ids: np.ndarray, request_ids) -> None:
+    """Publish every full KV block that the rows have computed and committed: decode leaves them to be
+    published here, right before anything looks them up (admission) or lets them go (release), so a
+    steady decode batch hashes nothing while every lookup sees every full block."""
+    cols = edit.rows.ints.take(row_ids, axis=1)
+    full = np.minimum(cols[NUM_COMPUTED], cols[NUM_TOKENS]) // edit.cfg.hash_unit
+    todo = (full > cols[PUBLISHED]).nonzero()[0]
+    if todo.size:
+        register_blocks(edit, [request_ids[i] for i in todo.tolist()], row_ids[todo], full[todo])
+
+
+def register_blocks(edit: StateEdit, request_ids, row_ids: np.ndarray, last: np.ndarray) -> None:
+    """Publish the KV blocks of each request i, running in row_ids[i], from its first unpublished one up
+    to last[i], under their chained keys; all must be full, committed and computed by a step that has run.
+
+    Keys of units still in a row's tail are chained onto its log here, each unit once. The block ids
+    and tail tokens are gathered in one call each; the common case costs one digest per block."""
+    rows = edit.rows
+    first = rows.published[row_ids]
+    last = np.maximum(last, first)
+    rows.published[row_ids] = last
+    counts = last - first
+    if not counts.any():
+        return
+    rows, h, unit = edit.rows, edit.cfg.hash_unit, edit.cfg.log_unit
+    table, tail = rows.block_table, rows.tail
+    offsets = np.arange(int(counts.sum())) - np.repeat(counts.cumsum() - counts - first, counts)
+    blocks = table.take(np.repeat(row_ids, counts) * table.shape[1] + offsets).tolist()
+    # tail tokens of units [first, last): the tail starts at the log block holding num_tokens
+    starts = first * h - rows.num_tokens[row_ids] // unit * unit
+    columns = np.clip(starts[:, None] + np.arange(int(counts.max()) * h), 0, tail.shape[1] - 1)
+    data = tail.take(row_ids[:, None] * tail.shape[1] + columns).astype("<i4").tobytes()
+    stride, size, logs, marks = 4 * columns.shape[1], 4 * h, edit.logs, edit.hash_marks
+    keys = []
+    for i, (rid, lo, hi) in enumerate(zip(request_ids, first.tolist(), last.tolist(), strict=True)):
+        hashes = logs[rid].hashes
+        have = len(hashes)
+        if hi > have:
+            marks.append((hashes, have))
+            parent = hashes[-1] if have else logs[rid].root
+            for j in range(have - lo, hi - lo):  # units before `have` are hashed (they sit in the log)
+                parent = blake2b(parent + data[i * stride + j * size:i * stride + (j + 1) * size],
+                                 digest_size=KEY_BYTES).digest()
+                hashes.append(parent)
+        keys += hashes[lo:hi]
+    edit.blocks.register(blocks, keys)
 
 
 def release_claims(edit: StateEdit, request_ids: set[str]) -> None:

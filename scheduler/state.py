@@ -46,11 +46,12 @@ INT_COLUMNS = (
     "checkpoint",     # declared checkpoint position, 0 if none
     "eos",            # eos token id that stops the request, -1 if none (or ignore_eos)
     "logits_from",    # prefill positions from here on ask for logits (prefill_end - 1: sampling only)
+    "published",      # leading KV blocks of the row that are in the prefix cache
 )
 BOOL_COLUMNS = ("active", "prefill_done", "has_stop")  # has_stop: extra stop_token_ids to check
 # row indices of the columns in `Rows.ints`, for hot paths that gather every column of many rows at once
 (NUM_COMPUTED, NUM_TOKENS, PREFILL_END, NUM_PROMPT, MAX_LEN, RUNNING_SLOT, RING_START, COMMITTED, NUM_BLOCKS,
- LAST_TOKEN, CHECKPOINT, EOS, LOGITS_FROM) = range(len(INT_COLUMNS))
+ LAST_TOKEN, CHECKPOINT, EOS, LOGITS_FROM, PUBLISHED) = range(len(INT_COLUMNS))
 
 
 class Rows:
@@ -124,8 +125,9 @@ _NO_TOKENS = frozen(np.zeros(0, np.int32))
 
 class TokenLog:
     """Append-only token history of one request, as read-only int32 chunks (the prompt, then log
-    blocks and parked tails), plus the chained hash keys of its full hash units (always
-    `length // hash_unit` of them), chained from `root` (prefix_cache.root_hash)."""
+    blocks and parked tails), plus the chained hash keys of its full hash units (`length // hash_unit`
+    of them, and those of committed units still in its row's tail: lifecycle.register_blocks), chained from
+    `root` (prefix_cache.root_hash)."""
 
     __slots__ = ("chunks", "ends", "hashes", "root")
 

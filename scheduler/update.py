@@ -2,14 +2,15 @@
 
 Order: first the step's commitments become visible (PENDING cache slots -> CACHED, UNREADY
 checkpoints -> READY), then verify/decode rows are committed vectorised (accepted drafts plus the
-bonus token; rejected drafts are a ReplaySSM cursor move), then prefill rows. KV blocks are
-published under their chained keys as soon as they are full and the step that wrote them has run
-(`_publish_crossed_blocks`). A verify row whose accepted tokens cross a Mamba block boundary asks
-the next `schedule` to materialise that boundary's state. Requests aborted while the step was in
-flight are released last, after their computed blocks and states are published, and emit nothing.
+bonus token; rejected drafts are a ReplaySSM cursor move), then prefill rows. A prefill chunk's
+KV blocks are published under their chained keys here; the blocks decode fills are published right
+before the next prefix lookup or their release (`publish_full_blocks`), so every lookup sees every
+full block while a steady decode batch hashes nothing. A verify row whose accepted tokens cross a
+Mamba block boundary asks the next `schedule` to materialise that boundary's state. Requests aborted
+while the step was in flight are released last, after their computed blocks and states are published, and emit nothing.
 Per-row work is vectorised over the step's rows: the outputs are one `StepOutputs` of arrays and new
-tokens go to the row tails (history.py), so Python loops run only over the rows that finish or fill
-a KV block (with k = 3 and 16-token blocks, ~1 row in 4).
+tokens go to the row tails (history.py), so Python loops run only over the rows that finish or cross
+a Mamba block boundary (with k = 3 and 256-token blocks, ~1 row in 100).
 """
 
 from __future__ import annotations
@@ -105,14 +106,13 @@ def _update_decodes(edit: StateEdit, plan: BatchPlan, result: StepResult, live: 
         column[live.rows] = values  # 1-D scatters take numpy's fast path, a 2-D one does not
     rows.drafts[live.rows] = result.draft_token_ids[live.index]
     outputs = _emit(edit, live, cols, sampled, accepted)
-    _publish_crossed_blocks(edit, live, cols[NUM_COMPUTED], computed, cols[NUM_TOKENS] + outputs.num_new_tokens)
+    _materialize_crossed_boundaries(edit, live, cols[NUM_COMPUTED], computed, cols[NUM_TOKENS] + outputs.num_new_tokens)
     _finish_rows(edit, outputs)
     return outputs
 
 
 def _update_prefills(edit: StateEdit, plan: BatchPlan, result: StepResult, live: _Live) -> StepOutputs:
     rows = edit.rows
-    before = rows.num_computed[live.rows]
     rows.num_computed[live.rows] += plan.query_lens[live.index]
     sampling = _subset(live, rows.num_computed[live.rows] == rows.prefill_end[live.rows])  # the prefill ended
     rows.prefill_done[sampling.rows] = True
@@ -121,8 +121,7 @@ def _update_prefills(edit: StateEdit, plan: BatchPlan, result: StepResult, live:
     outputs = _emit(edit, sampling, rows.ints[:, sampling.rows], result.sampled_token_ids[sampling.index],
                     np.ones(len(sampling.rids), np.int32))
     last = np.minimum(rows.num_computed[live.rows], rows.num_tokens[live.rows]) // edit.cfg.hash_unit
-    register_blocks(edit, list(zip(live.rids, live.rows.tolist(), (before // edit.cfg.hash_unit).tolist(),
-                                   last.tolist(), strict=True)))
+    register_blocks(edit, live.rids, live.rows, last)
     _finish_rows(edit, outputs)
     return outputs
 
@@ -163,24 +162,20 @@ def _cut(edit: StateEdit, live: _Live, before: np.ndarray, max_len: np.ndarray, 
     return keep, codes
 
 
-def _publish_crossed_blocks(edit: StateEdit, live: _Live, before: np.ndarray, after: np.ndarray,
-                            num_tokens: np.ndarray) -> None:
-    """Rows whose computed and committed tokens filled KV blocks publish them at once, as vLLM does: a
-    request sharing the prefix may need them next step (under block drop a hit at a Mamba boundary
-    needs the KV block after it). Rows that crossed a Mamba block boundary ask, in align mode, for
-    the boundary state. A row cut by a stop token may have computed past its last token: it ends
+def _materialize_crossed_boundaries(edit: StateEdit, live: _Live, before: np.ndarray, after: np.ndarray,
+                                    num_tokens: np.ndarray) -> None:
+    """In align mode, rows whose computed and committed tokens crossed a Mamba block boundary ask for
+    that boundary's state, under the key of the block before it (published now: the others wait for
+    `publish_full_blocks`). A row cut by a stop token may have computed past its last token: it ends
     now, and release_rows publishes what it committed."""
-    row_ids, unit = live.rows, edit.cfg.hash_unit
-    first, last = before // unit, np.minimum(after, num_tokens) // unit
-    filled = (last > first).nonzero()[0]
-    if not filled.size:
+    if not edit.cfg.align:
         return
-    register_blocks(edit, list(zip([live.rids[j] for j in filled.tolist()], row_ids[filled].tolist(),
-                                   first[filled].tolist(), last[filled].tolist(), strict=True)))
-    boundary = crossed_boundary(before[filled], after[filled], edit.cfg.log_unit)
-    crossed = ((boundary > 0) & (boundary <= num_tokens[filled])).nonzero()[0]
-    if edit.cfg.align and crossed.size:
-        _ask_materializations(edit, live, filled[crossed], boundary[crossed])
+    boundary = crossed_boundary(before, after, edit.cfg.log_unit)
+    crossed = ((boundary > 0) & (boundary <= num_tokens)).nonzero()[0]
+    if crossed.size:
+        register_blocks(edit, [live.rids[j] for j in crossed.tolist()], live.rows[crossed],
+                        boundary[crossed] // edit.cfg.hash_unit)
+        _ask_materializations(edit, live, crossed, boundary[crossed])
 
 
 def _ask_materializations(edit: StateEdit, live: _Live, crossed: np.ndarray, boundary: np.ndarray) -> None:
