@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from scheduler import (
+    CheckpointMarkerError,
     FinishReason,
     RowKind,
     SchedulerConfig,
@@ -16,6 +17,7 @@ from scheduler import (
     abort_request,
     add_request,
     init_state,
+    parse_checkpoint_marker,
     preempt_request,
     schedule,
     update,
@@ -154,6 +156,7 @@ def test_an_update_that_raises_midway_undoes_its_token_log_appends(monkeypatch):
     (request("c0", [1] * 40, checkpoint=20), "checkpoint_position"),
     (request("c1", [1] * 40, checkpoint=48), "checkpoint_position"),
     (request("huge", [1] * 100, max_tokens=4000), "can never fit"),
+    (request("ok", [4, 5]), "already in use"),
 ])
 def test_bad_requests_raise_and_leave_the_state_unchanged(bad, message):
     cfg = make_config(num_blocks=64)
@@ -165,12 +168,15 @@ def test_bad_requests_raise_and_leave_the_state_unchanged(bad, message):
     add_request(state, request("next", [4, 5]))  # still the live state
 
 
-def test_duplicate_ids_and_unknown_aborts_raise():
+def test_unknown_aborts_and_bad_markers_raise_and_change_nothing():
     state = add_request(init_state(make_config()), request("a", [1, 2, 3]))
-    with pytest.raises(ValueError, match="already in use"):
-        add_request(state, request("a", [4]))
+    before = snapshot(state)
     with pytest.raises(KeyError):
         abort_request(state, "nope")
+    with pytest.raises(CheckpointMarkerError, match="exactly once"):  # the tokenizer layer's check, before add
+        parse_checkpoint_marker([1, 9, 2, 9, 3], marker_id=9, hash_unit=1)
+    assert_same(before, snapshot(state))
+    abort_request(state, "a")
 
 
 def test_config_errors_name_the_field():
