@@ -1,0 +1,169 @@
+"""Sampling on device: per-row settings, penalties, top-k / top-p / min-p, seeded draws, logprobs, and the
+lossless verification of speculative (MTP) drafts. Pure jittable functions over [N, V] logits.
+
+Per-row settings travel through the scheduler as an opaque record (`Request.row_data`, `ROW_DTYPE`):
+the runner views the plan's bytes as this dtype, so no Python loop over requests runs per step.
+
+Randomness is a function of (request seed, position, draw), never of the batch: `row_keys` folds them
+into a key per logit, so a seeded request samples the same tokens whatever else runs beside it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The engine's per-row record, packed into `Request.row_data` (SchedulerConfig.row_data_bytes = itemsize).
+ROW_DTYPE = np.dtype([
+    ("temperature", "<f4"),         # 0: greedy
+    ("top_p", "<f4"),               # 1: off
+    ("top_k", "<i4"),               # <= 0: off
+    ("min_p", "<f4"),               # 0: off
+    ("repetition_penalty", "<f4"),  # 1: off (prompt and output tokens)
+    ("presence_penalty", "<f4"),    # 0: off (output tokens)
+    ("frequency_penalty", "<f4"),   # 0: off (output tokens)
+    ("seed", "<u4"),
+])
+
+_DRAW_SAMPLE, _DRAW_ACCEPT, _DRAW_RESIDUAL = 0, 1, 2  # independent streams of one (seed, position)
+
+
+class SamplingRows(NamedTuple):
+    """The settings of N logits (rows of ROW_DTYPE, repeated per logit), as device arrays."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    min_p: jax.Array
+    repetition_penalty: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+    seed: jax.Array
+
+    @staticmethod
+    def from_records(records: np.ndarray) -> SamplingRows:
+        """[N] ROW_DTYPE (or [N, itemsize] uint8 bytes of them) -> device arrays."""
+        records = np.ascontiguousarray(records).view(ROW_DTYPE).reshape(-1)
+        return SamplingRows(*(jnp.asarray(records[name]) for name in ROW_DTYPE.names))
+
+
+def pack_row(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+             repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+             seed: int = 0) -> bytes:
+    """One request's settings as `Request.row_data` bytes."""
+    record = np.array([(temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty,
+                        seed & 0xFFFFFFFF)], ROW_DTYPE)
+    return record.tobytes()
+
+
+def row_keys(seeds: jax.Array, positions: jax.Array, draw: int) -> jax.Array:
+    """One PRNG key per logit from (seed, position, draw): independent of the batch it runs in."""
+    base = jax.vmap(jax.random.key)(seeds.astype(jnp.uint32))
+    return jax.vmap(lambda key, position: jax.random.fold_in(jax.random.fold_in(key, position), draw))(
+        base, positions.astype(jnp.uint32))
+
+
+def apply_penalties(logits: jax.Array, rows: SamplingRows, prompt_mask: jax.Array,
+                    output_counts: jax.Array) -> jax.Array:
+    """vLLM's penalties. prompt_mask: [N, V] bool, tokens of the prompt; output_counts: [N, V] i32 counts
+    of generated tokens. Repetition divides positive logits (multiplies negative ones) of tokens seen in
+    the prompt or the output; presence subtracts a constant, frequency a multiple of the count."""
+    seen = prompt_mask | (output_counts > 0)
+    rep = rows.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - rows.frequency_penalty[:, None] * output_counts
+    return logits - rows.presence_penalty[:, None] * (output_counts > 0)
+
+
+def filtered_logits(logits: jax.Array, rows: SamplingRows) -> jax.Array:
+    """Temperature, then top-k, top-p and min-p masks (-inf), as vLLM orders them; greedy rows are
+    left at temperature 1 (their draw is an argmax)."""
+    temperature = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
+    logits = logits.astype(jnp.float32) / temperature
+    vocab = logits.shape[-1]
+    ordered = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
+    k = jnp.where(rows.top_k > 0, jnp.minimum(rows.top_k, vocab), vocab)
+    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+    probs_sorted = jax.nn.softmax(jnp.where(ordered < kth, -jnp.inf, ordered), axis=-1)
+    # top-p: keep the smallest prefix of the sorted tokens whose mass reaches p (the first always stays)
+    before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
+    cut = jnp.sum(before < rows.top_p[:, None], axis=-1)  # tokens kept, >= 1
+    threshold = jnp.take_along_axis(ordered, (cut - 1)[:, None], axis=-1)
+    logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    probs = jax.nn.softmax(logits, axis=-1)
+    keep = probs >= rows.min_p[:, None] * probs.max(axis=-1, keepdims=True)
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def sample(logits: jax.Array, rows: SamplingRows, positions: jax.Array) -> jax.Array:
+    """[N, V] logits (penalties already applied) -> [N] i32 tokens: argmax where temperature is 0."""
+    filtered = filtered_logits(logits, rows)
+    drawn = jax.vmap(jax.random.categorical)(row_keys(rows.seed, positions, _DRAW_SAMPLE), filtered)
+    return jnp.where(rows.temperature > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+
+
+class Logprobs(NamedTuple):
+    sampled: jax.Array  # [N] f32 logprob of each chosen token
+    top_ids: jax.Array  # [N, n] i32 the n most likely tokens, most likely first
+    top: jax.Array      # [N, n] f32 their logprobs
+
+
+def logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> Logprobs:
+    """Logprobs of the model's raw distribution (before penalties and temperature, as vLLM reports)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top, top_ids = jax.lax.top_k(logp, num_top)
+    return Logprobs(jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top)
+
+
+class Verified(NamedTuple):
+    num_accepted: jax.Array  # [R] i32 accepted drafts, 0..K (the bonus token not counted)
+    tokens: jax.Array        # [R, 1+K] i32: accepted drafts, then the bonus/correction token; rest unused
+
+
+def verify_greedy(target_logits: jax.Array, drafts: jax.Array) -> Verified:
+    """Accept drafts while they equal the target's argmax; the token after them is the argmax there.
+    target_logits: [R, 1+K, V] at the verify row's 1 + K positions; drafts: [R, K]."""
+    best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [R, 1+K]
+    return _accept(best[:, :-1] == drafts, drafts, best)
+
+
+def verify_random(target_logits: jax.Array, draft_probs: jax.Array, drafts: jax.Array, rows: SamplingRows,
+                  positions: jax.Array) -> Verified:
+    """Speculative sampling (Leviathan et al. 2023): accept draft i with probability min(1, p_i(d)/q_i(d));
+    at the first rejection draw from normalize(max(0, p_i - q_i)); after K acceptances draw the bonus
+    from p_K. The emitted tokens are distributed exactly as sampling from p (lossless).
+
+    target_logits: [R, 1+K, V] (penalties applied); draft_probs: [R, K, V] the drafter's q (one-hot for a
+    greedy drafter); drafts: [R, K]; rows: settings per row; positions: [R] position of the first logit."""
+    num_rows, width, vocab = target_logits.shape
+    flat = lambda x: x.reshape(num_rows * width, *x.shape[2:])
+    per_logit = SamplingRows(*(jnp.repeat(field, width) for field in rows))
+    logit_positions = (positions[:, None] + jnp.arange(width)).reshape(-1)
+    p = jax.nn.softmax(filtered_logits(flat(target_logits), per_logit), axis=-1).reshape(num_rows, width, vocab)
+    q = draft_probs
+    p_draft = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
+    q_draft = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    u = jax.vmap(jax.random.uniform)(row_keys(per_logit.seed, logit_positions, _DRAW_ACCEPT)).reshape(num_rows, width)
+    accept = u[:, :-1] * q_draft < p_draft  # u < p/q without dividing by a zero q
+    residual = jnp.maximum(p[:, :-1] - q, 0.0)
+    residual = jnp.concatenate([residual, p[:, -1:]], axis=1)  # after K acceptances: the bonus from p_K
+    keys = row_keys(per_logit.seed, logit_positions, _DRAW_RESIDUAL)
+    choices = jax.vmap(jax.random.categorical)(keys, jnp.log(flat(residual))).reshape(num_rows, width)
+    verified = _accept(accept, drafts, choices.astype(jnp.int32))
+    greedy = verify_greedy(target_logits, drafts)
+    use_greedy = (rows.temperature <= 0)[:, None]
+    return Verified(jnp.where(use_greedy[:, 0], greedy.num_accepted, verified.num_accepted),
+                    jnp.where(use_greedy, greedy.tokens, verified.tokens))
+
+
+def _accept(accepted: jax.Array, drafts: jax.Array, fallback: jax.Array) -> Verified:
+    """Keep the leading accepted drafts; the next slot takes `fallback` there ([R, 1+K])."""
+    num = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
+    index = jnp.arange(fallback.shape[1])[None, :]
+    padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
+    bonus = jnp.take_along_axis(fallback, num[:, None], axis=-1)
+    return Verified(num, jnp.where(index < num[:, None], padded, jnp.where(index == num[:, None], bonus, 0)))
