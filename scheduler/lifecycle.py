@@ -279,10 +279,7 @@ def publish_full_blocks(edit: StateEdit, row_ids: np.ndarray, request_ids) -> No
 
 def register_blocks(edit: StateEdit, request_ids, row_ids: np.ndarray, last: np.ndarray) -> None:
     """Publish the KV blocks of each request i, running in row_ids[i], from its first unpublished one up
-    to last[i], under their chained keys; all must be full, committed and computed by a step that has run.
-
-    Keys of units still in a row's tail are chained onto its log here, each unit once. The block ids
-    and tail tokens are gathered in one call each; the common case costs one digest per block."""
+    to last[i], under their chained keys; all must be full, committed and computed by a step that has run."""
     rows = edit.rows
     first = rows.published[row_ids]
     last = np.maximum(last, first)
@@ -290,28 +287,36 @@ def register_blocks(edit: StateEdit, request_ids, row_ids: np.ndarray, last: np.
     counts = last - first
     if not counts.any():
         return
-    rows, h, unit = edit.rows, edit.cfg.hash_unit, edit.cfg.log_unit
-    table, tail = rows.block_table, rows.tail
-    offsets = np.arange(int(counts.sum())) - np.repeat(counts.cumsum() - counts - first, counts)
-    blocks = table.take(np.repeat(row_ids, counts) * table.shape[1] + offsets).tolist()
-    # tail tokens of units [first, last): the tail starts at the log block holding num_tokens
-    starts = first * h - rows.num_tokens[row_ids] // unit * unit
-    columns = np.clip(starts[:, None] + np.arange(int(counts.max()) * h), 0, tail.shape[1] - 1)
-    data = tail.take(row_ids[:, None] * tail.shape[1] + columns).astype("<i4").tobytes()
-    stride, size, logs, marks = 4 * columns.shape[1], 4 * h, edit.logs, edit.hash_marks
-    keys = []
-    for i, (rid, lo, hi) in enumerate(zip(request_ids, first.tolist(), last.tolist(), strict=True)):
-        hashes = logs[rid].hashes
-        have = len(hashes)
-        if hi > have:
-            marks.append((hashes, have))
-            parent = hashes[-1] if have else logs[rid].root
-            for j in range(have - lo, hi - lo):  # units before `have` are hashed (they sit in the log)
-                parent = blake2b(parent + data[i * stride + j * size:i * stride + (j + 1) * size],
-                                 digest_size=KEY_BYTES).digest()
-                hashes.append(parent)
-        keys += hashes[lo:hi]
-    edit.blocks.register(blocks, keys)
+    logs = [edit.logs[rid] for rid in request_ids]
+    have = np.array([len(log.hashes) for log in logs])
+    todo = (last > have).nonzero()[0]
+    if todo.size:
+        _chain_tail_keys(edit, [logs[i] for i in todo.tolist()], row_ids[todo], have[todo], last[todo])
+    keys = [key for log, lo, hi in zip(logs, first.tolist(), last.tolist(), strict=True) for key in log.hashes[lo:hi]]
+    offsets = np.arange(len(keys)) - np.repeat(counts.cumsum() - counts - first, counts)  # block index in its row
+    table = rows.block_table
+    edit.blocks.register(table.take(np.repeat(row_ids, counts) * table.shape[1] + offsets).tolist(), keys)
+
+
+def _chain_tail_keys(edit: StateEdit, logs: list[TokenLog], row_ids: np.ndarray, have: np.ndarray,
+                     last: np.ndarray) -> None:
+    """Chain the keys of units [have[i], last[i]) onto each log from its row's tail: a KV block is
+    published before its log block moves into the log, and each unit is hashed once. Decode fills ~1
+    block per row every few steps, so this is the per-row part of a decode step: the tokens are gathered
+    and serialised in one call, and the common case costs one digest per row."""
+    h, unit, tail = edit.cfg.hash_unit, edit.cfg.log_unit, edit.rows.tail
+    counts = last - have
+    start = have * h - edit.rows.num_tokens[row_ids] // unit * unit  # the tail begins at its log block
+    columns = start[:, None] + np.arange(int(counts.max()) * h)
+    data = tail.take(row_ids[:, None] * tail.shape[1] + np.minimum(columns, tail.shape[1] - 1)).astype("<i4")
+    data, stride, size = data.tobytes(), 4 * columns.shape[1], 4 * h
+    edit.hash_marks.extend((log.hashes, len(log.hashes)) for log in logs)
+    for i, (log, count) in enumerate(zip(logs, counts.tolist(), strict=True)):
+        hashes, parent = log.hashes, log.hashes[-1] if log.hashes else log.root
+        for j in range(count):
+            parent = blake2b(parent + data[i * stride + j * size:i * stride + (j + 1) * size],
+                             digest_size=KEY_BYTES).digest()
+            hashes.append(parent)
 
 
 def release_claims(edit: StateEdit, request_ids: set[str]) -> None:
