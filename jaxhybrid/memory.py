@@ -1,0 +1,72 @@
+"""Pool sizing: how many KV blocks and recurrent state slots a memory budget holds (DESIGN "Memory model").
+
+A state slot is one page of every recurrent layer: the fp32 checkpoint state S0, the conv window with
+the 1 + K columns verify writes, and the ReplaySSM ring of W + 1 + K entries (GDN: normalised key, update
+and log-decay per token; Mamba2: x, processed dt and B). A KV block holds `block_size` tokens of every
+attention layer, the MTP layers included. The state pool gets a slot per running request and per
+checkpoint it may reserve (so admission never waits on slots that cannot free), plus its share of the
+budget for cached prefix states; the KV pool gets the rest. `max_num_seqs` is capped so that the
+running requests' own slots always fit.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from jaxhybrid.config import GDN, MAMBA2, ModelConfig
+
+
+class PoolSizes(NamedTuple):
+    num_blocks: int         # KV blocks, the null block 0 included
+    num_state_slots: int    # state slots, the null slot 0 included
+    max_num_seqs: int       # running requests, capped to what the slots hold
+    bytes_per_block: int
+    bytes_per_slot: int
+
+    def describe(self) -> str:
+        kv, state = self.num_blocks * self.bytes_per_block / 2**30, self.num_state_slots * self.bytes_per_slot / 2**30
+        return (f"{self.num_blocks} KV blocks x {self.bytes_per_block} B ({kv:.2f} GiB), {self.num_state_slots} state "
+                f"slots x {self.bytes_per_slot} B ({state:.2f} GiB), max_num_seqs {self.max_num_seqs}")
+
+
+def slot_bytes(cfg: ModelConfig, ring_size: int, num_spec_tokens: int, dtype_bytes: int = 2) -> int:
+    """Bytes of one state slot over all recurrent layers (activations in `dtype_bytes`, states in fp32)."""
+    entries, columns = ring_size + 1 + num_spec_tokens, cfg.conv_kernel - 1 + 1 + num_spec_tokens
+    per_kind = {}
+    if cfg.gdn:
+        g = cfg.gdn
+        state = 4 * g.num_v_heads * g.head_k_dim * g.head_v_dim
+        ring = 4 * entries * (g.num_k_heads * g.head_k_dim + g.num_v_heads * g.head_v_dim + g.num_v_heads)
+        per_kind[GDN] = state + ring + dtype_bytes * columns * g.conv_dim
+    if cfg.mamba2:
+        m = cfg.mamba2
+        state = 4 * m.num_heads * m.head_dim * m.state_size
+        ring = 4 * entries * (m.num_heads * m.head_dim + m.num_heads + m.n_groups * m.state_size)
+        per_kind[MAMBA2] = state + ring + dtype_bytes * columns * m.conv_dim
+    return sum(per_kind[kind] for layer in cfg.layers for kind in layer if kind in per_kind)
+
+
+def size_pools(cfg: ModelConfig, budget_bytes: int, *, block_size: int, ring_size: int, num_spec_tokens: int,
+               max_num_seqs: int, max_model_len: int, cache_fraction: float = 0.1,
+               dtype_bytes: int = 2) -> PoolSizes:
+    """Split `budget_bytes` between the pools; raises ValueError when one longest request cannot fit.
+
+    cache_fraction: share of the budget for cached prefix states beyond the per-request slots.
+    """
+    if not 0 <= cache_fraction < 1:
+        raise ValueError(f"cache_fraction must be in [0, 1), got {cache_fraction}")
+    per_slot = slot_bytes(cfg, ring_size, num_spec_tokens, dtype_bytes)
+    per_block = block_size * cfg.kv_bytes_per_token(dtype_bytes)
+    longest = -(-(max_model_len + num_spec_tokens) // block_size)  # blocks of one request at max_model_len
+    # the null block and slot, one request at max_model_len with a reserved checkpoint and a cached hit
+    minimum = (1 + longest) * per_block + 4 * per_slot
+    if budget_bytes < minimum:
+        raise ValueError(f"a memory budget of {budget_bytes} B cannot hold one request of max_model_len "
+                         f"{max_model_len}: it needs {minimum} B ({longest} KV blocks of {per_block} B and 4 state "
+                         f"slots of {per_slot} B)")
+    if per_slot:  # each running request: its slot and a checkpoint it may reserve
+        max_num_seqs = min(max_num_seqs, (budget_bytes - (1 + longest) * per_block - 2 * per_slot) // (2 * per_slot))
+    cached = max(int(cache_fraction * budget_bytes) // per_slot, 1) if per_slot else 0
+    slots = 1 + 2 * max_num_seqs + cached if per_slot else 1
+    blocks = (budget_bytes - slots * per_slot) // per_block if per_block else 1
+    return PoolSizes(int(blocks), int(slots), int(max_num_seqs), per_block, per_slot)

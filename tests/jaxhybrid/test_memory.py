@@ -1,0 +1,63 @@
+"""Pool sizing from a memory budget: slot pages counted as the kernels lay them out, budgets respected."""
+
+import numpy as np
+import pytest
+
+from jaxhybrid.config import GDN, MAMBA2
+from jaxhybrid.memory import size_pools, slot_bytes
+from scheduler import SchedulerConfig
+from tests.hf_fixtures import fixture_model
+
+
+def _page_nbytes(cfg, ring_size: int, k: int) -> int:
+    """One slot of every pool a recurrent layer keeps, built with the shapes the kernels document."""
+    width, columns, total = ring_size + 1 + k, cfg.conv_kernel - 1 + 1 + k, 0
+    for kind in (kind for layer in cfg.layers for kind in layer):
+        if kind == GDN:
+            g = cfg.gdn
+            pools = [np.zeros((1, g.num_v_heads, g.head_k_dim, g.head_v_dim), np.float32),  # S0
+                     np.zeros((1, g.num_k_heads, width, g.head_k_dim), np.float32),  # ring_k
+                     np.zeros((1, g.num_v_heads, width, g.head_v_dim), np.float32),  # ring_u
+                     np.zeros((1, g.num_v_heads, width), np.float32),  # ring_g
+                     np.zeros((1, columns, g.conv_dim), np.float16)]  # conv window + verify columns
+        elif kind == MAMBA2:
+            m = cfg.mamba2
+            pools = [np.zeros((1, m.num_heads, m.head_dim, m.state_size), np.float32),
+                     np.zeros((1, m.num_heads, width, m.head_dim), np.float32),  # ring_x
+                     np.zeros((1, m.num_heads, width), np.float32),  # ring_dt
+                     np.zeros((1, m.n_groups, width, m.state_size), np.float32),  # ring_B
+                     np.zeros((1, columns, m.conv_dim), np.float16)]
+        else:
+            continue
+        total += sum(p.nbytes for p in pools)
+    return total
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "qwen3_5_text"])
+@pytest.mark.parametrize("ring_size, k", [(1, 0), (16, 3)])
+def test_a_slot_counts_state_ring_and_window(family, ring_size, k):
+    cfg = fixture_model(family).config
+    assert slot_bytes(cfg, ring_size, k) == _page_nbytes(cfg, ring_size, k)
+
+
+def test_pools_fill_the_budget_and_make_a_valid_scheduler_config():
+    cfg = fixture_model("qwen3_next").config
+    sizes = size_pools(cfg, 64 << 20, block_size=16, ring_size=16, num_spec_tokens=3, max_num_seqs=64,
+                       max_model_len=4096)
+    used = sizes.num_blocks * sizes.bytes_per_block + sizes.num_state_slots * sizes.bytes_per_slot
+    assert used <= 64 << 20 < used + sizes.bytes_per_block
+    assert sizes.max_num_seqs == 64 and sizes.num_state_slots > 2 * 64
+    SchedulerConfig(block_size=16, max_num_seqs=sizes.max_num_seqs, max_model_len=4096, num_blocks=sizes.num_blocks,
+                    num_state_slots=sizes.num_state_slots, num_spec_tokens=3, ring_size=16)
+    assert "KV blocks" in sizes.describe()
+
+
+def test_scarce_slots_cap_max_num_seqs_and_a_tiny_budget_names_the_problem():
+    cfg = fixture_model("nemotron_h").config
+    per_slot = slot_bytes(cfg, 16, 3)
+    sizes = size_pools(cfg, 40 * per_slot, block_size=16, ring_size=16, num_spec_tokens=3, max_num_seqs=256,
+                       max_model_len=64)
+    assert 1 <= sizes.max_num_seqs < 20 and sizes.num_state_slots >= 1 + 2 * sizes.max_num_seqs + 1
+    with pytest.raises(ValueError, match="max_model_len 4096"):
+        size_pools(cfg, 10 * per_slot, block_size=16, ring_size=16, num_spec_tokens=3, max_num_seqs=8,
+                   max_model_len=4096)
