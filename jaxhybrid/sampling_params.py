@@ -1,0 +1,96 @@
+"""`SamplingParams` with vLLM's names, checked once, and what each part of the engine takes from it:
+the scheduler's stop conditions, the device's per-row record (`sampling.ROW_DTYPE`) and the host's
+stop strings."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import scheduler
+from jaxhybrid.sampling import pack_row
+
+MAX_SEED = 2**63 - 1
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's outputs (vLLM's `SamplingParams` names and defaults).
+
+    temperature 0 is greedy; top_k 0 or -1 and top_p 1 disable those filters; seed None draws a seed per
+    request; stop strings end the text before them (unless include_stop_str_in_output); logprobs and
+    prompt_logprobs ask for that many top log-probabilities per position; max_tokens 0 scores the prompt.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default=())
+    stop_token_ids: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        for problem in self._problems():
+            raise ValueError(problem)
+
+    def _problems(self):
+        """Each broken rule as a message naming the field (the server turns the first into a 400)."""
+        checks = [
+            ("n", _is_int(self.n) and self.n >= 1, "an integer >= 1"),
+            ("max_tokens", self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0),
+             "an integer >= 0 or None"),
+            ("temperature", _is_number(self.temperature) and self.temperature >= 0, "a finite number >= 0"),
+            ("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", _is_int(self.top_k) and self.top_k >= -1, "an integer >= -1 (0 or -1: off)"),
+            ("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("repetition_penalty", _is_number(self.repetition_penalty) and self.repetition_penalty > 0, "> 0"),
+            ("presence_penalty", _is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             "in [-2, 2]"),
+            ("frequency_penalty", _is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             "in [-2, 2]"),
+            ("seed", self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
+             f"an integer in [0, {MAX_SEED}] or None"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
+            ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "integers >= 0"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "a bool"),
+            ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+             "an integer >= 0 or None"),
+            ("prompt_logprobs", self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                                                 and self.prompt_logprobs >= 0),
+             "an integer >= 0 or None"),
+        ]
+        return [f"SamplingParams.{name} must be {rule}, got {getattr(self, name)!r}" for name, ok, rule in checks
+                if not ok]
+
+    def scheduler_params(self, max_tokens: int, eos_token_id: int | None) -> scheduler.SamplingParams:
+        """The stop conditions the scheduler enforces; `max_tokens` resolved by the engine (None: what fits)."""
+        return scheduler.SamplingParams(max_tokens=max_tokens, eos_token_id=eos_token_id,
+                                        stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+
+    def row_data(self, seed: int) -> bytes:
+        """The device's per-row record; `seed` is this request's own (drawn by the engine when None)."""
+        return pack_row(self.temperature, self.top_p, max(self.top_k, 0), self.min_p, self.repetition_penalty,
+                        self.presence_penalty, self.frequency_penalty, seed)

@@ -1,0 +1,36 @@
+"""SamplingParams: vLLM's names and defaults, every bad value refused with the field named, and the parts
+handed to the scheduler (stop conditions) and the device (the per-row record)."""
+
+import numpy as np
+import pytest
+
+import scheduler
+from jaxhybrid.sampling import ROW_DTYPE, SamplingRows
+from jaxhybrid.sampling_params import SamplingParams
+
+
+def test_defaults_are_vllms():
+    p = SamplingParams()
+    assert (p.n, p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop) == (1, 16, 1.0, 1.0, 0, None, ())
+    assert SamplingParams(stop="\n").stop == ("\n",)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 0), ("max_tokens", -1), ("max_tokens", 2.0), ("temperature", -0.5), ("temperature", float("nan")),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 2.5), ("min_p", 1.2), ("repetition_penalty", 0.0),
+    ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("seed", -1), ("seed", True), ("stop", ("",)),
+    ("stop_token_ids", (1, -3)), ("ignore_eos", 1), ("logprobs", -1), ("prompt_logprobs", 1.0),
+])
+def test_bad_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be"):
+        SamplingParams(**{field: value})
+
+
+def test_the_scheduler_gets_stop_conditions_and_the_device_a_record():
+    p = SamplingParams(temperature=0.7, top_p=0.9, top_k=-1, min_p=0.05, repetition_penalty=1.1,
+                       presence_penalty=0.5, frequency_penalty=-0.25, stop_token_ids=[5, 6], ignore_eos=True)
+    assert p.scheduler_params(12, eos_token_id=0) == scheduler.SamplingParams(12, 0, (5, 6), True)
+    record = np.frombuffer(p.row_data(seed=2**40 + 3), ROW_DTYPE)[0]
+    assert record["top_k"] == 0 and record["seed"] == 3  # -1 means off, as 0; seeds fold to 32 bits
+    rows = SamplingRows.from_records(np.frombuffer(p.row_data(seed=9), np.uint8).reshape(1, -1))
+    np.testing.assert_allclose([float(f[0]) for f in rows[:7]], [0.7, 0.9, 0, 0.05, 1.1, 0.5, -0.25], rtol=1e-6)
