@@ -42,7 +42,8 @@ class StateEdit:
         self._data, self._generation, self.cfg = data, data.generation, data.config
         self.rows, self.blocks, self.slots = data.rows, data.blocks, data.slots
         self.requests, self.row_of, self.logs, self.parked = data.requests, data.row_of, data.logs, data.parked_tokens
-        for part in (self.rows, self.blocks, self.slots):
+        self._parts = (self.rows, self.blocks, self.slots, self.requests, self.row_of, self.logs, self.parked)
+        for part in self._parts[:3]:  # the maps keep undo logs from their first write
             part.begin()
         self._log_marks: dict[str, tuple[TokenLog, tuple[int, int]]] = {}
         self.hash_marks: list[tuple[list[bytes], int]] = []  # keys chained over row tails, and their old lengths
@@ -60,7 +61,7 @@ class StateEdit:
 
     def __exit__(self, kind, error, traceback) -> None:
         if error is not None and self._data.generation == self._generation:  # raised before `freeze`
-            for part in (self.rows, self.blocks, self.slots, self.requests, self.row_of, self.logs, self.parked):
+            for part in self._parts:
                 part.rollback()
             for log, mark in self._log_marks.values():
                 log.truncate(mark)
@@ -107,7 +108,7 @@ class StateEdit:
     def freeze(self) -> SchedulerState:
         """Commit the writes; returns the state's new handle (the one passed in is consumed)."""
         data = self._data
-        for part in (self.rows, self.blocks, self.slots, self.requests, self.row_of, self.logs, self.parked):
+        for part in self._parts:
             part.commit()
         data.waiting, data.running, data.running_rows = tuple(self.waiting), tuple(self.running), self.running_rows()
         data.claims, data.materializations, data.in_flight, data.step = (self.claims, self.materializations,
