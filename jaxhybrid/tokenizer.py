@@ -1,11 +1,17 @@
-"""HuggingFace `tokenizer.json` wrapper: encode, decode, special tokens and the checkpoint marker."""
+"""HuggingFace `tokenizer.json` wrapper: encode, decode, special tokens, the chat template and the
+checkpoint marker."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+from scheduler import CheckpointMarkerError, parse_checkpoint_marker
+from scheduler.checkpoints import ParsedPrompt
 
 CHECKPOINT_MARKER = "<|mamba_checkpoint|>"
 
@@ -42,3 +48,34 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def encode_prompt(self, text: str, hash_unit: int) -> ParsedPrompt:
+        """A prompt's token ids with the `<|mamba_checkpoint|>` marker stripped and its position recorded
+        (rounded down to `hash_unit`); a misplaced marker raises `CheckpointMarkerError` (a 400)."""
+        ids, marker = self.encode(text), self.token_id(CHECKPOINT_MARKER)
+        if marker is None:
+            if CHECKPOINT_MARKER in text:
+                raise CheckpointMarkerError(f"this tokenizer has no {CHECKPOINT_MARKER} token")
+            return ParsedPrompt(tuple(ids), None, ())
+        return parse_checkpoint_marker(ids, marker, hash_unit)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render chat `messages` ({"role", "content"} dicts) with the checkpoint's chat template, in the
+        sandboxed Jinja environment HuggingFace uses; a bad message or template raises ValueError."""
+        if self.chat_template is None:
+            raise ValueError("this checkpoint has no chat_template: send a text prompt instead")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(
+                    message.get("content"), str):
+                raise ValueError(f"messages[{i}] must be a dict with a str 'role' and a str 'content'")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, eos_token=self.eos_token)
+        except TemplateError as error:
+            raise ValueError(f"chat template: {error}") from error
+
+
+def _raise_template_error(message: str) -> None:
+    raise TemplateError(message)

@@ -1,4 +1,5 @@
-"""Incremental detokenization and stop strings on the embedded model's byte-level BPE tokenizer."""
+"""Incremental detokenization, stop strings, the checkpoint marker and the chat template on the embedded model's
+tokenizer."""
 
 import functools
 
@@ -9,6 +10,7 @@ from hypothesis import strategies as st
 from jaxhybrid.detokenize import IncrementalDetokenizer
 from jaxhybrid.tokenizer import CHECKPOINT_MARKER, Tokenizer
 from jaxhybrid.weights import DEFAULT_MODEL_DIR
+from scheduler import CheckpointMarkerError
 
 TEXTS = ["def read_config(path):\n    return json.load(open(path))", "  # héllo → 日本語 ✓\n\tx = 1",
          "a<|im_end|>b", "print('naïve café')  "]
@@ -70,3 +72,25 @@ def test_the_checkpoint_marker_is_one_special_token_and_bad_stops_are_refused():
     assert ids.count(marker) == 1 and CHECKPOINT_MARKER not in tok.decode(ids)
     with pytest.raises(ValueError, match="stop strings"):
         IncrementalDetokenizer(tok, [], stop=("",))
+
+
+def test_a_marked_prompt_loses_its_marker_and_records_the_checkpoint():
+    tok = _tokenizer()
+    anchor = tok.encode("def read_config(path):\n    with open(path) as f:\n        return f.read()\n")
+    parsed = tok.encode_prompt(tok.decode(anchor) + CHECKPOINT_MARKER + "print(1)", hash_unit=4)
+    assert parsed.token_ids[: len(anchor)] == tuple(anchor) and tok.token_id(CHECKPOINT_MARKER) not in parsed.token_ids
+    assert parsed.checkpoint_position == len(anchor) // 4 * 4
+    assert tok.encode_prompt("no marker here", hash_unit=4).checkpoint_position is None
+    for bad in (CHECKPOINT_MARKER + "x = 1", f"a{CHECKPOINT_MARKER}b{CHECKPOINT_MARKER}c"):
+        with pytest.raises(CheckpointMarkerError):
+            tok.encode_prompt(bad, hash_unit=1)
+
+
+def test_chat_messages_render_with_the_checkpoints_template():
+    tok = _tokenizer()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert not tok.apply_chat_template(messages, add_generation_prompt=False).endswith("assistant\n")
+    with pytest.raises(ValueError, match=r"messages\[1\]"):
+        tok.apply_chat_template([messages[0], {"role": "user"}])
