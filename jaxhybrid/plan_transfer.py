@@ -1,0 +1,110 @@
+"""A `BatchPlan` on device in one transfer: every device field packed into one int32 buffer on the host,
+cut back into arrays of the plan's own names inside the jitted step (static offsets: free views).
+
+The layout depends only on the plan's buckets (T, R, B, L) and the config's K, Lw and D, so it is the
+static part of the step's jit: one compilation per bucket, never per plan.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scheduler import BatchPlan
+
+_COUNTS = ("num_rows", "num_tokens", "num_hit_copies", "num_pair_copies", "num_publishes", "num_materializations")
+# the plan fields the device reads, by name (host-only fields: step_id, request_ids, row_ids)
+_ARRAYS = ("row_kind", "phase", "cu_seqlens", "query_lens", "context_lens", "state_slots", "has_initial_state",
+           "block_table", "token_ids", "positions", "slot_mapping", "draft_token_ids", "num_logits", "cu_logits",
+           "logits_indices", "lookahead_token_ids", "num_lookahead_tokens", "ring_start", "ring_committed", "flush",
+           "hit_copy_src", "hit_copy_dst", "pair_copy_src", "pair_copy_dst", "publish_src", "publish_dst",
+           "materialize_src", "materialize_dst", "materialize_ring_start", "materialize_count")
+
+
+class PlanLayout(NamedTuple):
+    """(name, offset, shape, dtype) of every packed field, in int32 words; hashable, a static jit argument."""
+
+    fields: tuple[tuple[str, int, tuple[int, ...], str], ...]
+    size: int
+
+
+class DevicePlan(NamedTuple):
+    """The device fields of a `BatchPlan` under the same names (DESIGN "One vocabulary"), as jax arrays;
+    the counts are int32 scalars, `row_data` [R, D] uint8."""
+
+    num_rows: jax.Array
+    num_tokens: jax.Array
+    num_hit_copies: jax.Array
+    num_pair_copies: jax.Array
+    num_publishes: jax.Array
+    num_materializations: jax.Array
+    row_kind: jax.Array
+    phase: jax.Array
+    cu_seqlens: jax.Array
+    query_lens: jax.Array
+    context_lens: jax.Array
+    state_slots: jax.Array
+    has_initial_state: jax.Array
+    block_table: jax.Array
+    token_ids: jax.Array
+    positions: jax.Array
+    slot_mapping: jax.Array
+    draft_token_ids: jax.Array
+    num_logits: jax.Array
+    cu_logits: jax.Array
+    logits_indices: jax.Array
+    lookahead_token_ids: jax.Array
+    num_lookahead_tokens: jax.Array
+    ring_start: jax.Array
+    ring_committed: jax.Array
+    flush: jax.Array
+    hit_copy_src: jax.Array
+    hit_copy_dst: jax.Array
+    pair_copy_src: jax.Array
+    pair_copy_dst: jax.Array
+    publish_src: jax.Array
+    publish_dst: jax.Array
+    materialize_src: jax.Array
+    materialize_dst: jax.Array
+    materialize_ring_start: jax.Array
+    materialize_count: jax.Array
+    row_data: jax.Array
+
+
+def _words(plan: BatchPlan) -> list[tuple[str, np.ndarray]]:
+    """Every device field as int32 words: arrays widened, bools as 0/1, row_data's bytes padded to words."""
+    data = plan.row_data
+    padded = np.zeros((data.shape[0], -(-data.shape[1] // 4) * 4), np.uint8)
+    padded[:, :data.shape[1]] = data
+    return ([(name, np.array(getattr(plan, name), np.int32)) for name in _COUNTS]
+            + [(name, getattr(plan, name).astype(np.int32)) for name in _ARRAYS]
+            + [("row_data", padded.view(np.int32))])
+
+
+def pack_plan(plan: BatchPlan) -> tuple[np.ndarray, PlanLayout]:
+    """One int32 buffer holding every device field of `plan`, and its layout."""
+    fields, parts, offset = [], [], 0
+    for name, words in _words(plan):
+        dtype = str(getattr(plan, name).dtype) if name not in _COUNTS else "int32"
+        fields.append((name, offset, words.shape, dtype))
+        parts.append(words.reshape(-1))
+        offset += words.size
+    layout = PlanLayout(tuple(fields), offset)
+    return np.concatenate(parts), layout
+
+
+def unpack_plan(buffer: jax.Array, layout: PlanLayout, row_data_bytes: int) -> DevicePlan:
+    """Inside the jitted step: the packed buffer back as named arrays of their own dtypes."""
+    out = {}
+    for name, offset, shape, dtype in layout.fields:
+        words = jax.lax.slice(buffer, (offset,), (offset + int(np.prod(shape, dtype=np.int64)),)).reshape(shape)
+        if name == "row_data":
+            out[name] = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(shape[0], -1)[:, :row_data_bytes]
+        elif dtype == "bool":
+            out[name] = words != 0
+        else:
+            out[name] = words.astype(dtype)
+    return DevicePlan(**out)
