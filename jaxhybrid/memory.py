@@ -1,8 +1,8 @@
 """Pool sizing: how many KV blocks and recurrent state slots a memory budget holds (DESIGN "Memory model").
 
-A state slot is one page of every recurrent layer: the fp32 checkpoint state S0, the conv window with
-the 1 + K columns verify writes, and the ReplaySSM ring of W + 1 + K entries (GDN: normalised key, update
-and log-decay per token; Mamba2: x, processed dt and B). A KV block holds `block_size` tokens of every
+A state slot is one page of every recurrent layer: the fp32 checkpoint state S0, the conv window at S0,
+and the ReplaySSM rings of W + 1 + K entries (GDN: normalised key, update and log-decay per token;
+Mamba2: x, processed dt and B; both: the pre-conv inputs). A KV block holds `block_size` tokens of every
 attention layer, the MTP layers included. The state pool gets a slot per running request and per
 checkpoint it may reserve (so admission never waits on slots that cannot free), plus its share of the
 budget for cached prefix states; the KV pool gets the rest. `max_num_seqs` is capped so that the
@@ -31,7 +31,8 @@ class PoolSizes(NamedTuple):
 
 def slot_bytes(cfg: ModelConfig, ring_size: int, num_spec_tokens: int, dtype_bytes: int = 2) -> int:
     """Bytes of one state slot over all recurrent layers (activations in `dtype_bytes`, states in fp32)."""
-    entries, columns = ring_size + 1 + num_spec_tokens, cfg.conv_kernel - 1 + 1 + num_spec_tokens
+    entries = ring_size + 1 + num_spec_tokens
+    columns = cfg.conv_kernel - 1 + entries  # the window and the ring of pre-conv inputs
     per_kind = {}
     if cfg.gdn:
         g = cfg.gdn

@@ -26,6 +26,7 @@ ROW_DTYPE = np.dtype([
     ("presence_penalty", "<f4"),    # 0: off (output tokens)
     ("frequency_penalty", "<f4"),   # 0: off (output tokens)
     ("seed", "<u4"),
+    ("logprobs", "<i4"),            # 1: the step reports this row's logprobs
 ])
 
 _DRAW_SAMPLE, _DRAW_ACCEPT, _DRAW_RESIDUAL = 0, 1, 2  # independent streams of one (seed, position)
@@ -42,6 +43,7 @@ class SamplingRows(NamedTuple):
     presence_penalty: jax.Array
     frequency_penalty: jax.Array
     seed: jax.Array
+    logprobs: jax.Array
 
     @staticmethod
     def from_records(records: np.ndarray) -> SamplingRows:
@@ -49,13 +51,20 @@ class SamplingRows(NamedTuple):
         records = np.ascontiguousarray(records).view(ROW_DTYPE).reshape(-1)
         return SamplingRows(*(jnp.asarray(records[name]) for name in ROW_DTYPE.names))
 
+    @staticmethod
+    def from_bytes(row_data: jax.Array) -> SamplingRows:
+        """Inside jit: [R, itemsize] uint8 records (a plan's `row_data`) -> per-field arrays."""
+        words = jax.lax.bitcast_convert_type(row_data.reshape(row_data.shape[0], -1, 4), jnp.uint32)
+        return SamplingRows(*(jax.lax.bitcast_convert_type(words[:, i], jnp.dtype(ROW_DTYPE[name]).newbyteorder("="))
+                              for i, name in enumerate(ROW_DTYPE.names)))
+
 
 def pack_row(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
              repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-             seed: int = 0) -> bytes:
+             seed: int = 0, logprobs: bool = False) -> bytes:
     """One request's settings as `Request.row_data` bytes."""
     record = np.array([(temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty,
-                        seed & 0xFFFFFFFF)], ROW_DTYPE)
+                        seed & 0xFFFFFFFF, int(logprobs))], ROW_DTYPE)
     return record.tobytes()
 
 

@@ -93,4 +93,5 @@ class SamplingParams:
     def row_data(self, seed: int) -> bytes:
         """The device's per-row record; `seed` is this request's own (drawn by the engine when None)."""
         return pack_row(self.temperature, self.top_p, max(self.top_k, 0), self.min_p, self.repetition_penalty,
-                        self.presence_penalty, self.frequency_penalty, seed)
+                        self.presence_penalty, self.frequency_penalty, seed,
+                        self.logprobs is not None or self.prompt_logprobs is not None)

@@ -19,9 +19,10 @@ import jax
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
+from jaxhybrid.api import LLM
 from jaxhybrid.config import parse_hf_config
 from jaxhybrid.export import export_hf_checkpoint
-from jaxhybrid.generate import generate
+from jaxhybrid.sampling_params import SamplingParams
 from jaxhybrid.tiny.bpe import EOS_TOKEN, encode_documents, save_tokenizer, train_tokenizer
 from jaxhybrid.tiny.corpus import Corpus, gather_corpus
 from jaxhybrid.tiny.evaluate import HeldOutMetrics, evaluate
@@ -30,7 +31,6 @@ from jaxhybrid.tiny.recipe import TrainSettings, hf_config
 from jaxhybrid.tiny.report import TrainingRecord, model_card, plot_loss_curve
 from jaxhybrid.tiny.roundtrip import NUM_REFERENCE_TOKENS, model_outputs, save_reference
 from jaxhybrid.tiny.train import train, windows
-from jaxhybrid.tokenizer import Tokenizer
 from jaxhybrid.weights import load_model
 
 SAMPLE_PROMPTS = ("def read_config(path):", "class Stack:", "def is_prime(n):")
@@ -68,12 +68,10 @@ def _roundtrip_error(out: Path, trained: TrainedModel, tokens: np.ndarray) -> fl
 
 
 def _samples(out: Path) -> list[tuple[str, str]]:
-    model, tokenizer = load_model(out), Tokenizer.from_pretrained(out)
-    samples = []
-    for prompt in SAMPLE_PROMPTS:
-        ids = generate(model, tokenizer.encode(prompt), SAMPLE_TOKENS, stop_ids=(tokenizer.eos_token_id,))
-        samples.append((prompt, tokenizer.decode(ids)))
-    return samples
+    llm = LLM(out, num_blocks=256, num_state_slots=16)
+    outputs = llm.generate(list(SAMPLE_PROMPTS), SamplingParams(temperature=0, max_tokens=SAMPLE_TOKENS),
+                           use_tqdm=False)
+    return [(prompt, output.outputs[0].text) for prompt, output in zip(SAMPLE_PROMPTS, outputs, strict=True)]
 
 
 def package(out: Path, tokenizer: HFTokenizer, corpus: Corpus, trained: TrainedModel,

@@ -58,8 +58,10 @@ _COPY_FIELDS = ("hit_copy_src", "hit_copy_dst", "pair_copy_src", "pair_copy_dst"
 
 def assemble(cfg: SchedulerConfig, step_id: int, decode: DecodeBatch, prefills: list[PrefillRow],
              copies: Copies, block_table: np.ndarray, num_blocks: np.ndarray, row_data: np.ndarray) -> BatchPlan:
-    """Build the padded plan; decode rows come first, then prefill rows in scheduling order.
-    `block_table` / `num_blocks` / `row_data` are the state's, block tables already grown for this step."""
+    """Build the padded plan; decode rows come first, then the checkpoint producers of phase 1, then the
+    other prefill rows, each group in scheduling order (the device runs each group as one contiguous
+    call). `block_table` / `num_blocks` / `row_data` are the state's, block tables already grown for this step."""
+    prefills = sorted(prefills, key=lambda p: p.phase)  # stable
     n, q = len(decode.rows), 1 + cfg.num_spec_tokens
     row_ids = np.concatenate([decode.rows, [p.row for p in prefills]]).astype(np.int64)  # owned, not a view
     rows_b = pick_bucket(cfg.row_buckets, max(len(row_ids), *map(len, copies)))

@@ -55,6 +55,7 @@ class StateEdit:
         self.aborting = data.aborting
         self.in_flight = data.in_flight
         self.step = data.step
+        self.num_preemptions = data.num_preemptions
 
     def __enter__(self) -> StateEdit:
         return self
@@ -113,7 +114,7 @@ class StateEdit:
         data.waiting, data.running, data.running_rows = tuple(self.waiting), tuple(self.running), self.running_rows()
         data.claims, data.materializations, data.in_flight, data.step = (self.claims, self.materializations,
                                                                          self.in_flight, self.step)
-        data.aborting = self.aborting
+        data.aborting, data.num_preemptions = self.aborting, self.num_preemptions
         data.generation += 1
         return SchedulerState(data)
 
@@ -333,6 +334,7 @@ def release_claims(edit: StateEdit, request_ids: set[str]) -> None:
 
 def preempt(edit: StateEdit, request_id: str) -> None:
     """Recompute preemption: free everything, reset trackers, requeue at the front."""
+    edit.num_preemptions += 1
     release_rows(edit, [request_id])
     edit.writable_waiting().insert(0, request_id)
 

@@ -77,7 +77,8 @@ def emit_prefill(p: Pass, rid: str, row: int, start: int, n: int) -> None:
     phase = _publish_chunk_end(p, rid, row, end) if edit.cfg.align else 2
     log = edit.logs[rid]  # a prefill reads only tokens below prefill_end, all in the log
     samples = end == prefill_end
-    lookahead = log.slice(end, end if samples else min(end + edit.cfg.num_lookahead, prefill_end))
+    # at least one token: the device's prompt logprobs and MTP pass read the token after the chunk
+    lookahead = log.slice(end, end if samples else min(end + max(edit.cfg.num_lookahead, 1), prefill_end))
     p.prefills.append(PrefillRow(row, rid, start, log.slice(start, end), num_logits, phase, start > 0,
                                  int(edit.rows.running_slot[row]), lookahead))
     p.budget -= n

@@ -248,6 +248,7 @@ class StateData:
         self.aborting: tuple[str, ...] = ()  # running requests aborted while a step is in flight
         self.in_flight: InFlight | None = None
         self.step = 0                        # steps scheduled so far; also the LRU clock
+        self.num_preemptions = 0             # running requests preempted so far (a metric)
         self.generation = 0
 
     def num_tokens(self, request_id: str) -> int:

@@ -2,39 +2,24 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxhybrid.config import AttentionConfig
 from jaxhybrid.models.layers import RMSNorm, apply_rotary
-from jaxhybrid.models.ops import CHUNKED, ModelOps
-
-
-class AttentionBatch(NamedTuple):
-    """Per-step metadata of the packed tokens, shared by every attention layer."""
-
-    positions: jax.Array  # [T] i32; absolute position of each token in its sequence
-    cu_seqlens: jax.Array  # [R+1] i32; row r owns tokens cu_seqlens[r]:cu_seqlens[r+1]
-    slot_mapping: jax.Array  # [T] i32; flat KV slot (block * block_size + offset); padding -> 0 (null block)
-    block_tables: jax.Array  # [R, max_blocks] i32; padding entries -> 0
-    context_lens: jax.Array  # [R] i32; tokens of the row in the KV cache after this step's write
-
-
-class KVPool(NamedTuple):
-    k: jax.Array  # [num_blocks, block_size, kv_heads, head_dim]; block 0 is the null block
-    v: jax.Array
+from jaxhybrid.models.ops import DEFAULT_OPS, ModelOps
+from jaxhybrid.models.pools import KVPool
+from jaxhybrid.plan_transfer import DevicePlan
 
 
 class Attention(nn.Module):
     cfg: AttentionConfig
     norm_eps: float
-    ops: ModelOps = CHUNKED
+    ops: ModelOps = DEFAULT_OPS
 
     @nn.compact
-    def __call__(self, x: jax.Array, batch: AttentionBatch, pool: KVPool) -> tuple[jax.Array, KVPool]:
+    def __call__(self, x: jax.Array, plan: DevicePlan, pool: KVPool) -> tuple[jax.Array, KVPool]:
         cfg, num_tokens = self.cfg, x.shape[0]
         dense = lambda n, name: nn.Dense(n, use_bias=cfg.bias, dtype=x.dtype, name=name)
         q_width = cfg.num_heads * cfg.head_dim * (2 if cfg.output_gate else 1)
@@ -46,11 +31,11 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q = RMSNorm(self.norm_eps, zero_centered=True, name="q_norm")(q)
             k = RMSNorm(self.norm_eps, zero_centered=True, name="k_norm")(k)
-        q = apply_rotary(q, batch.positions, cfg.rotary_dim, cfg.rope_theta)
-        k = apply_rotary(k, batch.positions, cfg.rotary_dim, cfg.rope_theta)
+        q = apply_rotary(q, plan.positions, cfg.rotary_dim, cfg.rope_theta)
+        k = apply_rotary(k, plan.positions, cfg.rotary_dim, cfg.rope_theta)
         out, k_pool, v_pool = self.ops.attention(
-            q, k, v, pool.k, pool.v, batch.slot_mapping, batch.block_tables, batch.cu_seqlens,
-            batch.context_lens, scale=cfg.head_dim**-0.5,
+            q, k, v, pool.k, pool.v, plan.slot_mapping, plan.block_table, plan.cu_seqlens,
+            plan.context_lens + plan.query_lens, scale=cfg.head_dim**-0.5, backend=self.ops.backend,
         )
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
         if gate is not None:

@@ -7,9 +7,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxhybrid.config import Mamba2Config
-from jaxhybrid.models.gdn import RecurrentState
 from jaxhybrid.models.layers import GatedRMSNorm
-from jaxhybrid.models.ops import CHUNKED, ModelOps
+from jaxhybrid.models.ops import DEFAULT_OPS, ModelOps
+from jaxhybrid.models.pools import RecurrentPool
+from jaxhybrid.models.recurrent import Conv, MixerCore, recurrent_layer
+from jaxhybrid.plan_transfer import DevicePlan
+from pallas_kernels.mamba2 import ssd_materialise, ssd_prefill, ssd_verify
 
 
 class Mamba2Mixer(nn.Module):
@@ -17,11 +20,11 @@ class Mamba2Mixer(nn.Module):
 
     cfg: Mamba2Config
     norm_eps: float
-    ops: ModelOps = CHUNKED
+    ops: ModelOps = DEFAULT_OPS
 
     @nn.compact
-    def __call__(self, x: jax.Array, cu_seqlens: jax.Array, state: RecurrentState) -> tuple[jax.Array, RecurrentState]:
-        cfg, num_tokens = self.cfg, x.shape[0]
+    def __call__(self, x: jax.Array, plan: DevicePlan, pool: RecurrentPool) -> tuple[jax.Array, RecurrentPool]:
+        cfg, num_tokens, backend = self.cfg, x.shape[0], self.ops.backend
         inner, groups_width = cfg.intermediate_size, cfg.n_groups * cfg.state_size
         proj = nn.Dense(inner + cfg.conv_dim + cfg.num_heads, use_bias=cfg.proj_bias, dtype=x.dtype,
                         name="in_proj")(x)
@@ -29,19 +32,33 @@ class Mamba2Mixer(nn.Module):
         conv_weight = self.param("conv1d", nn.initializers.normal(0.2), (cfg.conv_dim, cfg.conv_kernel), jnp.float32)
         conv_bias = (self.param("conv1d_bias", nn.initializers.zeros, (cfg.conv_dim,), jnp.float32)
                      if cfg.use_conv_bias else None)
-        xbc, conv_window = self.ops.conv1d(xbc, conv_weight.astype(x.dtype),
-                                         None if conv_bias is None else conv_bias.astype(x.dtype), cu_seqlens,
-                                         state.conv)
-        xs = xbc[:, :inner].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
-        b = xbc[:, inner : inner + groups_width].reshape(num_tokens, cfg.n_groups, cfg.state_size)
-        c = xbc[:, inner + groups_width :].reshape(num_tokens, cfg.n_groups, cfg.state_size)
         a_log = self.param("A_log", nn.initializers.zeros, (cfg.num_heads,), jnp.float32)
         dt_bias = self.param("dt_bias", nn.initializers.ones, (cfg.num_heads,), jnp.float32)
         d = self.param("D", nn.initializers.ones, (cfg.num_heads,), jnp.float32)
         # Mirrors HF mamba2_chunk_scan: softplus(dt + dt_bias), clamped to (time_step_min, inf).
         dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + dt_bias), cfg.dt_min, cfg.dt_max)
-        y, ssm = self.ops.ssd(xs, dt, -jnp.exp(a_log), b, c, d, cu_seqlens, state.ssm, chunk_size=cfg.chunk_size)
+        a = -jnp.exp(a_log)
+
+        def inputs(mixed):
+            xs = mixed[:, :inner].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+            b = mixed[:, inner : inner + groups_width].reshape(num_tokens, cfg.n_groups, cfg.state_size)
+            c = mixed[:, inner + groups_width :].reshape(num_tokens, cfg.n_groups, cfg.state_size)
+            return xs, dt, a, b, c, d
+
+        def verify(mixed, cu, state, rings, slots, ring_start, committed, flush):
+            out, state, *rings = ssd_verify(*inputs(mixed), cu, state, *rings, slots, ring_start, committed, flush,
+                                            backend=backend)
+            return out, state, tuple(rings)
+
+        core = MixerCore(
+            prefill=lambda mixed, cu, state, slots, has_initial: ssd_prefill(
+                *inputs(mixed), cu, state, slots, has_initial, chunk_size=cfg.chunk_size, backend=backend),
+            verify=verify,
+            materialise=lambda state, rings, *copies: ssd_materialise(state, *rings, a, *copies, backend=backend),
+            out=jax.ShapeDtypeStruct((num_tokens, cfg.num_heads, cfg.head_dim), x.dtype))
+        conv = Conv(conv_weight.astype(x.dtype), None if conv_bias is None else conv_bias.astype(x.dtype), backend)
+        y, pool = recurrent_layer(xbc, conv, core, plan, pool)
         y = GatedRMSNorm(self.norm_eps, norm_before_gate=False, group_size=inner // cfg.n_groups, name="norm")(
             y.reshape(num_tokens, inner), z)
         out = nn.Dense(x.shape[-1], use_bias=cfg.proj_bias, dtype=x.dtype, name="out_proj")(y)
-        return out, RecurrentState(conv_window, ssm)
+        return out, pool

@@ -20,7 +20,8 @@ from pallas_kernels.gdn.reference import chunk_decays, l2norm
 CHUNK = 64  # the inference op's default chunk, so the arithmetic matches it step for step
 
 
-def causal_attention(q, k, v, k_pool, v_pool, slot_mapping, block_tables, cu_seqlens, context_lens, *, scale):
+def causal_attention(q, k, v, k_pool, v_pool, slot_mapping, block_tables, cu_seqlens, context_lens, *, scale,
+                     backend=None):
     """`ragged_paged_attention` for R equal rows starting at position 0; the KV pools are returned unwritten."""
     num_rows = block_tables.shape[0]
     num_tokens, num_q_heads, head_dim = q.shape
@@ -41,9 +42,10 @@ def _to_chunks(x: jax.Array, num_rows: int) -> jax.Array:
     return jnp.moveaxis(x, 3, 2)
 
 
-def chunked_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state):
-    """`gdn_chunked` (l2-normalised q/k, scale K**-0.5) for R equal rows with zero initial state."""
-    num_rows, num_v_heads = initial_state.shape[0], v.shape[1]
+def chunked_delta_rule(q, k, v, g, beta, cu_seqlens, state_pool, slots, has_initial, *, backend=None):
+    """`gdn_prefill` (l2-normalised q/k, scale K**-0.5) for R equal rows from zero states; the pool is
+    returned unwritten (training reads only the outputs)."""
+    num_rows, num_v_heads = slots.shape[0], v.shape[1]
     repeat = lambda x: jnp.repeat(x, num_v_heads // x.shape[1], axis=1)
     q = repeat(l2norm(q) * q.shape[-1] ** -0.5)
     k = repeat(l2norm(k))
@@ -69,9 +71,9 @@ def chunked_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state):
         return state, o
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (u, w, q_decayed, qk, k_to_end, last))
-    final, o = jax.lax.scan(step, jnp.zeros(initial_state.shape, jnp.float32), xs)
+    _, o = jax.lax.scan(step, jnp.zeros((num_rows, *state_pool.shape[1:]), jnp.float32), xs)
     o = jnp.moveaxis(o, (0, 3), (1, 2)).reshape(v.shape)  # [NC, R, HV, C, V] -> [R, NC, C, HV, V] -> [T, HV, V]
-    return o.astype(v.dtype), final
+    return o.astype(v.dtype), state_pool
 
 
-TRAINING_OPS = ModelOps(attention=causal_attention, gdn=chunked_delta_rule)
+TRAINING_OPS = ModelOps(attention=causal_attention, gdn_prefill=chunked_delta_rule)

@@ -13,8 +13,8 @@ import optax
 from tqdm import tqdm
 
 from jaxhybrid.config import ModelConfig
-from jaxhybrid.model import contiguous_batch
-from jaxhybrid.models.hybrid import HybridLM, init_cache
+from jaxhybrid.model import full_forward
+from jaxhybrid.models.hybrid import HybridLM
 from jaxhybrid.tiny.fast_ops import TRAINING_OPS
 from jaxhybrid.tiny.recipe import TrainSettings
 
@@ -28,20 +28,8 @@ def windows(token_ids: np.ndarray, length: int) -> np.ndarray:
 
 
 def forward(module: HybridLM, params: Any, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """tokens [B, L] -> (next-token logits [B, L, V], MTP logits [B, L, V]); rows are independent sequences.
-
-    MTP at position t reads h_t and token t+1 (the last position gets a dummy 0) and predicts token t+2.
-    """
-    num_rows, length = tokens.shape
-    batch = contiguous_batch([length] * num_rows, [0] * num_rows, BLOCK_SIZE, length // BLOCK_SIZE)
-    cache = init_cache(module.cfg, num_rows, 1 + num_rows * (length // BLOCK_SIZE), BLOCK_SIZE)
-    variables = {"params": params}
-    hidden, _ = module.apply(variables, tokens.reshape(-1), batch, cache)
-    shifted = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1))).reshape(-1)
-    mtp_hidden, _ = module.apply(variables, shifted, hidden, batch, cache, method=HybridLM.mtp_hidden)
-    logits = module.apply(variables, hidden, method=HybridLM.logits)
-    mtp_logits = module.apply(variables, mtp_hidden, method=HybridLM.logits)
-    return logits.reshape(num_rows, length, -1), mtp_logits.reshape(num_rows, length, -1)
+    """tokens [B, L] -> (next-token logits [B, L, V], MTP logits [B, L, V]); rows are independent sequences."""
+    return full_forward(module, params, tokens, BLOCK_SIZE, with_mtp=True)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

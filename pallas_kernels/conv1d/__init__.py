@@ -12,7 +12,7 @@ from pallas_kernels.common import resolve_backend
 from pallas_kernels.conv1d import pallas, reference
 from pallas_kernels.conv1d.reference import causal_conv1d
 
-__all__ = ["causal_conv1d", "conv1d_prefill", "conv1d_rollback", "conv1d_verify"]
+__all__ = ["causal_conv1d", "conv1d_materialise", "conv1d_prefill", "conv1d_replay", "conv1d_rollback", "conv1d_verify"]
 
 
 def conv1d_prefill(
@@ -68,3 +68,34 @@ def conv1d_rollback(window_pool, slots, num_accepted, *, kernel_size, backend=No
     """
     resolve_backend(backend)
     return reference.conv1d_rollback(window_pool, slots, num_accepted, kernel_size=kernel_size)
+
+
+def conv1d_replay(x, weight, bias, cu_seqlens, window_pool, ring, slots, ring_start, committed, flush, *,
+                  activation=True, backend=None):
+    """ReplaySSM conv of decode/verify rows (1 + k tokens each), the conv half of `gdn_verify` / `ssd_verify`.
+
+    The slot keeps the window at S0 (`window_pool [S, Kc-1, D]`) and a ring of the pre-conv inputs after it
+    (`ring [S, 1, W, D]`, indexed like the mixer's rings). Each row convolves its tokens from the window after
+    its `committed` live entries, appends its inputs at ring positions committed .. committed + T_r - 1 (mod
+    W, from ring_start) and, where `flush`, stores that window as the new S0 window. Rejecting drafts is a
+    tracker move, and the window at any committed position stays rebuildable (`conv1d_materialise`).
+
+    Args:
+      x, weight, bias, cu_seqlens, slots, activation: as in `conv1d_prefill`.
+      window_pool, ring: the slot page, donated.  ring_start, committed: [R] i32.  flush: [R] bool.
+      backend: accepted for symmetry: a window gather and a conv over at most W tokens per row, which XLA
+        fuses on every platform.
+
+    Returns:
+      y: [T, D] in x.dtype, window_pool, ring.
+    """
+    resolve_backend(backend)
+    return reference.conv1d_replay(x, weight, bias, cu_seqlens, window_pool, ring, slots, ring_start, committed,
+                                   flush, activation=activation)
+
+
+def conv1d_materialise(window_pool, ring, src_slots, dst_slots, ring_start, num_entries, *, backend=None):
+    """window_pool[dst] = the window of src after its first num_entries ring entries (dst 0 = skip), the conv
+    half of `gdn_materialise` / `ssd_materialise`. backend: accepted for symmetry (pure data movement)."""
+    resolve_backend(backend)
+    return reference.conv1d_materialise(window_pool, ring, src_slots, dst_slots, ring_start, num_entries)

@@ -10,7 +10,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import check_rows, checkpoint_targets, gather_slots, rows_to_dense, token_rows
+from pallas_kernels.common import (
+    append_tokens,
+    check_rows,
+    checkpoint_targets,
+    gather_slots,
+    rows_to_dense,
+    scatter_slots,
+    token_rows,
+)
 
 
 def _taps(xx, weight):
@@ -119,3 +127,34 @@ def conv1d_rollback(window_pool, slots, num_accepted, *, kernel_size):
     index = num_accepted[:, None] + jnp.arange(width)
     window = jnp.take_along_axis(window_pool[slots], index[:, :, None], axis=1)
     return _write_columns(window_pool, slots, 0, window)
+
+
+def replay_window(window_pool, ring, slots, ring_start, count):
+    """[R, Kc-1, D]: the last Kc-1 of (window ++ the first `count` ring entries) of each row's slot.
+
+    window_pool: [S, Kc-1, D] the window at S0; ring: [S, 1, W, D] pre-conv inputs after S0, entry j at ring
+    index (ring_start + j) % W. The window after S0 plus `count` tokens, which a flush or a materialise keeps.
+    """
+    width, entries = window_pool.shape[1], ring.shape[2]
+    index = count[:, None] + jnp.arange(width)  # into window ++ entries
+    from_window = jnp.take_along_axis(window_pool[slots], jnp.minimum(index, width - 1)[:, :, None], axis=1)
+    ring_index = (ring_start[:, None] + index - width) % entries
+    from_ring = jnp.take_along_axis(ring[slots, 0], ring_index[:, :, None], axis=1)
+    return jnp.where((index < width)[:, :, None], from_window, from_ring.astype(window_pool.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("activation",), donate_argnames=("window_pool", "ring"))
+def conv1d_replay(x, weight, bias, cu_seqlens, window_pool, ring, slots, ring_start, committed, flush, *,
+                  activation=True):
+    """ReplaySSM conv of decode/verify rows; see __init__."""
+    check_rows(cu_seqlens, slots, "slots")
+    window = replay_window(window_pool, ring, slots, ring_start, committed)
+    y, _ = causal_conv1d(x, weight, bias, cu_seqlens, window, activation=activation)
+    window_pool = scatter_slots(window_pool, jnp.where(flush, slots, 0), window)
+    return y, window_pool, append_tokens(ring, x[:, None], cu_seqlens, slots, ring_start, committed)
+
+
+@functools.partial(jax.jit, donate_argnames="window_pool")
+def conv1d_materialise(window_pool, ring, src_slots, dst_slots, ring_start, num_entries):
+    """window[dst] = the window of src after its first num_entries ring entries; see __init__."""
+    return scatter_slots(window_pool, dst_slots, replay_window(window_pool, ring, src_slots, ring_start, num_entries))

@@ -1,36 +1,21 @@
-"""Pool sizing from a memory budget: slot pages counted as the kernels lay them out, budgets respected."""
+"""Pool sizing from a memory budget: slot pages counted as the engine allocates them, budgets respected."""
 
-import numpy as np
+import jax
+import jax.numpy as jnp
 import pytest
 
-from jaxhybrid.config import GDN, MAMBA2
 from jaxhybrid.memory import size_pools, slot_bytes
+from jaxhybrid.models.pools import RecurrentPool, init_device_state
 from scheduler import SchedulerConfig
 from tests.hf_fixtures import fixture_model
 
 
 def _page_nbytes(cfg, ring_size: int, k: int) -> int:
-    """One slot of every pool a recurrent layer keeps, built with the shapes the kernels document."""
-    width, columns, total = ring_size + 1 + k, cfg.conv_kernel - 1 + 1 + k, 0
-    for kind in (kind for layer in cfg.layers for kind in layer):
-        if kind == GDN:
-            g = cfg.gdn
-            pools = [np.zeros((1, g.num_v_heads, g.head_k_dim, g.head_v_dim), np.float32),  # S0
-                     np.zeros((1, g.num_k_heads, width, g.head_k_dim), np.float32),  # ring_k
-                     np.zeros((1, g.num_v_heads, width, g.head_v_dim), np.float32),  # ring_u
-                     np.zeros((1, g.num_v_heads, width), np.float32),  # ring_g
-                     np.zeros((1, columns, g.conv_dim), np.float16)]  # conv window + verify columns
-        elif kind == MAMBA2:
-            m = cfg.mamba2
-            pools = [np.zeros((1, m.num_heads, m.head_dim, m.state_size), np.float32),
-                     np.zeros((1, m.num_heads, width, m.head_dim), np.float32),  # ring_x
-                     np.zeros((1, m.num_heads, width), np.float32),  # ring_dt
-                     np.zeros((1, m.n_groups, width, m.state_size), np.float32),  # ring_B
-                     np.zeros((1, columns, m.conv_dim), np.float16)]
-        else:
-            continue
-        total += sum(p.nbytes for p in pools)
-    return total
+    """One slot of every recurrent pool the engine allocates (activations in a 2-byte dtype)."""
+    state = init_device_state(cfg, num_blocks=2, block_size=16, num_slots=1, ring_entries=ring_size + 1 + k,
+                              dtype=jnp.float16)
+    pools = [pool for pool in state.layers if isinstance(pool, RecurrentPool)]
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(pools))
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "qwen3_5_text"])

@@ -1,45 +1,52 @@
-"""The MTP head: drafts token t+2 from h_t and token t+1; its KV cache carries across chunks."""
+"""The MTP head inside the step: every draft the engine proposes is the MTP head's argmax over the
+sequence so far (its KV carried across prefill chunks and verify steps), and asking MTP of a checkpoint
+without MTP weights is a clear error."""
 
-import jax.numpy as jnp
+import dataclasses
+
 import numpy as np
 import pytest
 
-from jaxhybrid.model import contiguous_batch
+import scheduler
+from jaxhybrid.runner import Runner
+from jaxhybrid.sampling import pack_row
 from tests.hf_fixtures import fixture_model
-from tests.tolerances import assert_float32_close, model_depth
-
-LENGTH = 40
-
-
-def _mtp_logits(model, tokens, chunks):
-    """Target forward once, then the MTP head over positions 0..L-2 in the given chunks."""
-    max_blocks = -(-LENGTH // model.block_size)
-    cache = model.init_cache(1, LENGTH)
-    _, hidden, cache = model.step(jnp.asarray(tokens), contiguous_batch([LENGTH], [0], model.block_size, max_blocks),
-                                  cache)
-    done, out = 0, []
-    for n in chunks:
-        batch = contiguous_batch([n], [done], model.block_size, max_blocks)
-        logits, _, cache = model.mtp(jnp.asarray(tokens[done + 1 : done + 1 + n]), hidden[done : done + n], batch,
-                                     cache)
-        out.append(np.asarray(logits))
-        done += n
-    return np.concatenate(out)
+from tests.jaxhybrid.engine_helpers import engine_for
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text"])
-def test_mtp_chunked_equals_one_call(family):
+def test_each_first_draft_is_the_mtp_heads_argmax(family):
+    """After a step, a running row's first draft predicts the token after the one it just emitted: the MTP
+    head at the position before that token, reading it (`Model.mtp_logits` over the whole sequence)."""
     model = fixture_model(family)
-    tokens = np.random.default_rng(1).integers(0, model.config.vocab_size, LENGTH).astype(np.int32)
-    whole = _mtp_logits(model, tokens, [LENGTH - 1])
-    # The MTP layer adds one attention layer and the fc projection to the target's depth.
-    depth = model_depth(model.config, LENGTH) + LENGTH + 2 * model.config.hidden_size
-    assert_float32_close(_mtp_logits(model, tokens, [20, 1, 1, 17]), whole, depth)
-    target = np.asarray(model(tokens[None]))[0]
-    assert np.abs(whole - target[:-1]).max() > 1.0  # the MTP head is its own module, not the LM head again
+    runner = engine_for(model, k=2, ring_size=4, budget=16).runner
+    state = scheduler.init_state(runner.config)
+    sequences = {f"p{n}": [int(t) for t in np.random.default_rng(n).integers(0, 256, n)] for n in (9, 37, 50)}
+    for rid, prompt in sequences.items():
+        request = scheduler.Request(rid, tuple(prompt), scheduler.SamplingParams(max_tokens=8), row_data=pack_row())
+        state = scheduler.add_request(state, request)
+    checked = 0
+    for _ in range(100):
+        if not state.has_work():
+            break
+        state, plan = scheduler.schedule(state)
+        result, _ = runner.step(plan)
+        state, outputs = scheduler.update(state, plan, result)
+        for output in outputs:
+            sequence = sequences[output.request_id]
+            sequence += output.new_token_ids
+            if not output.finished:
+                draft = result.draft_token_ids[plan.request_ids.index(output.request_id), 0]
+                mtp = np.asarray(model.mtp_logits(np.array([sequence])))[0, len(sequence) - 2]
+                assert draft == np.argmax(mtp), (output.request_id, len(sequence))
+                checked += 1
+    assert not state.has_work() and checked >= 12
 
 
 def test_mtp_without_mtp_layers_is_an_error():
     model = fixture_model("nemotron_h")
     with pytest.raises(ValueError, match="no MTP layers"):
-        model.mtp(None, None, None, None)
+        model.mtp_logits(np.zeros((1, 4), np.int32))
+    config = dataclasses.replace(engine_for(model).config, num_spec_tokens=1, num_lookahead=1, block_table_buckets=())
+    with pytest.raises(ValueError, match="needs MTP weights"):
+        Runner(model, config)

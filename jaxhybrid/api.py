@@ -1,0 +1,166 @@
+"""`LLM`: the Python API with vLLM's names. `LLM(model=None)` serves the embedded default model."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from jaxhybrid.engine import Engine, Prompt
+from jaxhybrid.memory import size_pools
+from jaxhybrid.model import Model
+from jaxhybrid.outputs import RequestOutput
+from jaxhybrid.sampling import ROW_DTYPE
+from jaxhybrid.sampling_params import SamplingParams
+from jaxhybrid.tokenizer import Tokenizer
+from jaxhybrid.weights import DEFAULT_MODEL_DIR, load_model
+from scheduler import CheckpointMarkerError, SchedulerConfig, parse_checkpoint_marker
+
+log = logging.getLogger("jaxhybrid")
+
+CPU_MEMORY_BUDGET = 512 * 2**20  # pool bytes on a platform that reports no device memory
+PromptInput = str | Sequence[int] | dict
+
+
+def speculative_tokens(speculative_config: dict | None) -> int:
+    """K from vLLM's `speculative_config` ({"method": "mtp", "num_speculative_tokens": K}); 0 without one."""
+    if not speculative_config:
+        return 0
+    if not isinstance(speculative_config, dict) or speculative_config.get("method") != "mtp":
+        raise ValueError(f"speculative_config: only {{'method': 'mtp', 'num_speculative_tokens': K}} is supported, "
+                         f"got {speculative_config!r}")
+    k = speculative_config.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
+    return k
+
+
+def device_memory_budget(utilization: float, params: Any) -> int:
+    """`utilization` of the device's memory less the weights; CPU_MEMORY_BUDGET where none is reported."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return CPU_MEMORY_BUDGET
+    weights = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    return int(utilization * stats["bytes_limit"]) - weights - stats.get("bytes_in_use", 0)
+
+
+class LLM:
+    """An engine on one checkpoint: `generate` and `chat` run prompts to completion, in input order."""
+
+    def __init__(self, model: str | Path | None = None, *, tokenizer: str | Path | None = None,
+                 skip_tokenizer_init: bool = False, enable_prefix_caching: bool = True,
+                 speculative_config: dict | None = None, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
+                 max_model_len: int | None = None, seed: int = 0, gpu_memory_utilization: float = 0.9,
+                 num_blocks: int | None = None, num_state_slots: int | None = None, replayssm_window: int = 16,
+                 block_size: int = 16, mamba_block_size: int = 64, max_logprobs: int = 20,
+                 dtype: str = "float32", backend: str | None = None, token_buckets: tuple[int, ...] = (),
+                 row_buckets: tuple[int, ...] = ()):
+        from jaxhybrid.models.ops import ModelOps
+
+        directory = Path(model) if model is not None else DEFAULT_MODEL_DIR
+        self.model: Model = load_model(directory, dtype=jnp.dtype(dtype), ops=ModelOps(backend=backend),
+                                       block_size=block_size)
+        cfg = self.model.config
+        self.tokenizer = None if skip_tokenizer_init else Tokenizer.from_pretrained(Path(tokenizer or directory))
+        k = speculative_tokens(speculative_config)
+        if k and not cfg.mtp_layers:
+            raise ValueError(f"speculative_config asks for MTP, but the {cfg.model_type} checkpoint at {directory} "
+                             "has no MTP weights (mtp.*)")
+        max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
+        ring_size = max(replayssm_window, 1 + k)
+        if num_blocks is None or num_state_slots is None:
+            sizes = size_pools(cfg, device_memory_budget(gpu_memory_utilization, self.model.params),
+                               block_size=block_size, ring_size=ring_size, num_spec_tokens=k,
+                               max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                               dtype_bytes=jnp.dtype(dtype).itemsize)
+            num_blocks, num_state_slots, max_num_seqs = (num_blocks or sizes.num_blocks,
+                                                         num_state_slots or sizes.num_state_slots, sizes.max_num_seqs)
+            log.info("pools: %s", sizes.describe())
+        self.config = SchedulerConfig(
+            block_size=block_size, mamba_block_size=mamba_block_size, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_blocks=num_blocks,
+            num_state_slots=num_state_slots, num_spec_tokens=k, cache_mode="align" if enable_prefix_caching else "none",
+            ring_size=ring_size, vocab_size=cfg.vocab_size, row_data_bytes=ROW_DTYPE.itemsize,
+            token_buckets=token_buckets, row_buckets=row_buckets)
+        self.engine = Engine(self.model, self.config, self.tokenizer, seed=seed, max_logprobs=max_logprobs)
+        self._counter = 0
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
+
+    def parse_prompt(self, prompt: PromptInput) -> Prompt:
+        """Text, token ids, `{"prompt": text}`, `{"prompt_token_ids": ids}` (optionally with
+        "checkpoint_position") or `{"messages": [...]}` (the chat template) -> the engine's Prompt."""
+        if isinstance(prompt, dict):
+            if "messages" in prompt:
+                return self.parse_prompt(self._require_tokenizer("chat").apply_chat_template(prompt["messages"]))
+            if "prompt" in prompt:
+                return self.parse_prompt(prompt["prompt"])
+            if "prompt_token_ids" in prompt:
+                return self._token_prompt(prompt["prompt_token_ids"], prompt.get("checkpoint_position"))
+            raise ValueError(f"a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages', got {sorted(prompt)}")
+        if isinstance(prompt, str):
+            parsed = self._require_tokenizer("text prompts").encode_prompt(prompt, self.config.hash_unit)
+            return Prompt(parsed.token_ids, parsed.checkpoint_position, prompt)
+        return self._token_prompt(prompt, None)
+
+    def _token_prompt(self, token_ids: Sequence[int], checkpoint_position: int | None) -> Prompt:
+        if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+            raise ValueError(f"prompt_token_ids must be a list of integers, got {type(token_ids).__name__}")
+        if checkpoint_position is not None:
+            if checkpoint_position % self.config.hash_unit or not 0 < checkpoint_position < len(token_ids):
+                raise CheckpointMarkerError(
+                    f"checkpoint_position {checkpoint_position} must be a multiple of {self.config.hash_unit} "
+                    f"inside the prompt of {len(token_ids)} tokens")
+            return Prompt(tuple(token_ids), checkpoint_position)
+        marker = self.tokenizer.token_id("<|mamba_checkpoint|>") if self.tokenizer else None
+        if marker is None:
+            return Prompt(tuple(token_ids))
+        parsed = parse_checkpoint_marker(token_ids, marker, self.config.hash_unit)
+        return Prompt(parsed.token_ids, parsed.checkpoint_position)
+
+    def _require_tokenizer(self, what: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(f"{what} need a tokenizer; this LLM runs with skip_tokenizer_init=True")
+        return self.tokenizer
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in input order."""
+        single = isinstance(prompts, str | dict) or (isinstance(prompts, Sequence) and prompts and
+                                                     isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        ids = []
+        for prompt, p in zip(prompts, params, strict=True):
+            ids.append(f"{self._counter}")
+            self._counter += 1
+            self.engine.add_request(ids[-1], self.parse_prompt(prompt), p or SamplingParams())
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """`generate` over conversations rendered with the checkpoint's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([{"messages": m} for m in conversations], sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while len(done) < len(ids) and self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished and output.request_id not in done:
+                        done[output.request_id] = output
+                        bar.update(1)
+        return [done[i] for i in ids]

@@ -1,0 +1,311 @@
+"""The engine: requests in, `RequestOutput`s out, one `step()` at a time (DESIGN "One engine step").
+
+A step is `schedule -> runner.step -> update`. Around it the host turns a request into scheduler
+requests (one per completion, `n` of them, each with its packed sampling record and checkpoint), and
+the step's tokens into outputs: incremental text, stop strings, logprobs and metrics. The scheduler
+preempts under memory pressure by itself (recompute); an abort frees everything at once, or, for a
+request whose step is in flight, when that step's update has run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+import scheduler
+from jaxhybrid.detokenize import IncrementalDetokenizer
+from jaxhybrid.model import Model
+from jaxhybrid.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from jaxhybrid.runner import Runner
+from jaxhybrid.sampling import Logprobs
+from jaxhybrid.sampling_params import SamplingParams
+from jaxhybrid.tokenizer import Tokenizer
+from scheduler import BatchPlan, FinishReason, RowKind, SchedulerConfig
+
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+
+
+class Prompt(NamedTuple):
+    """A prompt as the scheduler takes it: the marker already stripped, its position recorded."""
+
+    token_ids: tuple[int, ...]
+    checkpoint_position: int | None = None
+    text: str | None = None
+
+
+@dataclass
+class EngineStats:
+    """Running totals since start (the server's metrics read them)."""
+
+    steps: int = 0
+    prefill_tokens: int = 0      # prompt tokens computed (prefix hits excluded, recomputation included)
+    cached_tokens: int = 0       # prompt tokens served from the prefix cache or a checkpoint
+    generation_tokens: int = 0
+    hit_copies: int = 0          # prefix-cache and checkpoint hits (state pages copied in)
+    pair_copies: int = 0         # consumers paired with their producer in one step
+    publishes: int = 0
+    materializations: int = 0
+    draft_tokens: int = 0        # MTP drafts verified
+    accepted_tokens: int = 0     # ... and accepted
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    sequences: list[str]  # scheduler request ids, one per completion
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _Sequence:
+    request: _Request
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    scheduled: bool = False
+
+    @property
+    def output(self) -> CompletionOutput:
+        return self.request.outputs[self.index]
+
+
+class Engine:
+    """A model, its device pools and the scheduler state, serving requests step by step."""
+
+    def __init__(self, model: Model, config: SchedulerConfig, tokenizer: Tokenizer | None = None, *, seed: int = 0,
+                 max_logprobs: int = 20):
+        self.model, self.config, self.tokenizer = model, config, tokenizer
+        self.runner = Runner(model, config, max_logprobs=max_logprobs)
+        self.max_logprobs = self.runner.num_logprobs
+        self.scheduler = scheduler.init_state(config)
+        self._requests: dict[str, _Request] = {}
+        self._sequences: dict[str, _Sequence] = {}
+        self._ids = itertools.count()
+        self._seeds = np.random.default_rng(seed)
+        self.stats = EngineStats()
+
+    # -- requests -------------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
+                    cache_salt: str | None = None) -> None:
+        """Queue a request; raises ValueError naming the problem (nothing is queued then)."""
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_params(params)
+        request = _Request(request_id, prompt, params, [], [], None if params.prompt_logprobs is None else [None],
+                           RequestMetrics(time.time()))
+        seed = int(self._seeds.integers(2**32)) if params.seed is None else params.seed
+        for index in range(params.n):
+            sequence_id = str(next(self._ids))
+            try:
+                self.scheduler = scheduler.add_request(self.scheduler, self._scheduler_request(
+                    sequence_id, prompt, params, seed + index, cache_salt))
+            except ValueError as error:
+                for queued in request.sequences:
+                    self.scheduler = scheduler.abort_request(self.scheduler, queued)
+                    del self._sequences[queued]
+                raise ValueError(f"request {request_id!r}: {error}") from error
+            request.sequences.append(sequence_id)
+            request.outputs.append(CompletionOutput(index, "", [], 0.0 if params.logprobs is not None else None,
+                                                    [] if params.logprobs is not None else None))
+            self._sequences[sequence_id] = _Sequence(request, index, self._detokenizer(prompt, params))
+        self._requests[request_id] = request
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; returns its final output (finish_reason "abort"), None if it is unknown."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        for sequence_id, output in zip(request.sequences, request.outputs, strict=True):
+            if not output.finished():
+                self._end(self._sequences[sequence_id], "abort", None)
+        return self._snapshot(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or self.scheduler.has_work()
+
+    # -- one step -------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of the requests that gained tokens or finished in it."""
+        if not self.scheduler.has_work():
+            return []
+        self.scheduler, plan = scheduler.schedule(self.scheduler)
+        self._note_scheduled(plan)
+        result, logprobs = self.runner.step(plan)
+        self.scheduler, outputs = scheduler.update(self.scheduler, plan, result)
+        self._count(plan, result, outputs)
+        reported = jax.device_get(logprobs) if self._wants_logprobs(plan) else None
+        touched = {}
+        if reported is not None:
+            self._record_prompt_logprobs(plan, reported, touched)
+            rows = {sequence_id: row for row, sequence_id in enumerate(plan.request_ids)}
+        for i, sequence_id in enumerate(outputs.request_ids):
+            sequence = self._sequences.get(sequence_id)
+            if sequence is None:
+                continue  # ended by a stop string or an abort while its step ran
+            tokens = outputs.token_ids[i, :outputs.num_new_tokens[i]].tolist()
+            entries = None
+            if reported is not None and sequence.request.params.logprobs is not None:
+                entries = _token_entries(plan, rows[sequence_id], len(tokens))
+            self._emit(sequence, tokens, scheduler.request.FINISH_REASONS[outputs.finish_codes[i]], entries, reported)
+            touched[sequence.request.request_id] = sequence.request
+        return [self._snapshot(request) for request in touched.values()]
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+
+    def _check_params(self, params: SamplingParams) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"SamplingParams.{name} must be at most max_logprobs={self.max_logprobs}, "
+                                 f"got {value}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer (this engine runs with skip_tokenizer_init)")
+
+    def _scheduler_request(self, sequence_id: str, prompt: Prompt, params: SamplingParams, seed: int,
+                           cache_salt: str | None) -> scheduler.Request:
+        eos = self.model.config.eos_token_id
+        room = self.config.max_model_len - len(prompt.token_ids)
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        limits = params.scheduler_params(max(max_tokens, 0), eos[0] if eos else None)
+        limits = scheduler.SamplingParams(limits.max_tokens, limits.eos_token_id,
+                                          limits.stop_token_ids + tuple(eos[1:]), limits.ignore_eos)
+        # prompt logprobs from the checkpoint on: the positions before it are computed once, by the producer
+        logits_from = None if params.prompt_logprobs is None else (prompt.checkpoint_position or 0)
+        return scheduler.Request(sequence_id, prompt.token_ids, limits, prompt.checkpoint_position, cache_salt,
+                                 logits_from, params.row_data(seed))
+
+    def _detokenizer(self, prompt: Prompt, params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, list(prompt.token_ids), params.stop,
+                                      include_stop_str_in_output=params.include_stop_str_in_output,
+                                      skip_special_tokens=params.skip_special_tokens)
+
+    def _count(self, plan: BatchPlan, result: scheduler.StepResult, outputs: scheduler.StepOutputs) -> None:
+        stats, rows = self.stats, plan.num_rows
+        prefill = plan.row_kind[:rows] == RowKind.PREFILL
+        verify = plan.row_kind[:rows] == RowKind.VERIFY
+        stats.steps += 1
+        stats.prefill_tokens += int(plan.query_lens[:rows][prefill].sum())
+        stats.generation_tokens += int(outputs.num_new_tokens.sum())
+        stats.hit_copies += plan.num_hit_copies
+        stats.pair_copies += plan.num_pair_copies
+        stats.publishes += plan.num_publishes
+        stats.materializations += plan.num_materializations
+        stats.draft_tokens += int(verify.sum()) * self.config.num_spec_tokens
+        stats.accepted_tokens += int(result.num_accepted[:rows][verify].sum())
+
+    def _note_scheduled(self, plan: BatchPlan) -> None:
+        now = time.time()
+        for row, sequence_id in enumerate(plan.request_ids):
+            sequence = self._sequences.get(sequence_id)
+            if sequence is not None and not sequence.scheduled:
+                sequence.scheduled = True
+                request = sequence.request
+                if request.metrics.first_scheduled_time is None:
+                    request.metrics.first_scheduled_time = now
+                    request.num_cached_tokens = int(plan.context_lens[row])
+                    self.stats.cached_tokens += request.num_cached_tokens
+
+    def _wants_logprobs(self, plan: BatchPlan) -> bool:
+        for sequence_id in plan.request_ids:
+            sequence = self._sequences.get(sequence_id)
+            if sequence is not None and (sequence.request.params.logprobs is not None
+                                         or sequence.request.params.prompt_logprobs is not None):
+                return True
+        return False
+
+    def _position(self, reported: Logprobs, entry: int, token: int, num_top: int) -> PositionLogprobs:
+        """One position's logprobs: its top `num_top` and the token that is there."""
+        decode = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) if self.tokenizer else (
+            lambda t: None)
+        top_ids, top = reported.top_ids[entry], reported.top[entry]
+        position = {int(t): Logprob(float(lp), rank + 1, decode(int(t)))
+                    for rank, (t, lp) in enumerate(zip(top_ids[:num_top], top[:num_top], strict=True))}
+        if token not in position:
+            rank = int(np.searchsorted(-top, -reported.sampled[entry], side="right")) + 1
+            position[token] = Logprob(float(reported.sampled[entry]), rank, decode(token))
+        return position
+
+    def _record_prompt_logprobs(self, plan: BatchPlan, reported: Logprobs, touched: dict) -> None:
+        """Prefill rows' logits at prompt positions p give the logprob of prompt token p + 1."""
+        for row, sequence_id in enumerate(plan.request_ids):
+            sequence = self._sequences.get(sequence_id)
+            if (sequence is None or sequence.index or plan.row_kind[row] != RowKind.PREFILL
+                    or sequence.request.prompt_logprobs is None):
+                continue
+            request, prompt = sequence.request, sequence.request.prompt.token_ids
+            for entry in range(plan.cu_logits[row], plan.cu_logits[row + 1]):
+                position = int(plan.positions[plan.logits_indices[entry]]) + 1
+                if position < len(prompt):
+                    request.prompt_logprobs.extend([None] * (position + 1 - len(request.prompt_logprobs)))
+                    request.prompt_logprobs[position] = self._position(
+                        reported, entry, prompt[position], request.params.prompt_logprobs)
+            touched[request.request_id] = request
+
+    def _emit(self, sequence: _Sequence, tokens: list[int], reason: FinishReason | None, entries: list[int] | None,
+              reported: Logprobs | None) -> None:
+        output, detokenizer, request = sequence.output, sequence.detokenizer, sequence.request
+        if request.metrics.first_token_time is None and tokens:
+            request.metrics.first_token_time = time.time()
+        for j, token in enumerate(tokens):
+            output.token_ids.append(token)
+            if entries is not None:
+                position = self._position(reported, entries[j], token, request.params.logprobs)
+                output.logprobs.append(position)
+                output.cumulative_logprob += position[token].logprob
+            if detokenizer is not None:
+                delta = detokenizer.push([token])
+                output.text = detokenizer.text
+                if delta.stop is not None:  # later tokens of the step are dropped with the rest of the text
+                    self._end(sequence, "stop", delta.stop, released=reason is not None)
+                    return
+        if reason is not None:
+            eos = set(self.model.config.eos_token_id)
+            stop_token = tokens[-1] if reason is FinishReason.STOP and tokens[-1] not in eos else None
+            self._end(sequence, _FINISH[reason], stop_token, released=True)
+
+    def _end(self, sequence: _Sequence, reason: str, stop_reason, *, released: bool = False) -> None:
+        output, detokenizer = sequence.output, sequence.detokenizer
+        output.finish_reason, output.stop_reason = reason, stop_reason
+        if detokenizer is not None:
+            detokenizer.flush()
+            output.text = detokenizer.text
+        sequence_id = sequence.request.sequences[sequence.index]
+        if not released:
+            self.scheduler = scheduler.abort_request(self.scheduler, sequence_id)
+        del self._sequences[sequence_id]
+        request = sequence.request
+        if all(o.finished() for o in request.outputs):
+            request.metrics.finished_time = time.time()
+            del self._requests[request.request_id]
+
+    def _snapshot(self, request: _Request) -> RequestOutput:
+        outputs = [CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
+                                    None if o.logprobs is None else list(o.logprobs), o.finish_reason, o.stop_reason)
+                   for o in request.outputs]
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None:
+            prompt_logprobs = request.prompt_logprobs + [None] * (len(request.prompt.token_ids)
+                                                                  - len(request.prompt_logprobs))
+        return RequestOutput(request.request_id, request.prompt.text, list(request.prompt.token_ids), prompt_logprobs,
+                             outputs, all(o.finished() for o in outputs), request.metrics, request.num_cached_tokens)
+
+
+def _token_entries(plan: BatchPlan, row: int, num_tokens: int) -> list[int]:
+    """The logit entries of a row's emitted tokens: a verify row's first ones, else its last one."""
+    if plan.row_kind[row] == RowKind.VERIFY:
+        return list(range(plan.cu_logits[row], plan.cu_logits[row] + num_tokens))
+    return [int(plan.cu_logits[row + 1]) - 1] * num_tokens

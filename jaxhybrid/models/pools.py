@@ -1,0 +1,84 @@
+"""DeviceState: the pools one engine step reads and writes (DESIGN "Memory model").
+
+Per attention layer (the MTP layers included) a paged KV pool; per recurrent layer a state-slot pool
+whose slot is one page: the conv window at S0, the fp32 state S0, and the ReplaySSM rings of the
+mixer's inputs and of the pre-conv inputs after S0. Slot 0 and block 0 are null: all zeros, never
+written by a real row. The runner donates the whole pytree to every step.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxhybrid.config import ATTENTION, GDN, MLP, MOE, ModelConfig
+from pallas_kernels.common import copy_slots
+
+
+class KVPool(NamedTuple):
+    k: jax.Array  # [num_blocks, block_size, kv_heads, head_dim]; block 0 is the null block
+    v: jax.Array
+
+
+class RecurrentPool(NamedTuple):
+    """One recurrent layer's slot pages; every ring has W + 1 + K entries on its axis 2."""
+
+    window: jax.Array             # [S, Kc-1, conv_dim] the conv window at S0, oldest first
+    state: jax.Array              # [S, HV, K, V] (GDN) | [S, NH, P, N] (Mamba2) f32 S0
+    rings: tuple[jax.Array, ...]  # GDN (k^, u, g) | Mamba2 (x, dt, B), see pallas_kernels.gdn / .mamba2
+    conv_ring: jax.Array          # [S, 1, W, conv_dim] pre-conv inputs after S0
+
+
+LayerPool = RecurrentPool | KVPool | None
+
+
+class DeviceState(NamedTuple):
+    layers: tuple[LayerPool, ...]  # one entry per decoder layer: its slot pool, KV pool, or None
+    mtp: tuple[KVPool, ...]        # one KV pool per MTP layer
+
+
+def copy_pages(pool: RecurrentPool, src: jax.Array, dst: jax.Array) -> RecurrentPool:
+    """pool[dst] = pool[src] for every array of the page (pairs aimed at slot 0 are skipped)."""
+    return jax.tree.map(lambda p: copy_slots(p, src, dst), pool)
+
+
+def _kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> KVPool:
+    a = cfg.attention
+    shape = (num_blocks, block_size, a.num_kv_heads, a.head_dim)
+    return KVPool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def _recurrent_pool(cfg: ModelConfig, kind: str, num_slots: int, ring_entries: int,
+                    dtype: jnp.dtype) -> RecurrentPool:
+    s, w = num_slots, ring_entries
+    if kind == GDN:
+        g = cfg.gdn
+        state = (s, g.num_v_heads, g.head_k_dim, g.head_v_dim)
+        rings = ((s, g.num_k_heads, w, g.head_k_dim), (s, g.num_v_heads, w, g.head_v_dim), (s, g.num_v_heads, w))
+        mixer = g
+    else:
+        m = cfg.mamba2
+        state = (s, m.num_heads, m.head_dim, m.state_size)
+        rings = ((s, m.num_heads, w, m.head_dim), (s, m.num_heads, w), (s, m.n_groups, w, m.state_size))
+        mixer = m
+    return RecurrentPool(jnp.zeros((s, mixer.conv_kernel - 1, mixer.conv_dim), dtype),
+                         jnp.zeros(state, jnp.float32), tuple(jnp.zeros(shape, jnp.float32) for shape in rings),
+                         jnp.zeros((s, 1, w, mixer.conv_dim), dtype))
+
+
+def init_device_state(cfg: ModelConfig, *, num_blocks: int, block_size: int, num_slots: int, ring_entries: int,
+                      dtype: jnp.dtype = jnp.float32) -> DeviceState:
+    """Zero pools: `num_blocks` KV blocks and `num_slots` state slots (nulls included), rings of
+    `ring_entries` = W + 1 + K entries."""
+    layers = []
+    for kinds in cfg.layers:
+        stateful = [k for k in kinds if k not in (MLP, MOE)]
+        if not stateful:
+            layers.append(None)
+        elif stateful[0] == ATTENTION:
+            layers.append(_kv_pool(cfg, num_blocks, block_size, dtype))
+        else:
+            layers.append(_recurrent_pool(cfg, stateful[0], num_slots, ring_entries, dtype))
+    return DeviceState(tuple(layers), tuple(_kv_pool(cfg, num_blocks, block_size, dtype) for _ in cfg.mtp_layers))

@@ -1,0 +1,95 @@
+"""One recurrent layer (GDN or Mamba2) on its slot pool, in the order `scheduler/plan.py` documents.
+
+Materialisations and hit copies first, then the layer's rows: decode and verify rows (the first rows of
+every plan) through the ReplaySSM ops with their ring trackers, prefill rows through the chunked prefill
+ops in two phases around the pair copies, and last the publishes. Each step touches only this layer's
+pages, so running that order layer by layer equals running it over all layers at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxhybrid.models.pools import RecurrentPool, copy_pages
+from jaxhybrid.plan_transfer import DevicePlan
+from pallas_kernels.conv1d import conv1d_materialise, conv1d_prefill, conv1d_replay
+from pallas_kernels.grouped_prefill import grouped_prefill
+from scheduler.plan import RowKind
+
+
+class MixerCore(NamedTuple):
+    """The mixer's state op after the conv, with its per-token inputs (gates, heads) already bound."""
+
+    # (conv_out [T, D], cu_seqlens, state_pool, slots, has_initial) -> (out [T, ...], state_pool)
+    prefill: Callable
+    # (conv_out, cu_seqlens, state_pool, rings, slots, ring_start, committed, flush) -> (out, state_pool, rings)
+    verify: Callable
+    # (state_pool, rings, src, dst, ring_start, count) -> state_pool
+    materialise: Callable
+    out: jax.ShapeDtypeStruct  # the outputs' [T, ...] shape and dtype
+
+
+class Conv(NamedTuple):
+    weight: jax.Array      # [D, Kc]
+    bias: jax.Array | None
+    backend: str | None
+
+
+def recurrent_layer(conv_in: jax.Array, conv: Conv, core: MixerCore, plan: DevicePlan,
+                    pool: RecurrentPool) -> tuple[jax.Array, RecurrentPool]:
+    """conv_in [T, D] pre-conv inputs -> (the core's outputs [T, ...], the layer's pool after the step)."""
+    pool = _materialise(core, plan, pool)
+    pool = copy_pages(pool, plan.hit_copy_src, plan.hit_copy_dst)
+    decode = plan.row_kind >= RowKind.DECODE
+    num_decode = jnp.sum(decode, dtype=jnp.int32)  # decode and verify rows come first in every plan
+    split = plan.cu_seqlens[num_decode]
+    out_decode, pool = jax.lax.cond(num_decode > 0, lambda p: _decode_rows(conv_in, conv, core, plan, decode, split, p),
+                                    lambda p: (jnp.zeros(core.out.shape, core.out.dtype), p), pool)
+    any_prefill = jnp.any(plan.row_kind == RowKind.PREFILL)
+    out_prefill, pool = jax.lax.cond(any_prefill, lambda p: _prefill_rows(conv_in, conv, core, plan, num_decode, p),
+                                     lambda p: (jnp.zeros(core.out.shape, core.out.dtype), p), pool)
+    before = (jnp.arange(conv_in.shape[0]) < split).reshape((-1,) + (1,) * (out_decode.ndim - 1))
+    out = jnp.where(before, out_decode, out_prefill)
+    return out, copy_pages(pool, plan.publish_src, plan.publish_dst)
+
+
+def _materialise(core: MixerCore, plan: DevicePlan, pool: RecurrentPool) -> RecurrentPool:
+    args = (plan.materialize_src, plan.materialize_dst, plan.materialize_ring_start, plan.materialize_count)
+    return pool._replace(state=core.materialise(pool.state, pool.rings, *args),
+                         window=conv1d_materialise(pool.window, pool.conv_ring, *args))
+
+
+def _decode_rows(conv_in, conv: Conv, core: MixerCore, plan: DevicePlan, decode, split,
+                 pool: RecurrentPool) -> tuple[jax.Array, RecurrentPool]:
+    cu = jnp.minimum(plan.cu_seqlens, split)
+    slots = jnp.where(decode, plan.state_slots, 0)
+    trackers = (plan.ring_start, plan.ring_committed, plan.flush & decode)
+    conv_out, window, conv_ring = conv1d_replay(conv_in, conv.weight, conv.bias, cu, pool.window, pool.conv_ring,
+                                                slots, *trackers, backend=conv.backend)
+    out, state, rings = core.verify(conv_out, cu, pool.state, pool.rings, slots, *trackers)
+    return out, RecurrentPool(window, state, rings, conv_ring)
+
+
+def _prefill_rows(conv_in, conv: Conv, core: MixerCore, plan: DevicePlan, num_decode,
+                  pool: RecurrentPool) -> tuple[jax.Array, RecurrentPool]:
+    prefill = plan.row_kind == RowKind.PREFILL
+    # prefill rows are ordered phase 1 (producers cut at their checkpoint) first; decode rows become empty
+    num_first = num_decode + jnp.sum(prefill & (plan.phase == 1), dtype=jnp.int32)
+
+    def run(cu, pages, slots, has_initial):
+        window, state = pages
+        conv_out, window = conv1d_prefill(conv_in, conv.weight, conv.bias, cu, window, slots, has_initial,
+                                          backend=conv.backend)
+        out, state = core.prefill(conv_out, cu, state, slots, has_initial)
+        return out, (window, state)
+
+    out, (window, state) = grouped_prefill(
+        run, jnp.maximum(plan.cu_seqlens, plan.cu_seqlens[num_decode]), num_first, (pool.window, pool.state),
+        jnp.where(prefill, plan.state_slots, 0), plan.has_initial_state & prefill, plan.pair_copy_src,
+        plan.pair_copy_dst)
+    return out, pool._replace(window=window, state=state)
+

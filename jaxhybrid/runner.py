@@ -1,0 +1,173 @@
+"""The runner owns the plan-to-device contract: one `BatchPlan` in, one `StepResult` out.
+
+`Runner.step(plan)` packs the plan into one int32 transfer and calls one jitted step per bucket (the
+packed layout is its static argument) with the `DeviceState` donated. Inside the step, under the plan's
+own names: the layers run on the pools (each recurrent layer in the plan's order: materialise, hit
+copies, decode/verify rows, two-phase prefill, publishes), logits are computed only at
+`logits_indices`, every row samples or verifies its drafts, and with MTP the module drafts K tokens
+for every row; logprobs are computed only in steps where a row asks for them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxhybrid.model import Model
+from jaxhybrid.models.hybrid import HybridLM
+from jaxhybrid.models.pools import DeviceState, init_device_state
+from jaxhybrid.plan_transfer import DevicePlan, PlanLayout, pack_plan, unpack_plan
+from jaxhybrid.sampling import ROW_DTYPE, Logprobs, SamplingRows, logprobs, sample, verify_greedy, verify_random
+from scheduler import BatchPlan, RowKind, SchedulerConfig, StepResult
+from scheduler.replay import ring_rows
+
+
+class StepOutput(NamedTuple):
+    """What one step returns, on device until fetched (rows and logits as in the plan)."""
+
+    sampled_token_ids: jax.Array  # [R, 1+K] i32
+    num_accepted: jax.Array       # [R] i32
+    draft_token_ids: jax.Array    # [R, K] i32
+    logprobs: Logprobs            # per logit entry [L]: its token's logprob (the sampled one, or the next
+                                  # prompt token), and the top-n; zeros in steps where no row asks
+
+
+class Runner:
+    """A model's params and device pools, sized by a `SchedulerConfig`, stepping its plans."""
+
+    def __init__(self, model: Model, config: SchedulerConfig, *, max_logprobs: int = 20):
+        if config.row_data_bytes != ROW_DTYPE.itemsize:
+            raise ValueError(f"SchedulerConfig.row_data_bytes must be {ROW_DTYPE.itemsize} (sampling.ROW_DTYPE), "
+                             f"got {config.row_data_bytes}")
+        if config.num_spec_tokens and not model.config.mtp_layers:
+            raise ValueError(f"num_spec_tokens={config.num_spec_tokens} needs MTP weights (mtp.*), which this "
+                             f"{model.config.model_type} checkpoint does not have")
+        self.model, self.config = model, config
+        self.num_logprobs = min(max_logprobs, model.config.vocab_size)
+        self.state = init_device_state(
+            model.config, num_blocks=config.num_blocks, block_size=config.block_size,
+            num_slots=config.num_state_slots, ring_entries=ring_rows(config.ring_size, config.num_spec_tokens),
+            dtype=model.dtype)
+        self._step = jax.jit(self._step_fn, static_argnums=2, donate_argnums=1)
+
+    def step(self, plan: BatchPlan) -> tuple[StepResult, Logprobs]:
+        """Run `plan`; returns the host's StepResult and the step's logprobs, still on device."""
+        buffer, layout = pack_plan(plan)
+        self.state, out = self._step(self.model.params, self.state, layout, buffer)
+        sampled, accepted, drafts = jax.device_get((out.sampled_token_ids, out.num_accepted, out.draft_token_ids))
+        return StepResult(sampled, accepted, drafts), out.logprobs
+
+    def compiled_buckets(self) -> int:
+        """Executables compiled so far (one per plan layout)."""
+        return self._step._cache_size()
+
+    def _step_fn(self, params: Any, state: DeviceState, layout: PlanLayout,
+                 buffer: jax.Array) -> tuple[DeviceState, StepOutput]:
+        plan = unpack_plan(buffer, layout, ROW_DTYPE.itemsize)
+        module, variables = self.model.module, {"params": params}
+        hidden, state = module.apply(variables, plan.token_ids, plan, state)
+        logits = module.apply(variables, hidden[plan.logits_indices], method=HybridLM.logits)  # [L, V]
+        rows = SamplingRows.from_bytes(plan.row_data)
+        sampled, accepted = _sample_rows(logits, plan, rows, self.config.num_spec_tokens)
+        wanted = jnp.any((rows.logprobs > 0) & (plan.row_kind != RowKind.PADDING))
+        reported = jax.lax.cond(wanted, lambda: _logprobs(logits, plan, sampled, self.num_logprobs),
+                                lambda: _no_logprobs(logits.shape[0], self.num_logprobs))
+        drafts = jnp.zeros((plan.row_kind.shape[0], 0), jnp.int32)
+        if self.config.num_spec_tokens:
+            drafts, state = _draft(module, variables, hidden, plan, sampled, accepted, state,
+                                   self.config.num_spec_tokens, self.config.block_size)
+        return state, StepOutput(sampled, accepted, drafts, reported)
+
+
+def _row_of(offsets: jax.Array, index: jax.Array) -> jax.Array:
+    """The row r with offsets[r] <= index < offsets[r + 1] ([R+1] cumulative offsets)."""
+    return jnp.clip(jnp.searchsorted(offsets[1:], index, side="right"), 0, offsets.shape[0] - 2)
+
+
+def _sample_rows(logits: jax.Array, plan: DevicePlan, rows: SamplingRows, k: int) -> tuple[jax.Array, jax.Array]:
+    """[R, 1+K] tokens and [R] accepted drafts: verify rows verify their drafts at their 1 + K logits, every
+    other row samples at its last logit (update ignores rows whose prefill goes on)."""
+    verify = plan.row_kind == RowKind.VERIFY
+    last = plan.cu_logits[1:] - 1
+    first = jnp.where(verify, plan.cu_logits[:-1], last)
+    entry = jnp.clip(first[:, None] + jnp.arange(1 + k), 0, logits.shape[0] - 1)  # [R, 1+K]
+    predicted = plan.positions[plan.logits_indices[entry]] + 1  # position of the token each logit draws
+    target = logits[entry]
+    greedy = jnp.all(rows.temperature <= 0)
+    tokens = jax.lax.cond(greedy, lambda: jnp.argmax(target[:, 0], axis=-1).astype(jnp.int32),
+                          lambda: sample(target[:, 0], rows, predicted[:, 0]))
+    sampled = jnp.zeros((tokens.shape[0], 1 + k), jnp.int32).at[:, 0].set(tokens)
+    if not k:
+        return sampled, jnp.zeros_like(tokens)
+    drafts = plan.draft_token_ids
+    verified = jax.lax.cond(
+        greedy, lambda: verify_greedy(target, drafts),
+        # a greedy drafter's q is one-hot at its draft: accept with p(d), resample from norm(max(p - q, 0))
+        lambda: verify_random(target, jax.nn.one_hot(drafts, logits.shape[-1]), drafts, rows, predicted[:, 0]))
+    return (jnp.where(verify[:, None], verified.tokens, sampled),
+            jnp.where(verify, verified.num_accepted, 0).astype(jnp.int32))
+
+
+def _logprobs(logits: jax.Array, plan: DevicePlan, sampled: jax.Array, num_top: int) -> Logprobs:
+    """Each logit entry's token: the row's emitted token where it samples, else the next prompt token
+    (in the chunk, or the first lookahead token after it)."""
+    entry = jnp.arange(logits.shape[0])
+    row = _row_of(plan.cu_logits, entry)
+    token = plan.logits_indices
+    last_token = plan.token_ids.shape[0] - 1
+    next_prompt = jnp.where(token + 1 < plan.cu_seqlens[row + 1], plan.token_ids[jnp.minimum(token + 1, last_token)],
+                            plan.lookahead_token_ids[row, 0])
+    j = entry - plan.cu_logits[row]
+    kind = plan.row_kind[row]
+    samples = (j == plan.num_logits[row] - 1) & (
+        (kind == RowKind.DECODE) | ((kind == RowKind.PREFILL) & (plan.num_lookahead_tokens[row] == 0)))
+    emitted = sampled[row, jnp.clip(j, 0, sampled.shape[1] - 1)]
+    target = jnp.where((kind == RowKind.VERIFY) | samples, emitted, next_prompt)
+    return logprobs(logits, target, num_top)
+
+
+def _no_logprobs(num_entries: int, num_top: int) -> Logprobs:
+    return Logprobs(jnp.zeros(num_entries), jnp.zeros((num_entries, num_top), jnp.int32),
+                    jnp.zeros((num_entries, num_top)))
+
+
+def _draft(module: HybridLM, variables: Any, hidden: jax.Array, plan: DevicePlan, sampled: jax.Array,
+           accepted: jax.Array, state: DeviceState, k: int, block_size: int) -> tuple[jax.Array, DeviceState]:
+    """K greedy MTP drafts per row (a greedy drafter keeps verification lossless with a one-hot q).
+
+    The first pass runs the MTP layer over every token with its true next token (the chunk's next, the
+    lookahead after a chunk, the sampled token after a prompt, a verify row's emitted tokens), writing the
+    MTP KV of every position; the row's first draft comes from its last committed position. Drafts 2..K
+    are one-token passes; their KV writes are transient (the next step rewrites those positions before
+    reading them) and stay inside the blocks of this step's tokens: beyond them they go to the null block.
+    """
+    num_tokens = hidden.shape[0]
+    tok = jnp.arange(num_tokens)
+    row = _row_of(plan.cu_seqlens, tok)
+    after_chunk = jnp.where(plan.num_lookahead_tokens[row] > 0, plan.lookahead_token_ids[row, 0], sampled[row, 0])
+    next_prompt = jnp.where(tok + 1 == plan.cu_seqlens[row + 1], after_chunk,
+                            plan.token_ids[jnp.minimum(tok + 1, num_tokens - 1)])
+    emitted = sampled[row, jnp.clip(tok - plan.cu_seqlens[row], 0, k)]
+    next_tokens = jnp.where(plan.row_kind[row] == RowKind.VERIFY, emitted, next_prompt)
+    out, state = module.apply(variables, next_tokens, hidden, plan, state, method=HybridLM.mtp_hidden)
+    verify = plan.row_kind == RowKind.VERIFY
+    source = jnp.clip(jnp.where(verify, plan.cu_seqlens[:-1] + accepted, plan.cu_seqlens[1:] - 1), 0, num_tokens - 1)
+    h = out[source]
+    draft = jnp.argmax(module.apply(variables, h, method=HybridLM.logits), axis=-1).astype(jnp.int32)
+    drafts, position = [draft], plan.positions[source]
+    num_rows = plan.row_kind.shape[0]
+    written = plan.context_lens + plan.query_lens  # tokens with KV blocks in this step
+    for _ in range(1, k):
+        position = position + 1
+        column = jnp.minimum(position // block_size, plan.block_table.shape[1] - 1)
+        block = plan.block_table[jnp.arange(num_rows), column]
+        chain = plan._replace(
+            cu_seqlens=jnp.arange(num_rows + 1, dtype=jnp.int32), positions=position,
+            slot_mapping=jnp.where(position < written, block * block_size + position % block_size, 0),
+            query_lens=jnp.ones(num_rows, jnp.int32),
+            context_lens=jnp.maximum(jnp.minimum(position + 1, written), 1) - 1)
+        h, state = module.apply(variables, drafts[-1], h, chain, state, method=HybridLM.mtp_hidden)
+        drafts.append(jnp.argmax(module.apply(variables, h, method=HybridLM.logits), axis=-1).astype(jnp.int32))
+    return jnp.stack(drafts, axis=1), state

@@ -1,0 +1,56 @@
+"""Engines on the fixture models with small pools and ladders, driven for a bounded number of steps,
+and the independent reference they are checked against: greedy continuations of the full forward."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from jaxhybrid.engine import Engine, Prompt
+from jaxhybrid.model import Model
+from jaxhybrid.outputs import RequestOutput
+from jaxhybrid.sampling import ROW_DTYPE
+from scheduler import SchedulerConfig
+from scheduler.invariants import check_drained
+
+
+def engine_for(model: Model, *, k: int = 0, ring_size: int = 16, cache_mode: str = "align", budget: int = 64,
+               num_blocks: int = 160, num_state_slots: int = 40, max_num_seqs: int = 8, max_model_len: int = 192,
+               tokenizer=None, seed: int = 0) -> Engine:
+    """An engine with blocks of 16, Mamba blocks of 16 and one bucket of each kind: one compilation."""
+    config = SchedulerConfig(
+        block_size=16, mamba_block_size=16, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len, num_blocks=num_blocks, num_state_slots=num_state_slots, num_spec_tokens=k,
+        ring_size=ring_size, cache_mode=cache_mode, vocab_size=model.config.vocab_size,
+        row_data_bytes=ROW_DTYPE.itemsize, token_buckets=(budget,), row_buckets=(max_num_seqs,),
+        logits_buckets=(budget,), block_table_buckets=(-(-(max_model_len + k) // 16),))
+    return Engine(model, config, tokenizer, seed=seed)
+
+
+def run_to_completion(engine: Engine, max_steps: int = 500) -> dict[str, RequestOutput]:
+    """Step until every request has finished (at most `max_steps`); then the pools must be drained."""
+    finished = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            problems = check_drained(engine.scheduler)
+            assert not problems, problems
+            return finished
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    raise AssertionError(f"requests still running after {max_steps} steps: {sorted(engine._requests)}")
+
+
+@functools.cache
+def _continuation(model: Model, prompt: tuple[int, ...], num_tokens: int) -> tuple[int, ...]:
+    sequence = list(prompt)
+    for _ in range(num_tokens):
+        sequence.append(int(np.argmax(np.asarray(model(np.array([sequence])))[0, -1])))
+    return tuple(sequence[len(prompt):])
+
+
+def greedy_continuation(model: Model, prompt: Prompt | tuple[int, ...], num_tokens: int) -> list[int]:
+    """The argmax continuation of `load_model`'s full forward, one token at a time."""
+    token_ids = prompt.token_ids if isinstance(prompt, Prompt) else tuple(prompt)
+    return list(_continuation(model, token_ids, num_tokens))
