@@ -184,7 +184,7 @@ class Engine:
         # prompt logprobs from the checkpoint on: the positions before it are computed once, by the producer
         logits_from = None if params.prompt_logprobs is None else (prompt.checkpoint_position or 0)
         return scheduler.Request(sequence_id, prompt.token_ids, limits, prompt.checkpoint_position, cache_salt,
-                                 logits_from, params.row_data(seed))
+                                 logits_from, params.row_data(seed, len(prompt.token_ids)))
 
     def _detokenizer(self, prompt: Prompt, params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:

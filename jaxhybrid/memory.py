@@ -2,7 +2,8 @@
 
 A state slot is one page of every recurrent layer: the fp32 checkpoint state S0, the conv window at S0,
 and the ReplaySSM rings of W + 1 + K entries (GDN: normalised key, update and log-decay per token;
-Mamba2: x, processed dt and B; both: the pre-conv inputs). A KV block holds `block_size` tokens of every
+Mamba2: x, processed dt and B; both: the pre-conv inputs), plus the slot's token history (int32 per
+position, for sampling penalties). A KV block holds `block_size` tokens of every
 attention layer, the MTP layers included. The state pool gets a slot per running request and per
 checkpoint it may reserve (so admission never waits on slots that cannot free), plus its share of the
 budget for cached prefix states; the KV pool gets the rest. `max_num_seqs` is capped so that the
@@ -29,8 +30,10 @@ class PoolSizes(NamedTuple):
                 f"slots x {self.bytes_per_slot} B ({state:.2f} GiB), max_num_seqs {self.max_num_seqs}")
 
 
-def slot_bytes(cfg: ModelConfig, ring_size: int, num_spec_tokens: int, dtype_bytes: int = 2) -> int:
-    """Bytes of one state slot over all recurrent layers (activations in `dtype_bytes`, states in fp32)."""
+def slot_bytes(cfg: ModelConfig, ring_size: int, num_spec_tokens: int, dtype_bytes: int = 2,
+               history_len: int = 0) -> int:
+    """Bytes of one state slot over all recurrent layers (activations in `dtype_bytes`, states in fp32) and
+    its token history of `history_len` positions."""
     entries = ring_size + 1 + num_spec_tokens
     columns = cfg.conv_kernel - 1 + entries  # the window and the ring of pre-conv inputs
     per_kind = {}
@@ -44,7 +47,7 @@ def slot_bytes(cfg: ModelConfig, ring_size: int, num_spec_tokens: int, dtype_byt
         state = 4 * m.num_heads * m.head_dim * m.state_size
         ring = 4 * entries * (m.num_heads * m.head_dim + m.num_heads + m.n_groups * m.state_size)
         per_kind[MAMBA2] = state + ring + dtype_bytes * columns * m.conv_dim
-    return sum(per_kind[kind] for layer in cfg.layers for kind in layer if kind in per_kind)
+    return 4 * history_len + sum(per_kind[kind] for layer in cfg.layers for kind in layer if kind in per_kind)
 
 
 def size_pools(cfg: ModelConfig, budget_bytes: int, *, block_size: int, ring_size: int, num_spec_tokens: int,
@@ -56,7 +59,7 @@ def size_pools(cfg: ModelConfig, budget_bytes: int, *, block_size: int, ring_siz
     """
     if not 0 <= cache_fraction < 1:
         raise ValueError(f"cache_fraction must be in [0, 1), got {cache_fraction}")
-    per_slot = slot_bytes(cfg, ring_size, num_spec_tokens, dtype_bytes)
+    per_slot = slot_bytes(cfg, ring_size, num_spec_tokens, dtype_bytes, max_model_len + num_spec_tokens)
     per_block = block_size * cfg.kv_bytes_per_token(dtype_bytes)
     longest = -(-(max_model_len + num_spec_tokens) // block_size)  # blocks of one request at max_model_len
     # the null block and slot, one request at max_model_len with a reserved checkpoint and a cached hit

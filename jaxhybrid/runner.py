@@ -19,7 +19,18 @@ from jaxhybrid.model import Model
 from jaxhybrid.models.hybrid import HybridLM
 from jaxhybrid.models.pools import DeviceState, init_device_state
 from jaxhybrid.plan_transfer import DevicePlan, PlanLayout, pack_plan, unpack_plan
-from jaxhybrid.sampling import ROW_DTYPE, Logprobs, SamplingRows, logprobs, sample, verify_greedy, verify_random
+from jaxhybrid.sampling import (
+    ROW_DTYPE,
+    Logprobs,
+    SamplingRows,
+    apply_penalties,
+    has_penalties,
+    logprobs,
+    sample,
+    verify_greedy,
+    verify_random,
+)
+from pallas_kernels.common import copy_slots
 from scheduler import BatchPlan, RowKind, SchedulerConfig, StepResult
 from scheduler.replay import ring_rows
 
@@ -49,7 +60,7 @@ class Runner:
         self.state = init_device_state(
             model.config, num_blocks=config.num_blocks, block_size=config.block_size,
             num_slots=config.num_state_slots, ring_entries=ring_rows(config.ring_size, config.num_spec_tokens),
-            dtype=model.dtype)
+            history_len=config.max_model_len + config.num_spec_tokens, dtype=model.dtype)
         self._step = jax.jit(self._step_fn, static_argnums=2, donate_argnums=1)
 
     def step(self, plan: BatchPlan) -> tuple[StepResult, Logprobs]:
@@ -67,10 +78,11 @@ class Runner:
                  buffer: jax.Array) -> tuple[DeviceState, StepOutput]:
         plan = unpack_plan(buffer, layout, ROW_DTYPE.itemsize)
         module, variables = self.model.module, {"params": params}
+        state = state._replace(token_history=_record_history(state.token_history, plan))
         hidden, state = module.apply(variables, plan.token_ids, plan, state)
         logits = module.apply(variables, hidden[plan.logits_indices], method=HybridLM.logits)  # [L, V]
         rows = SamplingRows.from_bytes(plan.row_data)
-        sampled, accepted = _sample_rows(logits, plan, rows, self.config.num_spec_tokens)
+        sampled, accepted = _sample_rows(logits, plan, rows, state.token_history, self.config.num_spec_tokens)
         wanted = jnp.any((rows.logprobs > 0) & (plan.row_kind != RowKind.PADDING))
         reported = jax.lax.cond(wanted, lambda: _logprobs(logits, plan, sampled, self.num_logprobs),
                                 lambda: _no_logprobs(logits.shape[0], self.num_logprobs))
@@ -78,7 +90,8 @@ class Runner:
         if self.config.num_spec_tokens:
             drafts, state = _draft(module, variables, hidden, plan, sampled, accepted, state,
                                    self.config.num_spec_tokens, self.config.block_size)
-        return state, StepOutput(sampled, accepted, drafts, reported)
+        history = copy_slots(state.token_history, plan.publish_src, plan.publish_dst)
+        return state._replace(token_history=history), StepOutput(sampled, accepted, drafts, reported)
 
 
 def _row_of(offsets: jax.Array, index: jax.Array) -> jax.Array:
@@ -86,7 +99,43 @@ def _row_of(offsets: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.clip(jnp.searchsorted(offsets[1:], index, side="right"), 0, offsets.shape[0] - 2)
 
 
-def _sample_rows(logits: jax.Array, plan: DevicePlan, rows: SamplingRows, k: int) -> tuple[jax.Array, jax.Array]:
+def _record_history(history: jax.Array, plan: DevicePlan) -> jax.Array:
+    """Each slot's token history after this step's copies and tokens, in the plan's order: materialised
+    and hit pages copied in, phase-1 tokens written, pair copies, then everyone else's tokens."""
+    history = copy_slots(history, plan.materialize_src, plan.materialize_dst)
+    history = copy_slots(history, plan.hit_copy_src, plan.hit_copy_dst)
+    producer = (plan.row_kind == RowKind.PREFILL) & (plan.phase == 1)
+    history = _write_tokens(history, plan, producer)
+    history = copy_slots(history, plan.pair_copy_src, plan.pair_copy_dst)
+    return _write_tokens(history, plan, ~producer)
+
+
+def _write_tokens(history: jax.Array, plan: DevicePlan, rows: jax.Array) -> jax.Array:
+    tok = jnp.arange(plan.token_ids.shape[0])
+    row = _row_of(plan.cu_seqlens, tok)
+    slot = plan.state_slots[row]
+    keep = (tok < plan.cu_seqlens[-1]) & rows[row] & (slot > 0)
+    return history.at[jnp.where(keep, slot, history.shape[0]), plan.positions].set(plan.token_ids, mode="drop")
+
+
+def _penalized(target: jax.Array, plan: DevicePlan, rows: SamplingRows, history: jax.Array,
+               predicted: jax.Array) -> jax.Array:
+    """vLLM's penalties at each target logit: prompt tokens, and output tokens before the drawn position."""
+    num_rows, width, vocab = target.shape
+    sequence = history[plan.state_slots]  # [R, H]
+    position = jnp.arange(sequence.shape[1])
+    before = position[None, None, :] < predicted[:, :, None]  # [R, 1+K, H]
+    in_prompt = (position[None, :] < rows.prompt_len[:, None])[:, None, :]
+    index = (jnp.arange(num_rows)[:, None, None], jnp.arange(width)[None, :, None], sequence[:, None, :])
+    counts = jnp.zeros((num_rows, width, vocab), jnp.int32).at[index].add((before & ~in_prompt).astype(jnp.int32))
+    prompt_mask = jnp.zeros((num_rows, width, vocab), bool).at[index].max(before & in_prompt)
+    per_logit = SamplingRows(*(jnp.repeat(field, width) for field in rows))
+    flat = lambda x: x.reshape(num_rows * width, vocab)
+    return apply_penalties(flat(target), per_logit, flat(prompt_mask), flat(counts)).reshape(target.shape)
+
+
+def _sample_rows(logits: jax.Array, plan: DevicePlan, rows: SamplingRows, history: jax.Array,
+                 k: int) -> tuple[jax.Array, jax.Array]:
     """[R, 1+K] tokens and [R] accepted drafts: verify rows verify their drafts at their 1 + K logits, every
     other row samples at its last logit (update ignores rows whose prefill goes on)."""
     verify = plan.row_kind == RowKind.VERIFY
@@ -94,7 +143,10 @@ def _sample_rows(logits: jax.Array, plan: DevicePlan, rows: SamplingRows, k: int
     first = jnp.where(verify, plan.cu_logits[:-1], last)
     entry = jnp.clip(first[:, None] + jnp.arange(1 + k), 0, logits.shape[0] - 1)  # [R, 1+K]
     predicted = plan.positions[plan.logits_indices[entry]] + 1  # position of the token each logit draws
-    target = logits[entry]
+    real = plan.row_kind != RowKind.PADDING
+    rows = rows._replace(repetition_penalty=jnp.where(real, rows.repetition_penalty, 1.0))  # padding: zero records
+    target = jax.lax.cond(jnp.any(has_penalties(rows) & real),
+                          lambda: _penalized(logits[entry], plan, rows, history, predicted), lambda: logits[entry])
     greedy = jnp.all(rows.temperature <= 0)
     tokens = jax.lax.cond(greedy, lambda: jnp.argmax(target[:, 0], axis=-1).astype(jnp.int32),
                           lambda: sample(target[:, 0], rows, predicted[:, 0]))

@@ -27,6 +27,7 @@ ROW_DTYPE = np.dtype([
     ("frequency_penalty", "<f4"),   # 0: off (output tokens)
     ("seed", "<u4"),
     ("logprobs", "<i4"),            # 1: the step reports this row's logprobs
+    ("prompt_len", "<i4"),          # positions before it hold the prompt (penalties)
 ])
 
 _DRAW_SAMPLE, _DRAW_ACCEPT, _DRAW_RESIDUAL = 0, 1, 2  # independent streams of one (seed, position)
@@ -44,6 +45,7 @@ class SamplingRows(NamedTuple):
     frequency_penalty: jax.Array
     seed: jax.Array
     logprobs: jax.Array
+    prompt_len: jax.Array
 
     @staticmethod
     def from_records(records: np.ndarray) -> SamplingRows:
@@ -61,10 +63,10 @@ class SamplingRows(NamedTuple):
 
 def pack_row(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
              repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-             seed: int = 0, logprobs: bool = False) -> bytes:
+             seed: int = 0, logprobs: bool = False, prompt_len: int = 0) -> bytes:
     """One request's settings as `Request.row_data` bytes."""
     record = np.array([(temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty,
-                        seed & 0xFFFFFFFF, int(logprobs))], ROW_DTYPE)
+                        seed & 0xFFFFFFFF, int(logprobs), prompt_len)], ROW_DTYPE)
     return record.tobytes()
 
 
@@ -73,6 +75,11 @@ def row_keys(seeds: jax.Array, positions: jax.Array, draw: int) -> jax.Array:
     base = jax.vmap(jax.random.key)(seeds.astype(jnp.uint32))
     return jax.vmap(lambda key, position: jax.random.fold_in(jax.random.fold_in(key, position), draw))(
         base, positions.astype(jnp.uint32))
+
+
+def has_penalties(rows: SamplingRows) -> jax.Array:
+    """[N] bool: rows with a repetition, presence or frequency penalty."""
+    return (rows.repetition_penalty != 1) | (rows.presence_penalty != 0) | (rows.frequency_penalty != 0)
 
 
 def apply_penalties(logits: jax.Array, rows: SamplingRows, prompt_mask: jax.Array,
@@ -89,9 +96,14 @@ def apply_penalties(logits: jax.Array, rows: SamplingRows, prompt_mask: jax.Arra
 
 def filtered_logits(logits: jax.Array, rows: SamplingRows) -> jax.Array:
     """Temperature, then top-k, top-p and min-p masks (-inf), as vLLM orders them; greedy rows are
-    left at temperature 1 (their draw is an argmax)."""
+    left at temperature 1 (their draw is an argmax). The vocabulary is sorted only when a row filters."""
     temperature = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
     logits = logits.astype(jnp.float32) / temperature
+    filters = jnp.any((rows.top_k > 0) | (rows.top_p < 1) | (rows.min_p > 0))
+    return jax.lax.cond(filters, lambda: _apply_filters(logits, rows), lambda: logits)
+
+
+def _apply_filters(logits: jax.Array, rows: SamplingRows) -> jax.Array:
     vocab = logits.shape[-1]
     ordered = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
     k = jnp.where(rows.top_k > 0, jnp.minimum(rows.top_k, vocab), vocab)

@@ -90,8 +90,8 @@ class SamplingParams:
         return scheduler.SamplingParams(max_tokens=max_tokens, eos_token_id=eos_token_id,
                                         stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
 
-    def row_data(self, seed: int) -> bytes:
+    def row_data(self, seed: int, prompt_len: int) -> bytes:
         """The device's per-row record; `seed` is this request's own (drawn by the engine when None)."""
         return pack_row(self.temperature, self.top_p, max(self.top_k, 0), self.min_p, self.repetition_penalty,
                         self.presence_penalty, self.frequency_penalty, seed,
-                        self.logprobs is not None or self.prompt_logprobs is not None)
+                        self.logprobs is not None or self.prompt_logprobs is not None, prompt_len)

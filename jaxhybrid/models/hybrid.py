@@ -81,7 +81,7 @@ class HybridLM(nn.Module):
         for layer, pool in zip(self.layers, state.layers, strict=True):
             x, pool = layer(x, plan, pool)
             new_layers.append(pool)
-        return self.norm(x), DeviceState(tuple(new_layers), state.mtp)
+        return self.norm(x), state._replace(layers=tuple(new_layers))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         if self.cfg.tie_word_embeddings:

@@ -37,6 +37,7 @@ LayerPool = RecurrentPool | KVPool | None
 class DeviceState(NamedTuple):
     layers: tuple[LayerPool, ...]  # one entry per decoder layer: its slot pool, KV pool, or None
     mtp: tuple[KVPool, ...]        # one KV pool per MTP layer
+    token_history: jax.Array       # [S, H] i32 the token at each position of each slot's sequence (penalties)
 
 
 def copy_pages(pool: RecurrentPool, src: jax.Array, dst: jax.Array) -> RecurrentPool:
@@ -69,9 +70,9 @@ def _recurrent_pool(cfg: ModelConfig, kind: str, num_slots: int, ring_entries: i
 
 
 def init_device_state(cfg: ModelConfig, *, num_blocks: int, block_size: int, num_slots: int, ring_entries: int,
-                      dtype: jnp.dtype = jnp.float32) -> DeviceState:
+                      history_len: int = 1, dtype: jnp.dtype = jnp.float32) -> DeviceState:
     """Zero pools: `num_blocks` KV blocks and `num_slots` state slots (nulls included), rings of
-    `ring_entries` = W + 1 + K entries."""
+    `ring_entries` = W + 1 + K entries, token histories of `history_len` positions."""
     layers = []
     for kinds in cfg.layers:
         stateful = [k for k in kinds if k not in (MLP, MOE)]
@@ -81,4 +82,5 @@ def init_device_state(cfg: ModelConfig, *, num_blocks: int, block_size: int, num
             layers.append(_kv_pool(cfg, num_blocks, block_size, dtype))
         else:
             layers.append(_recurrent_pool(cfg, stateful[0], num_slots, ring_entries, dtype))
-    return DeviceState(tuple(layers), tuple(_kv_pool(cfg, num_blocks, block_size, dtype) for _ in cfg.mtp_layers))
+    mtp = tuple(_kv_pool(cfg, num_blocks, block_size, dtype) for _ in cfg.mtp_layers)
+    return DeviceState(tuple(layers), mtp, jnp.zeros((num_slots, history_len), jnp.int32))

@@ -10,11 +10,11 @@ from scheduler import SchedulerConfig
 from tests.hf_fixtures import fixture_model
 
 
-def _page_nbytes(cfg, ring_size: int, k: int) -> int:
-    """One slot of every recurrent pool the engine allocates (activations in a 2-byte dtype)."""
+def _page_nbytes(cfg, ring_size: int, k: int, history_len: int) -> int:
+    """One slot of every slot pool the engine allocates (activations in a 2-byte dtype)."""
     state = init_device_state(cfg, num_blocks=2, block_size=16, num_slots=1, ring_entries=ring_size + 1 + k,
-                              dtype=jnp.float16)
-    pools = [pool for pool in state.layers if isinstance(pool, RecurrentPool)]
+                              history_len=history_len, dtype=jnp.float16)
+    pools = [pool for pool in state.layers if isinstance(pool, RecurrentPool)] + [state.token_history]
     return sum(leaf.nbytes for leaf in jax.tree.leaves(pools))
 
 
@@ -22,7 +22,7 @@ def _page_nbytes(cfg, ring_size: int, k: int) -> int:
 @pytest.mark.parametrize("ring_size, k", [(1, 0), (16, 3)])
 def test_a_slot_counts_state_ring_and_window(family, ring_size, k):
     cfg = fixture_model(family).config
-    assert slot_bytes(cfg, ring_size, k) == _page_nbytes(cfg, ring_size, k)
+    assert slot_bytes(cfg, ring_size, k, history_len=100) == _page_nbytes(cfg, ring_size, k, history_len=100)
 
 
 def test_pools_fill_the_budget_and_make_a_valid_scheduler_config():
