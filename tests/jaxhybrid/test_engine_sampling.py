@@ -13,9 +13,9 @@ import pytest
 
 from jaxhybrid.engine import Prompt
 from jaxhybrid.sampling_params import SamplingParams
-from tests.hf_fixtures import fixture_model
 from jaxhybrid.tokenizer import Tokenizer
 from jaxhybrid.weights import DEFAULT_MODEL_DIR, load_model
+from tests.hf_fixtures import fixture_model
 from tests.jaxhybrid.engine_helpers import engine_for, run_to_completion
 
 
