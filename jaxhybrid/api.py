@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,14 @@ def device_memory_budget(utilization: float, params: Any) -> int:
 
 
 class LLM:
-    """An engine on one checkpoint: `generate` and `chat` run prompts to completion, in input order."""
+    """An engine on one checkpoint: `generate` and `chat` run prompts to completion, in input order.
+
+    Arguments follow vLLM's where the concept exists. Beyond them: `num_blocks` / `num_state_slots` size the
+    pools explicitly (else from `gpu_memory_utilization`), `replayssm_window` is W, `mamba_block_size` the
+    grid of cached recurrent states, `backend` the kernels' ("reference", "pallas", "interpret"),
+    `token_buckets` / `row_buckets` the step shapes, `precompile` compiles every shape at start-up and
+    `compilation_cache_dir` keeps compiled steps across runs.
+    """
 
     def __init__(self, model: str | Path | None = None, *, tokenizer: str | Path | None = None,
                  skip_tokenizer_init: bool = False, enable_prefix_caching: bool = True,
@@ -61,9 +69,12 @@ class LLM:
                  num_blocks: int | None = None, num_state_slots: int | None = None, replayssm_window: int = 16,
                  block_size: int = 16, mamba_block_size: int = 64, max_logprobs: int = 20,
                  dtype: str = "float32", backend: str | None = None, token_buckets: tuple[int, ...] = (),
-                 row_buckets: tuple[int, ...] = ()):
+                 row_buckets: tuple[int, ...] = (), precompile: bool = False, compilation_cache_dir: str | None = None):
         from jaxhybrid.models.ops import ModelOps
 
+        if compilation_cache_dir is not None:  # compiled steps persist across processes
+            jax.config.update("jax_compilation_cache_dir", str(compilation_cache_dir))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         directory = Path(model) if model is not None else DEFAULT_MODEL_DIR
         self.model: Model = load_model(directory, dtype=jnp.dtype(dtype), ops=ModelOps(backend=backend),
                                        block_size=block_size)
@@ -83,14 +94,20 @@ class LLM:
             num_blocks, num_state_slots, max_num_seqs = (num_blocks or sizes.num_blocks,
                                                          num_state_slots or sizes.num_state_slots, sizes.max_num_seqs)
             log.info("pools: %s", sizes.describe())
+        # one block-table width and logits buckets on the token ladder keep the compiled shapes few
         self.config = SchedulerConfig(
             block_size=block_size, mamba_block_size=mamba_block_size, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_blocks=num_blocks,
             num_state_slots=num_state_slots, num_spec_tokens=k, cache_mode="align" if enable_prefix_caching else "none",
             ring_size=ring_size, vocab_size=cfg.vocab_size, row_data_bytes=ROW_DTYPE.itemsize,
-            token_buckets=token_buckets, row_buckets=row_buckets)
+            token_buckets=token_buckets, row_buckets=row_buckets, logits_buckets=token_buckets,
+            block_table_buckets=(-(-(max_model_len + k) // block_size),))
         self.engine = Engine(self.model, self.config, self.tokenizer, seed=seed, max_logprobs=max_logprobs)
         self._counter = 0
+        if precompile:
+            start = time.perf_counter()
+            count = self.engine.runner.precompile()
+            log.info("compiled %d buckets in %.1f s", count, time.perf_counter() - start)
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer

@@ -114,7 +114,8 @@ class Engine:
                 for queued in request.sequences:
                     self.scheduler = scheduler.abort_request(self.scheduler, queued)
                     del self._sequences[queued]
-                raise ValueError(f"request {request_id!r}: {error}") from error
+                message = str(error).replace(f"request {sequence_id!r}", f"request {request_id!r}")
+                raise type(error)(message if request_id in message else f"request {request_id!r}: {message}") from error
             request.sequences.append(sequence_id)
             request.outputs.append(CompletionOutput(index, "", [], 0.0 if params.logprobs is not None else None,
                                                     [] if params.logprobs is not None else None))

@@ -17,14 +17,16 @@ from scheduler.invariants import check_drained
 
 def engine_for(model: Model, *, k: int = 0, ring_size: int = 16, cache_mode: str = "align", budget: int = 64,
                num_blocks: int = 160, num_state_slots: int = 40, max_num_seqs: int = 8, max_model_len: int = 192,
+               token_buckets: tuple[int, ...] | None = None, logits_buckets: tuple[int, ...] | None = None,
                tokenizer=None, seed: int = 0) -> Engine:
-    """An engine with blocks of 16, Mamba blocks of 16 and one bucket of each kind: one compilation."""
+    """An engine with blocks of 16, Mamba blocks of 16 and one bucket of each kind unless given: one
+    compilation."""
     config = SchedulerConfig(
         block_size=16, mamba_block_size=16, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, num_blocks=num_blocks, num_state_slots=num_state_slots, num_spec_tokens=k,
         ring_size=ring_size, cache_mode=cache_mode, vocab_size=model.config.vocab_size,
-        row_data_bytes=ROW_DTYPE.itemsize, token_buckets=(budget,), row_buckets=(max_num_seqs,),
-        logits_buckets=(budget,), block_table_buckets=(-(-(max_model_len + k) // 16),))
+        row_data_bytes=ROW_DTYPE.itemsize, token_buckets=token_buckets or (budget,), row_buckets=(max_num_seqs,),
+        logits_buckets=logits_buckets or (budget,), block_table_buckets=(-(-(max_model_len + k) // 16),))
     return Engine(model, config, tokenizer, seed=seed)
 
 

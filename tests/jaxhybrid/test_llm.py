@@ -1,0 +1,119 @@
+"""`LLM` on the embedded default model: text, chat and token prompts with markers, MTP on, stop strings,
+prompt-logprob scoring with a checkpoint, and the errors a user sees."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxhybrid import LLM, SamplingParams
+from jaxhybrid.tokenizer import CHECKPOINT_MARKER
+from scheduler import CheckpointMarkerError
+from tests.hf_fixtures import HF_FIXTURES
+from tests.jaxhybrid.engine_helpers import greedy_continuation
+from tests.tolerances import assert_close, float32_atol, model_depth
+
+ANCHOR = "import os\nimport sys\n\n\ndef read_config(path):\n    \"\"\"Read a config file.\"\"\"\n"
+SCORED_ANCHOR = ("class Config:\n    \"\"\"Settings read from the environment.\"\"\"\n\n"
+                 "    def __init__(self, env):\n        self.env = env\n\n    def get(self, key):\n")
+CANDIDATES = ["    with open(path) as f:\n        return f.read()\n", "    return {}\n",
+              "    raise NotImplementedError(path)\n", "    print(path)\n    return None\n"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(speculative_config={"method": "mtp", "num_speculative_tokens": 3}, num_blocks=256,
+               num_state_slots=48, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+               mamba_block_size=16, token_buckets=(64,), row_buckets=(8,))
+
+
+def test_greedy_text_prompts_with_and_without_markers_equal_the_full_forward(llm):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [ANCHOR + CHECKPOINT_MARKER + c for c in CANDIDATES] + [ANCHOR + c for c in CANDIDATES]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    marker = tokenizer.token_id(CHECKPOINT_MARKER)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ids = [t for t in tokenizer.encode(prompt) if t != marker]  # the marker token, stripped
+        assert output.prompt_token_ids == ids
+        assert output.outputs[0].token_ids == greedy_continuation(llm.model, tuple(ids), 12)
+        assert output.outputs[0].text == tokenizer.decode(output.outputs[0].token_ids)
+    assert outputs[1].num_cached_tokens > 0  # a consumer starts from the anchor's checkpoint
+    assert llm.engine.stats.accepted_tokens > llm.engine.stats.draft_tokens / 3  # the trained MTP head drafts well
+
+
+def test_stop_strings_cut_the_text(llm):
+    prompt = ANCHOR + CANDIDATES[0]
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
+    text = full.outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop and text.index(stop) > 0
+    cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.text == text[:text.index(stop)] and cut.finish_reason == "stop" and cut.stop_reason == stop
+    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True,
+                                               include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[:text.index(stop) + len(stop)]
+    assert full.outputs[0].token_ids[:len(kept.token_ids)] == kept.token_ids
+
+
+def test_chat_uses_the_checkpoints_template(llm):
+    messages = [{"role": "user", "content": "Write a function that reads a file."}]
+    output = llm.chat(messages, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    tokenizer = llm.get_tokenizer()
+    assert output.prompt_token_ids == tokenizer.encode(tokenizer.apply_chat_template(messages))
+
+
+def test_scoring_with_a_checkpoint_equals_scoring_without_and_computes_the_anchor_once(llm):
+    """1 anchor x N candidates: prompt logprobs with the marker equal those without (float32), while the
+    anchor's tokens are computed once (the consumers start at the checkpoint)."""
+    params = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    tokenizer = llm.get_tokenizer()
+    anchor, marker = tokenizer.encode(SCORED_ANCHOR), tokenizer.token_id(CHECKPOINT_MARKER)  # not cached yet
+    before = llm.engine.stats.prefill_tokens
+    marked = llm.generate([anchor + [marker] + tokenizer.encode(c) for c in CANDIDATES], params, use_tqdm=False)
+    computed = llm.engine.stats.prefill_tokens - before
+    plain = llm.generate([anchor + tokenizer.encode(c) for c in CANDIDATES], params, use_tqdm=False)
+    c = len(anchor) // 16 * 16  # the checkpoint: the marker's position rounded down to the hash unit
+    lengths = [len(o.prompt_token_ids) for o in plain]
+    assert c >= 32 and computed == c + sum(n - c for n in lengths)  # the anchor once, each candidate from c
+    depth = model_depth(llm.model.config, max(lengths))
+    for with_marker, without in zip(marked, plain, strict=True):
+        assert with_marker.prompt_token_ids == without.prompt_token_ids and with_marker.outputs[0].token_ids == []
+        ids = without.prompt_token_ids
+        got = [with_marker.prompt_logprobs[p][ids[p]].logprob for p in range(c + 1, len(ids))]
+        want = [without.prompt_logprobs[p][ids[p]].logprob for p in range(c + 1, len(ids))]
+        assert_close(np.array(got), np.array(want), min(1e-4, float32_atol(depth, max(map(abs, want)))))
+        assert all(with_marker.prompt_logprobs[p] is None for p in range(c + 1))
+
+
+def test_bad_prompts_raise_clear_errors(llm):
+    with pytest.raises(CheckpointMarkerError, match="exactly once"):
+        llm.generate(ANCHOR + CHECKPOINT_MARKER + "x = 1\n" + CHECKPOINT_MARKER + "y = 2\n", use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate("x = 1\n" * 300, use_tqdm=False)
+    with pytest.raises(ValueError, match="SamplingParams.top_p"):
+        SamplingParams(top_p=0)
+    assert llm.generate("x = 1\n", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
+def test_mtp_on_a_checkpoint_without_mtp_weights_is_a_clear_error():
+    with pytest.raises(ValueError, match="no MTP weights"):
+        LLM(HF_FIXTURES / "nemotron_h", skip_tokenizer_init=True, num_blocks=64, num_state_slots=16,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="only"):
+        LLM(HF_FIXTURES / "qwen3_next", skip_tokenizer_init=True, num_blocks=64, num_state_slots=16,
+            speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+
+
+def test_token_prompts_without_a_tokenizer():
+    llm = LLM(HF_FIXTURES / "nemotron_h", skip_tokenizer_init=True, num_blocks=64, num_state_slots=16,
+              max_num_batched_tokens=64, token_buckets=(64,), row_buckets=(4,), max_num_seqs=4, max_model_len=128)
+    prompt = list(range(5, 45))
+    outputs = llm.generate([prompt, {"prompt_token_ids": prompt, "checkpoint_position": 32}],
+                           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    expected = greedy_continuation(llm.model, tuple(prompt), 6)
+    assert [o.outputs[0].token_ids for o in outputs] == [expected, expected]
+    assert outputs[0].outputs[0].text == ""
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        llm.generate("text", use_tqdm=False)
