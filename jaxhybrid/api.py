@@ -21,6 +21,7 @@ from jaxhybrid.sampling_params import SamplingParams
 from jaxhybrid.tokenizer import Tokenizer
 from jaxhybrid.weights import DEFAULT_MODEL_DIR, load_model
 from scheduler import CheckpointMarkerError, SchedulerConfig, parse_checkpoint_marker
+from scheduler.buckets import default_buckets
 
 log = logging.getLogger("jaxhybrid")
 
@@ -94,7 +95,9 @@ class LLM:
             num_blocks, num_state_slots, max_num_seqs = (num_blocks or sizes.num_blocks,
                                                          num_state_slots or sizes.num_state_slots, sizes.max_num_seqs)
             log.info("pools: %s", sizes.describe())
-        # one block-table width and logits buckets on the token ladder keep the compiled shapes few
+        # one block-table width and logits buckets on the token ladder keep the compiled shapes few; row
+        # buckets start at 2 (see Runner)
+        row_buckets = row_buckets or tuple(sorted({max(b, 2) for b in default_buckets(max_num_seqs)}))
         self.config = SchedulerConfig(
             block_size=block_size, mamba_block_size=mamba_block_size, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_blocks=num_blocks,

@@ -55,6 +55,10 @@ class Runner:
         if config.row_data_bytes != ROW_DTYPE.itemsize:
             raise ValueError(f"SchedulerConfig.row_data_bytes must be {ROW_DTYPE.itemsize} (sampling.ROW_DTYPE), "
                              f"got {config.row_data_bytes}")
+        if min(config.row_buckets) < 2:
+            # a one-row step makes every per-row pool write a one-index scatter, which XLA turns into a
+            # dynamic-update-slice and copies the whole pool around; a padding row costs nothing
+            raise ValueError(f"SchedulerConfig.row_buckets must all be >= 2, got {config.row_buckets}")
         if config.num_spec_tokens and not model.config.mtp_layers:
             raise ValueError(f"num_spec_tokens={config.num_spec_tokens} needs MTP weights (mtp.*), which this "
                              f"{model.config.model_type} checkpoint does not have")
@@ -101,7 +105,10 @@ class Runner:
         if self.config.num_spec_tokens:
             drafts, state = _draft(module, variables, hidden, plan, sampled, accepted, state,
                                    self.config.num_spec_tokens, self.config.block_size)
-        history = copy_slots(state.token_history, plan.publish_src, plan.publish_dst)
+        # penalties read the history before the publishes write it (the barrier orders them; without it
+        # XLA copies the whole history to keep both)
+        history, _ = jax.lax.optimization_barrier((state.token_history, sampled))
+        history = copy_slots(history, plan.publish_src, plan.publish_dst)
         return state._replace(token_history=history), StepOutput(sampled, accepted, drafts, reported)
 
 

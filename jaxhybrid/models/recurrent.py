@@ -42,19 +42,22 @@ class Conv(NamedTuple):
 def recurrent_layer(conv_in: jax.Array, conv: Conv, core: MixerCore, plan: DevicePlan,
                     pool: RecurrentPool) -> tuple[jax.Array, RecurrentPool]:
     """conv_in [T, D] pre-conv inputs -> (the core's outputs [T, ...], the layer's pool after the step)."""
-    pool = _materialise(core, plan, pool)
-    pool = copy_pages(pool, plan.hit_copy_src, plan.hit_copy_dst)
+    # Each stage reads pages that the next one writes: the barriers order them, or XLA copies whole pools
+    # to keep the old values alive. For the same reason decode rows run unconditionally (cheap: at most
+    # W + 1 + K entries per row); only the prefill path sits behind a cond.
+    pool = jax.lax.optimization_barrier(_materialise(core, plan, pool))
+    pool = jax.lax.optimization_barrier(copy_pages(pool, plan.hit_copy_src, plan.hit_copy_dst))
     decode = plan.row_kind >= RowKind.DECODE
     num_decode = jnp.sum(decode, dtype=jnp.int32)  # decode and verify rows come first in every plan
     split = plan.cu_seqlens[num_decode]
-    out_decode, pool = jax.lax.cond(num_decode > 0, lambda p: _decode_rows(conv_in, conv, core, plan, decode, split, p),
-                                    lambda p: (jnp.zeros(core.out.shape, core.out.dtype), p), pool)
+    out_decode, pool = _decode_rows(conv_in, conv, core, plan, decode, split, pool)
+    pool = jax.lax.optimization_barrier(pool)
     any_prefill = jnp.any(plan.row_kind == RowKind.PREFILL)
     out_prefill, pool = jax.lax.cond(any_prefill, lambda p: _prefill_rows(conv_in, conv, core, plan, num_decode, p),
                                      lambda p: (jnp.zeros(core.out.shape, core.out.dtype), p), pool)
     before = (jnp.arange(conv_in.shape[0]) < split).reshape((-1,) + (1,) * (out_decode.ndim - 1))
     out = jnp.where(before, out_decode, out_prefill)
-    return out, copy_pages(pool, plan.publish_src, plan.publish_dst)
+    return out, copy_pages(jax.lax.optimization_barrier(pool), plan.publish_src, plan.publish_dst)
 
 
 def _materialise(core: MixerCore, plan: DevicePlan, pool: RecurrentPool) -> RecurrentPool:

@@ -149,6 +149,8 @@ def conv1d_replay(x, weight, bias, cu_seqlens, window_pool, ring, slots, ring_st
     """ReplaySSM conv of decode/verify rows; see __init__."""
     check_rows(cu_seqlens, slots, "slots")
     window = replay_window(window_pool, ring, slots, ring_start, committed)
+    # the ring is read above before it is written below: say so, or XLA copies the whole ring pool
+    window, ring = jax.lax.optimization_barrier((window, ring))
     y, _ = causal_conv1d(x, weight, bias, cu_seqlens, window, activation=activation)
     window_pool = scatter_slots(window_pool, jnp.where(flush, slots, 0), window)
     return y, window_pool, append_tokens(ring, x[:, None], cu_seqlens, slots, ring_start, committed)
