@@ -49,7 +49,7 @@ def run(mode: str, batch: int, new_tokens: int) -> dict:
     llm = LLM(speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None,
               replayssm_window=window, num_blocks=2048, num_state_slots=4 * batch + 8, max_num_seqs=batch,
               max_num_batched_tokens=max(256, decode_bucket), max_model_len=256,
-              token_buckets=tuple(sorted({decode_bucket, max(256, decode_bucket)})), row_buckets=(batch,),
+              token_buckets=tuple(sorted({decode_bucket, max(256, decode_bucket)})), row_buckets=(max(batch, 2),),
               enable_prefix_caching=False)
     llm.engine.runner.precompile(progress=False)
     batch_prompts = prompts(batch, llm.get_tokenizer())

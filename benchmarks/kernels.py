@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from pallas_kernels.attention import ragged_paged_attention
-from pallas_kernels.conv1d import conv1d_prefill, conv1d_rollback, conv1d_verify
+from pallas_kernels.conv1d import conv1d_prefill, conv1d_replay
 from pallas_kernels.gdn import gdn_decode, gdn_materialise, gdn_prefill, gdn_verify
 from pallas_kernels.mamba2 import ssd_decode, ssd_materialise, ssd_prefill, ssd_verify
 
@@ -127,7 +127,7 @@ def np_attention(q, keys, values, cu, context, scale):
 def conv_case(rng, backend, tokens, rows, dim=8192, kc=4, drafts=3):
     x, weight = rng.standard_normal((tokens, dim), np.float32), rng.standard_normal((dim, kc), np.float32)
     cu, slots = _rows([tokens // rows] * rows), np.arange(1, rows + 1, dtype=np.int32)
-    pool = rng.standard_normal((rows + 1, kc - 1 + 1 + drafts, dim), np.float32)
+    pool = rng.standard_normal((rows + 1, kc - 1, dim), np.float32)
     device = Pools(pool)
     yield Case(
         "conv1d_prefill", f"T={tokens} R={rows} D={dim}",
@@ -135,17 +135,15 @@ def conv_case(rng, backend, tokens, rows, dim=8192, kc=4, drafts=3):
                                                      backend=backend)),
         lambda: np_conv(x, weight, cu, pool[slots, : kc - 1]), tokens,
     )  # fmt: skip
+    ring = rng.standard_normal((rows + 1, 1, 16 + 1 + drafts, dim), np.float32)
     xv, cuv = x[: rows * (1 + drafts)], _rows([1 + drafts] * rows)
+    trackers = (np.zeros(rows, np.int32), np.full(rows, 8, np.int32), np.zeros(rows, bool))
     yield Case(
-        "conv1d_verify", f"R={rows} T/row={1 + drafts} D={dim}",
-        lambda: device.call(lambda p: conv1d_verify(xv, weight, None, cuv, p, slots, backend=backend)),
-        lambda: np_conv(xv, weight, cuv, pool[slots, : kc - 1]), rows * (1 + drafts),
-    )  # fmt: skip
-    accepted = np.full(rows, 2, np.int32)
-    yield Case(
-        "conv1d_rollback", f"R={rows} D={dim}",
-        lambda: device.call(lambda p: (None, conv1d_rollback(p, slots, accepted, kernel_size=kc, backend=backend))),
-        lambda: np.concatenate([pool[slots, : kc - 1], pool[slots, kc - 1 : kc + 1]], 1)[:, -(kc - 1) :], rows,
+        "conv1d_replay", f"R={rows} T/row={1 + drafts} D={dim}",
+        lambda: device.call(lambda p: conv1d_replay(xv, weight, None, cuv, p, ring, slots, *trackers,
+                                                    backend=backend)[:2]),
+        lambda: np_conv(xv, weight, cuv, np.concatenate([pool[slots, : kc - 1], ring[slots, 0, :8]], 1)[:, -(kc - 1):]),
+        rows * (1 + drafts),
     )  # fmt: skip
 
 

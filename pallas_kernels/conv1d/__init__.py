@@ -1,18 +1,19 @@
 """Causal depthwise conv1d over packed varlen tokens and a window slot pool.
 
 Shapes: T packed tokens, R rows, D channels, Kc taps, S pool slots (slot 0 is the null slot: zeros,
-never written; padding rows aim there), E verify columns (>= tokens per verify row; 0 without MTP).
+never written; padding rows aim there), W ReplaySSM ring entries.
 
-Slot page: window_pool [S, Kc-1+E, D]. Columns [0, Kc-1) hold the window (the last Kc-1 pre-conv
-inputs, oldest first); columns [Kc-1, Kc-1+E) hold the pre-conv inputs of the slot's last verify call,
-from which `conv1d_rollback` rebuilds the window at the last accepted token (kernels_models §1.9, §4.5).
+Slot page: window_pool [S, Kc-1, D], the window (the last Kc-1 pre-conv inputs, oldest first) at the
+slot's checkpoint state S0, and ring [S, 1, W, D], the pre-conv inputs after S0 in the mixer's ring
+order. Like the state, the window is replayed, never rolled back: the window at any committed position
+is S0's window followed by that many ring entries (kernels_models §1.9, §4.5).
 """
 
 from pallas_kernels.common import resolve_backend
 from pallas_kernels.conv1d import pallas, reference
 from pallas_kernels.conv1d.reference import causal_conv1d
 
-__all__ = ["causal_conv1d", "conv1d_materialise", "conv1d_prefill", "conv1d_replay", "conv1d_rollback", "conv1d_verify"]
+__all__ = ["causal_conv1d", "conv1d_materialise", "conv1d_prefill", "conv1d_replay"]
 
 
 def conv1d_prefill(
@@ -24,7 +25,7 @@ def conv1d_prefill(
     Args:
       x: [T, D] pre-conv inputs; tokens outside [cu_seqlens[0], cu_seqlens[-1]) are padding.
       weight: [D, Kc]; bias: [D] or None.  cu_seqlens: [R+1] i32.
-      window_pool: [S, Kc-1+E, D], donated; only the window columns are read and written.
+      window_pool: [S, Kc-1, D], donated.
       slots: [R] i32 (padding rows: 0).  has_initial: [R] bool; False rows start from a zero window.
       checkpoint_lens: optional [R] i32 in [0, row length]: also store the window after that many of
         the row's tokens ...
@@ -41,33 +42,6 @@ def conv1d_prefill(
     if backend == "reference":
         return reference.conv1d_prefill(*args, activation=activation)
     return pallas.conv1d_prefill(*args, activation=activation, interpret=backend == "interpret")
-
-
-def conv1d_verify(x, weight, bias, cu_seqlens, window_pool, slots, *, activation=True, backend=None):
-    """Conv of verify rows (1 + k tokens, at most E) from each slot's window, keeping the window.
-
-    The rows' pre-conv inputs are stored in the verify columns of their slots; after acceptance call
-    `conv1d_rollback`. Arguments and results as in `conv1d_prefill` (no has_initial).
-    """
-    args = (x, weight, bias, cu_seqlens, window_pool, slots)
-    backend = resolve_backend(backend)
-    if backend == "reference":
-        return reference.conv1d_verify(*args, activation=activation)
-    return pallas.conv1d_verify(*args, activation=activation, interpret=backend == "interpret")
-
-
-def conv1d_rollback(window_pool, slots, num_accepted, *, kernel_size, backend=None):
-    """window <- last Kc-1 of (window ++ verify inputs[:num_accepted]) for each row's slot.
-
-    Args:
-      window_pool: [S, Kc-1+E, D], donated.  slots: [R] i32 (0 = skip).
-      num_accepted: [R] i32 in [0, E], verified inputs now committed (target token + accepted drafts).
-      kernel_size: Kc.
-      backend: accepted for symmetry; every backend runs the same XLA gather/scatter (pure data movement,
-        nothing for a kernel to fuse).
-    """
-    resolve_backend(backend)
-    return reference.conv1d_rollback(window_pool, slots, num_accepted, kernel_size=kernel_size)
 
 
 def conv1d_replay(x, weight, bias, cu_seqlens, window_pool, ring, slots, ring_start, committed, flush, *,

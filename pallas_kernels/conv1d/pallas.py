@@ -24,14 +24,13 @@ def _conv1d_kernel(
     x_ref,  # [T, D]
     weight_ref,  # [D, Kc]
     bias_ref,  # [D] f32
-    window_ref,  # [S, Kc-1+E, D]
+    window_ref,  # [S, Kc-1, D]
     y_ref,  # [T, D]
-    window_out_ref,  # [S, Kc-1+E, D], aliases window_ref
+    window_out_ref,  # [S, Kc-1, D], aliases window_ref
     *,
     width: int,
     block_d: int,
     activation: bool,
-    verify: bool,
 ):
     i_r, cols = pl.program_id(0), pl.ds(pl.program_id(1) * block_d, block_d)
     slot, bos, eos = slots_ref[i_r], cu_ref[i_r], cu_ref[i_r + 1]
@@ -55,8 +54,6 @@ def _conv1d_kernel(
         y = sum(w * h for w, h in zip(taps, (*win, x), strict=True)) + bias
         y_ref[t, cols] = (y * jax.nn.sigmoid(y) if activation else y).astype(y_ref.dtype)
         win = (*win[1:], x)
-        if verify:  # keep the pre-conv input for the rollback (§4.5 item 2)
-            window_out_ref[slot, width + t - bos, cols] = x.astype(window_out_ref.dtype)
 
         @pl.when((t - bos + 1 == ckpt_len) & (ckpt_slot > 0))
         def _():
@@ -65,30 +62,27 @@ def _conv1d_kernel(
         return win
 
     window = jax.lax.fori_loop(bos, eos, step, window)
-    if not verify:
 
-        @pl.when(slot > 0)
-        def _():
-            store_window(slot, window)
+    @pl.when(slot > 0)
+    def _():
+        store_window(slot, window)
 
 
-def _conv1d_call(x, weight, bias, cu_seqlens, window_pool, per_row, *, activation, verify, interpret):
+def _conv1d_call(x, weight, bias, cu_seqlens, window_pool, per_row, *, activation, interpret):
     dim = x.shape[1]
     block_d = min(dim, MAX_BLOCK_D)
     if dim % block_d:
         raise ValueError(f"channel count {dim} must be a multiple of {block_d} (Triton tiles are powers of two)")
     bias = jnp.zeros(dim, jnp.float32) if bias is None else bias.astype(jnp.float32)
     operands = dict(cu_seqlens=cu_seqlens, **per_row, x=x, weight=weight, bias=bias, window=window_pool)
-    kernel = functools.partial(
-        _conv1d_kernel, width=weight.shape[1] - 1, block_d=block_d, activation=activation, verify=verify
-    )
+    kernel = functools.partial(_conv1d_kernel, width=weight.shape[1] - 1, block_d=block_d, activation=activation)
     y, window_pool = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(window_pool.shape, window_pool.dtype)),
         grid=(cu_seqlens.shape[0] - 1, dim // block_d),
         input_output_aliases={list(operands).index("window"): 1},
         interpret=interpret,
-        name=f"conv1d_{block_d=}_{verify=}",
+        name=f"conv1d_{block_d=}",
     )(*operands.values())
     return zero_padding(y, cu_seqlens, x.dtype), window_pool
 
@@ -107,17 +101,5 @@ def conv1d_prefill(
         slots=slots, has_initial=has_initial.astype(jnp.int32), checkpoint_lens=checkpoint_lens,
         checkpoint_slots=checkpoint_slots,
     )  # fmt: skip
-    return _conv1d_call(
-        x, weight, bias, cu_seqlens, window_pool, per_row, activation=activation, verify=False, interpret=interpret
-    )
+    return _conv1d_call(x, weight, bias, cu_seqlens, window_pool, per_row, activation=activation, interpret=interpret)
 
-
-@functools.partial(jax.jit, static_argnames=("activation", "interpret"), donate_argnames="window_pool")
-def conv1d_verify(x, weight, bias, cu_seqlens, window_pool, slots, *, activation=True, interpret=False):
-    """Pallas conv1d verify; contract in `pallas_kernels.conv1d.conv1d_verify`."""
-    check_rows(cu_seqlens, slots, "slots")
-    none = jnp.zeros_like(slots)
-    per_row = dict(slots=slots, has_initial=none + 1, checkpoint_lens=none - 1, checkpoint_slots=none)
-    return _conv1d_call(
-        x, weight, bias, cu_seqlens, window_pool, per_row, activation=activation, verify=True, interpret=interpret
-    )

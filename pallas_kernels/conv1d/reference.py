@@ -1,8 +1,8 @@
 """Pure-JAX causal depthwise conv1d over packed varlen tokens (kernels_models §1.3 (c), §2.2 step 2).
 
-Slot pool page: `window_pool[s] = [Kc-1 + E, D]`; columns [0, Kc-1) are the window (oldest first),
-columns [Kc-1, Kc-1+E) hold the pre-conv inputs of the last verify call (E >= verify tokens per row),
-from which `conv1d_rollback` rebuilds the window of the last accepted token (§1.9, §4.5 item 2).
+Slot pool page: `window_pool[s] = [Kc-1, D]`, the window (oldest first) at the slot's S0, and a ring of the
+pre-conv inputs after it (`ring[s] = [1, W, D]`), from which the window at any committed position is
+rebuilt (§1.9, §4.5 item 2): verify rows never overwrite a window that a later materialise needs.
 """
 
 import functools
@@ -102,31 +102,6 @@ def conv1d_prefill(
         checkpoint = _window_after(x, cu_seqlens, window, checkpoint_lens)
         window_pool = _write_columns(window_pool, targets, 0, checkpoint)
     return y, window_pool
-
-
-@functools.partial(jax.jit, static_argnames=("activation",), donate_argnames="window_pool")
-def conv1d_verify(x, weight, bias, cu_seqlens, window_pool, slots, *, activation=True):
-    """Conv of verify rows; the window stays, the rows' inputs go to the extension columns; see __init__."""
-    check_rows(cu_seqlens, slots, "slots")
-    width = weight.shape[1] - 1
-    y, _ = causal_conv1d(x, weight, bias, cu_seqlens, window_pool[slots, :width], activation=activation)
-    extra = window_pool.shape[1] - width
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1])[:, None, None]
-    # Columns past the row's tokens keep their (stale, never read) contents.
-    inputs = jnp.where(
-        jnp.arange(extra)[:, None] < lengths, rows_to_dense(x, cu_seqlens, extra), window_pool[slots, width:]
-    )
-    return y, _write_columns(window_pool, slots, width, inputs)
-
-
-@functools.partial(jax.jit, static_argnames=("kernel_size",), donate_argnames="window_pool")
-def conv1d_rollback(window_pool, slots, num_accepted, *, kernel_size):
-    """window <- last Kc-1 of (window ++ verify inputs[:num_accepted]) per row; see __init__."""
-    width = kernel_size - 1
-    # Window ++ inputs is the slot page itself, so the new window is page[n : n + Kc-1].
-    index = num_accepted[:, None] + jnp.arange(width)
-    window = jnp.take_along_axis(window_pool[slots], index[:, :, None], axis=1)
-    return _write_columns(window_pool, slots, 0, window)
 
 
 def replay_window(window_pool, ring, slots, ring_start, count):
