@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from jaxhybrid.model import Model
 from jaxhybrid.models.hybrid import HybridLM
-from jaxhybrid.models.pools import DeviceState, init_device_state
+from jaxhybrid.models.pools import DeviceState, copy_pages, init_device_state
 from jaxhybrid.plan_transfer import DevicePlan, PlanLayout, pack_plan, unpack_plan
 from jaxhybrid.sampling import (
     ROW_DTYPE,
@@ -33,7 +33,6 @@ from jaxhybrid.sampling import (
     verify_greedy,
     verify_random,
 )
-from pallas_kernels.common import copy_slots
 from scheduler import BatchPlan, RowKind, SchedulerConfig, StepResult
 from scheduler.replay import ring_rows
 
@@ -108,7 +107,7 @@ class Runner:
         # penalties read the history before the publishes write it (the barrier orders them; without it
         # XLA copies the whole history to keep both)
         history, _ = jax.lax.optimization_barrier((state.token_history, sampled))
-        history = copy_slots(history, plan.publish_src, plan.publish_dst)
+        history = copy_pages(history, plan.publish_src, plan.publish_dst, plan.num_publishes)
         return state._replace(token_history=history), StepOutput(sampled, accepted, drafts, reported)
 
 
@@ -150,11 +149,11 @@ def _row_of(offsets: jax.Array, index: jax.Array) -> jax.Array:
 def _record_history(history: jax.Array, plan: DevicePlan) -> jax.Array:
     """Each slot's token history after this step's copies and tokens, in the plan's order: materialised
     and hit pages copied in, phase-1 tokens written, pair copies, then everyone else's tokens."""
-    history = copy_slots(history, plan.materialize_src, plan.materialize_dst)
-    history = copy_slots(history, plan.hit_copy_src, plan.hit_copy_dst)
+    history = copy_pages(history, plan.materialize_src, plan.materialize_dst, plan.num_materializations)
+    history = copy_pages(history, plan.hit_copy_src, plan.hit_copy_dst, plan.num_hit_copies)
     producer = (plan.row_kind == RowKind.PREFILL) & (plan.phase == 1)
     history = _write_tokens(history, plan, producer)
-    history = copy_slots(history, plan.pair_copy_src, plan.pair_copy_dst)
+    history = copy_pages(history, plan.pair_copy_src, plan.pair_copy_dst, plan.num_pair_copies)
     return _write_tokens(history, plan, ~producer)
 
 

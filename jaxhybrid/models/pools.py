@@ -8,13 +8,13 @@ written by a real row. The runner donates the whole pytree to every step.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxhybrid.config import ATTENTION, GDN, MLP, MOE, ModelConfig
-from pallas_kernels.common import copy_slots
 
 
 class KVPool(NamedTuple):
@@ -40,9 +40,26 @@ class DeviceState(NamedTuple):
     token_history: jax.Array       # [S, H] i32 the token at each position of each slot's sequence (penalties)
 
 
-def copy_pages(pool: RecurrentPool, src: jax.Array, dst: jax.Array) -> RecurrentPool:
-    """pool[dst] = pool[src] for every array of the page (pairs aimed at slot 0 are skipped)."""
-    return jax.tree.map(lambda p: copy_slots(p, src, dst), pool)
+def copy_pages(pool: Any, src: jax.Array, dst: jax.Array, count: jax.Array) -> Any:
+    """pool[dst[i]] = pool[src[i]] for i < count, for every array of the pytree `pool`. A loop over the real
+    entries only: the lists are padded to the row bucket, and gathering that many whole pages every step
+    would cost more than the step."""
+
+    def one(i, pool):
+        move = lambda p: jax.lax.dynamic_update_index_in_dim(p, jax.lax.dynamic_index_in_dim(p, src[i]), dst[i], 0)
+        return jax.tree.map(move, pool)
+
+    return jax.lax.fori_loop(0, count, one, pool)
+
+
+def for_each_entry(count: jax.Array, fn: Callable, pool: Any, *lists: jax.Array) -> Any:
+    """pool <- fn(pool, *(l[i:i+1] for l in lists)) for i < count: a per-entry op over the real entries of
+    padded lists only."""
+
+    def one(i, pool):
+        return fn(pool, *(jax.lax.dynamic_slice_in_dim(values, i, 1) for values in lists))
+
+    return jax.lax.fori_loop(0, count, one, pool)
 
 
 def _kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> KVPool:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.models.pools import RecurrentPool, copy_pages
+from jaxhybrid.models.pools import RecurrentPool, copy_pages, for_each_entry
 from jaxhybrid.plan_transfer import DevicePlan
 from pallas_kernels.conv1d import conv1d_materialise, conv1d_prefill, conv1d_replay
 from pallas_kernels.grouped_prefill import grouped_prefill
@@ -46,7 +46,7 @@ def recurrent_layer(conv_in: jax.Array, conv: Conv, core: MixerCore, plan: Devic
     # to keep the old values alive. For the same reason decode rows run unconditionally (cheap: at most
     # W + 1 + K entries per row); only the prefill path sits behind a cond.
     pool = jax.lax.optimization_barrier(_materialise(core, plan, pool))
-    pool = jax.lax.optimization_barrier(copy_pages(pool, plan.hit_copy_src, plan.hit_copy_dst))
+    pool = jax.lax.optimization_barrier(copy_pages(pool, plan.hit_copy_src, plan.hit_copy_dst, plan.num_hit_copies))
     decode = plan.row_kind >= RowKind.DECODE
     num_decode = jnp.sum(decode, dtype=jnp.int32)  # decode and verify rows come first in every plan
     split = plan.cu_seqlens[num_decode]
@@ -57,13 +57,17 @@ def recurrent_layer(conv_in: jax.Array, conv: Conv, core: MixerCore, plan: Devic
                                      lambda p: (jnp.zeros(core.out.shape, core.out.dtype), p), pool)
     before = (jnp.arange(conv_in.shape[0]) < split).reshape((-1,) + (1,) * (out_decode.ndim - 1))
     out = jnp.where(before, out_decode, out_prefill)
-    return out, copy_pages(jax.lax.optimization_barrier(pool), plan.publish_src, plan.publish_dst)
+    pool = jax.lax.optimization_barrier(pool)
+    return out, copy_pages(pool, plan.publish_src, plan.publish_dst, plan.num_publishes)
 
 
 def _materialise(core: MixerCore, plan: DevicePlan, pool: RecurrentPool) -> RecurrentPool:
-    args = (plan.materialize_src, plan.materialize_dst, plan.materialize_ring_start, plan.materialize_count)
-    return pool._replace(state=core.materialise(pool.state, pool.rings, *args),
-                         window=conv1d_materialise(pool.window, pool.conv_ring, *args))
+    def one(pool: RecurrentPool, *entry) -> RecurrentPool:
+        return pool._replace(state=core.materialise(pool.state, pool.rings, *entry),
+                             window=conv1d_materialise(pool.window, pool.conv_ring, *entry))
+
+    return for_each_entry(plan.num_materializations, one, pool, plan.materialize_src, plan.materialize_dst,
+                          plan.materialize_ring_start, plan.materialize_count)
 
 
 def _decode_rows(conv_in, conv: Conv, core: MixerCore, plan: DevicePlan, decode, split,

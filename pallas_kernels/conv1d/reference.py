@@ -15,7 +15,6 @@ from pallas_kernels.common import (
     check_rows,
     checkpoint_targets,
     gather_slots,
-    rows_to_dense,
     scatter_slots,
     token_rows,
 )

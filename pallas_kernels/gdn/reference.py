@@ -249,9 +249,10 @@ def _fold_ring(state, ring_k, ring_u, ring_g, ring_start, count):
     def fold(j, s):
         i = (ring_start + j) % width
         k = repeat_heads(ring_k[:, i], num_heads, 0)
-        return jnp.where(j < count, write(decay(s, ring_g[:, i]), k, ring_u[:, i]), s)
+        return write(decay(s, ring_g[:, i]), k, ring_u[:, i])
 
-    return jax.lax.fori_loop(0, width, fold, state)
+    # `count` steps, not W: under vmap the loop runs to the rows' largest count, each row stopping at its own
+    return jax.lax.fori_loop(0, count, fold, state)
 
 
 def _dense_inputs(q, k, v, g, beta, cu_seqlens, width, num_heads, scale, use_qk_l2norm):

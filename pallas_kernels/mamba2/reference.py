@@ -195,9 +195,10 @@ def _fold_ring(state, ring_x, ring_dt, ring_b, a, ring_start, count):
     def fold(j, s):
         i = (ring_start + j) % width
         b = repeat_heads(ring_b[:, i], num_heads, 0)
-        return jnp.where(j < count, advance(s, ring_x[:, i], ring_dt[:, i], a, b), s)
+        return advance(s, ring_x[:, i], ring_dt[:, i], a, b)
 
-    return jax.lax.fori_loop(0, width, fold, state)
+    # `count` steps, not W: under vmap the loop runs to the rows' largest count, each row stopping at its own
+    return jax.lax.fori_loop(0, count, fold, state)
 
 
 def _dense_inputs(x, dt, B, C, cu_seqlens, width, num_heads):

@@ -1,0 +1,73 @@
+"""The HuggingFace transformers side of `benchmarks/vs_transformers.py`, run by the Python given as
+`--hf-python` (torch and transformers there; this project never imports them).
+
+  python hf_peer.py write DIR            a random ~40M-parameter Qwen3-Next checkpoint (seeded)
+  python hf_peer.py run DIR JOBS OUT     time the jobs in JOBS (json) and write OUT (json)
+
+Jobs: "score" (prompt logprobs of each candidate's tokens after a shared anchor, full forwards in
+batches) and "generate" (greedy, a fixed number of new tokens, eos ignored), each after one warm-up.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+# benchmarks/kernels.py would shadow the `kernels` package transformers probes for
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+CONFIG = dict(
+    vocab_size=8192, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
+    layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+    num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+    linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, mlp_only_layers=list(range(8)),
+    num_experts=0, max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=0,
+)
+
+
+def write(directory: str) -> None:
+    torch.manual_seed(0)
+    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**CONFIG)).eval()
+    model.save_pretrained(directory)
+    print(sum(p.numel() for p in model.parameters()))
+
+
+@torch.no_grad()
+def score(model, anchor: list[int], candidates: list[list[int]], batch: int) -> tuple[float, list[list[float]]]:
+    start, logprobs = time.perf_counter(), []
+    for i in range(0, len(candidates), batch):
+        ids = torch.tensor([anchor + c for c in candidates[i:i + batch]])
+        out = torch.log_softmax(model(ids).logits.float(), dim=-1)
+        targets = ids[:, len(anchor):]
+        picked = out[:, len(anchor) - 1:-1].gather(-1, targets[..., None])[..., 0]
+        logprobs += picked.tolist()
+    return time.perf_counter() - start, logprobs
+
+
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    out = model.generate(torch.tensor(prompts), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, attention_mask=torch.ones(len(prompts), len(prompts[0]), dtype=torch.long))
+    return time.perf_counter() - start, out[:, len(prompts[0]):].tolist()
+
+
+def run(directory: str, jobs_path: str, out_path: str) -> None:
+    torch.set_num_threads(torch.get_num_threads())
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    jobs, results = json.loads(open(jobs_path).read()), {}
+    for name, job in jobs.items():
+        if job["kind"] == "score":
+            score(model, job["anchor"], job["candidates"][:job["batch"]], job["batch"])  # warm-up
+            results[name] = score(model, job["anchor"], job["candidates"], job["batch"])
+        else:
+            generate(model, job["prompts"], 4)  # warm-up
+            results[name] = generate(model, job["prompts"], job["new_tokens"])
+    open(out_path, "w").write(json.dumps({name: {"seconds": s, "values": v} for name, (s, v) in results.items()}))
+
+
+if __name__ == "__main__":
+    {"write": write, "run": run}[sys.argv[1]](*sys.argv[2:])

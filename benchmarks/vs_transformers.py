@@ -1,0 +1,134 @@
+"""jaxhybrid against HuggingFace transformers on the same random ~40M-parameter Qwen3-Next checkpoint.
+
+transformers runs in the Python given by `--hf-python` (with torch and transformers; never a dependency of
+this project), through `benchmarks/hf_peer.py`, which also writes the checkpoint. Jobs, each timed after a
+warm-up on both sides (jaxhybrid compiles every bucket first):
+  score      1 anchor of 512 tokens x 64 candidates of 64: the candidates' prompt logprobs. transformers
+             runs full forwards in batches of 8; jaxhybrid puts the checkpoint marker before the anchor's
+             last token, so the anchor is computed once and each candidate from the checkpoint on.
+  gen_b16    greedy generation, 16 prompts of 128 tokens, 64 new tokens each (eos ignored);
+  gen_b1     the same for one prompt.
+Checks: logprobs agree to 1e-3; greedy tokens are compared position by position (two float32
+implementations may part ways at a near tie, and then on). The baseline is transformers, measured in the
+same run: the table reports the speed ratio jaxhybrid / transformers (targets on CPU: >= 10x for score,
+>= 3x for gen_b16, >= 1.5x for gen_b1).
+
+Prints a table, writes benchmarks/results/vs_transformers.json and vs_transformers.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxhybrid import LLM, SamplingParams
+
+RESULTS = Path(__file__).parent / "results"
+PEER = Path(__file__).parent / "hf_peer.py"
+ANCHOR, CANDIDATES, CANDIDATE_LEN, PROMPT_LEN, NEW_TOKENS = 512, 64, 64, 128, 64
+
+
+def jobs(vocab: int) -> dict:
+    rng = np.random.default_rng(0)
+    ids = lambda n: rng.integers(1, vocab, n).tolist()
+    candidates = [ids(CANDIDATE_LEN) for _ in range(CANDIDATES)]
+    return {"score": {"kind": "score", "anchor": ids(ANCHOR), "candidates": candidates, "batch": 8},
+            "gen_b16": {"kind": "generate", "prompts": [ids(PROMPT_LEN) for _ in range(16)], "new_tokens": NEW_TOKENS},
+            "gen_b1": {"kind": "generate", "prompts": [ids(PROMPT_LEN)], "new_tokens": NEW_TOKENS}}
+
+
+def ours(directory: Path, work: dict) -> dict:
+    llm = LLM(directory, skip_tokenizer_init=True, num_blocks=4096, num_state_slots=160, max_num_seqs=64,
+              max_num_batched_tokens=1024, max_model_len=ANCHOR + CANDIDATE_LEN + 16, mamba_block_size=16,
+              token_buckets=(2, 16, 1024), row_buckets=(2, 16, 64))
+    start = time.perf_counter()
+    llm.engine.runner.precompile(progress=False)
+    compile_s = time.perf_counter() - start
+    out = {}
+    job = work["score"]
+    checkpoint = (ANCHOR - 1) // 16 * 16  # before the anchor's last token: its logit scores each first token
+    prompts = [{"prompt_token_ids": job["anchor"] + c, "checkpoint_position": checkpoint} for c in job["candidates"]]
+    params = SamplingParams(max_tokens=0, prompt_logprobs=0)
+    other_anchor = [{**p, "prompt_token_ids": [t % 8000 + 1 for t in job["anchor"]] + c}  # warm-up, not cached
+                    for p, c in zip(prompts[:2], job["candidates"][:2], strict=True)]
+    llm.generate(other_anchor, params, use_tqdm=False)
+    start = time.perf_counter()
+    scored = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    logprobs = [[o.prompt_logprobs[p][o.prompt_token_ids[p]].logprob for p in range(ANCHOR, ANCHOR + CANDIDATE_LEN)]
+                for o in scored]
+    out["score"] = {"seconds": seconds, "values": logprobs}
+    for name in ("gen_b16", "gen_b1"):
+        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        llm.generate(work[name]["prompts"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        start = time.perf_counter()
+        generated = llm.generate(work[name]["prompts"], params, use_tqdm=False)
+        out[name] = {"seconds": time.perf_counter() - start, "values": [o.outputs[0].token_ids for o in generated]}
+    out["compile_s"] = compile_s
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hf-python", required=True, help="a Python with torch and transformers installed")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        directory, work_path, peer_out = Path(tmp) / "ckpt", Path(tmp) / "jobs.json", Path(tmp) / "hf.json"
+        params = int(subprocess.run([args.hf_python, str(PEER), "write", str(directory)], check=True,
+                                    capture_output=True, text=True).stdout.split()[-1])
+        work = jobs(json.loads((directory / "config.json").read_text())["vocab_size"])
+        work_path.write_text(json.dumps(work))
+        subprocess.run([args.hf_python, str(PEER), "run", str(directory), str(work_path), str(peer_out)], check=True)
+        hf = json.loads(peer_out.read_text())
+        mine = ours(directory, work)
+    units = {"score": (CANDIDATES, "candidates/s"), "gen_b16": (16 * NEW_TOKENS, "tokens/s"),
+             "gen_b1": (NEW_TOKENS, "tokens/s")}
+    rows = []
+    for name, (count, unit) in units.items():
+        row = {"job": name, "unit": unit, "jaxhybrid": count / mine[name]["seconds"],
+               "transformers": count / hf[name]["seconds"]}
+        row["ratio"] = row["jaxhybrid"] / row["transformers"]
+        if name == "score":
+            row["max_logprob_diff"] = float(np.abs(np.array(mine[name]["values"]) - np.array(hf[name]["values"])).max())
+        else:
+            a, b = np.array(mine[name]["values"]), np.array(hf[name]["values"])
+            row["same_tokens"] = float((np.cumprod(a == b, axis=1)).mean())  # agreeing prefix, as a fraction
+        rows.append(row)
+    print(f"checkpoint: random Qwen3-Next, {params / 1e6:.1f}M parameters; jaxhybrid compile {mine['compile_s']:.0f} s")
+    print(f"{'job':<9}{'unit':>14}{'jaxhybrid':>11}{'transformers':>14}{'ratio':>8}  check")
+    for r in rows:
+        check = (f"max |dlogprob| {r['max_logprob_diff']:.1e}" if "max_logprob_diff" in r
+                 else f"agreeing prefix {r['same_tokens']:.2f}")
+        print(f"{r['job']:<9}{r['unit']:>14}{r['jaxhybrid']:>11.1f}{r['transformers']:>14.1f}{r['ratio']:>8.2f}"
+              f"  {check}")
+    RESULTS.mkdir(exist_ok=True)
+    meta = {"backend": jax.default_backend(), "parameters": params, "compile_s": mine["compile_s"]}
+    (RESULTS / "vs_transformers.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    plot(rows, RESULTS / "vs_transformers.png")
+    assert all(r.get("max_logprob_diff", 0) <= 1e-3 for r in rows), "logprobs disagree with transformers"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar([r["job"] for r in rows], [r["ratio"] for r in rows])
+    ax.axhline(1, color="gray", linewidth=0.8)
+    ax.set_ylabel("jaxhybrid / transformers")
+    ax.set_title("speed ratio, same checkpoint, CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
