@@ -20,7 +20,7 @@ from jaxhybrid.sampling import ROW_DTYPE
 from jaxhybrid.sampling_params import SamplingParams
 from jaxhybrid.tokenizer import Tokenizer
 from jaxhybrid.weights import DEFAULT_MODEL_DIR, load_model
-from scheduler import CheckpointMarkerError, SchedulerConfig, parse_checkpoint_marker
+from scheduler import SchedulerConfig, parse_checkpoint_marker
 from scheduler.buckets import default_buckets
 
 log = logging.getLogger("jaxhybrid")
@@ -134,11 +134,7 @@ class LLM:
     def _token_prompt(self, token_ids: Sequence[int], checkpoint_position: int | None) -> Prompt:
         if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
             raise ValueError(f"prompt_token_ids must be a list of integers, got {type(token_ids).__name__}")
-        if checkpoint_position is not None:
-            if checkpoint_position % self.config.hash_unit or not 0 < checkpoint_position < len(token_ids):
-                raise CheckpointMarkerError(
-                    f"checkpoint_position {checkpoint_position} must be a multiple of {self.config.hash_unit} "
-                    f"inside the prompt of {len(token_ids)} tokens")
+        if checkpoint_position is not None:  # checked with the request, by the scheduler
             return Prompt(tuple(token_ids), checkpoint_position)
         marker = self.tokenizer.token_id("<|mamba_checkpoint|>") if self.tokenizer else None
         if marker is None:
