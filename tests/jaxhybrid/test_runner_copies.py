@@ -1,0 +1,27 @@
+"""The compiled step updates the pools in place: no copy of a whole slot pool, KV pool or token history.
+
+XLA copies a donated buffer when a value read from it is still needed after an in-place write, or when a
+branch passes it through; each such copy costs a pass over the pool every step, and the step time then
+grows with the pools. The test counts copy instructions of pool-sized arrays in the compiled HLO."""
+
+import re
+
+import pytest
+
+from jaxhybrid.runner import pack_plan, padding_plan
+from tests.hf_fixtures import fixture_model
+from tests.jaxhybrid.engine_helpers import engine_for
+
+SLOTS, BLOCKS = 96, 200  # sizes no other array of the step has
+
+
+@pytest.mark.parametrize("family, k, rows", [("qwen3_next", 3, 2), ("qwen3_next", 0, 8), ("nemotron_h", 0, 2)])
+def test_the_step_copies_no_pool(family, k, rows):
+    engine = engine_for(fixture_model(family), k=k, ring_size=4, budget=16, max_num_seqs=rows,
+                        num_state_slots=SLOTS, num_blocks=BLOCKS)
+    runner, config = engine.runner, engine.config
+    buffer, layout = pack_plan(padding_plan(config, 16, rows, config.block_table_buckets[0], 16))
+    hlo = runner._step.lower(runner.model.params, runner.state, layout, buffer).compile().as_text()
+    copies = [line.strip()[:160] for line in hlo.splitlines()
+              if re.search(rf"= \w+\[({SLOTS}|{BLOCKS}),[^=]*\bcopy\(", line)]
+    assert not copies, copies
