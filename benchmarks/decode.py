@@ -25,9 +25,10 @@ from pathlib import Path
 
 import jax
 
-from jaxhybrid import LLM, SamplingParams
+from jaxhybrid import LLM, SamplingParams, load_config
 from jaxhybrid.memory import slot_bytes
 from jaxhybrid.tiny.corpus import HELD_OUT_MODULES, stdlib_dir
+from jaxhybrid.weights import DEFAULT_MODEL_DIR
 
 RESULTS = Path(__file__).parent / "results"
 MODES = {"no_mtp": (0, 16), "replay_w16": (3, 16), "replay_w4": (3, 4)}
@@ -109,8 +110,7 @@ def main() -> None:
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         print(f"{r['mode']:<12}{r['batch']:>6}{r['tokens_per_s']:>10.1f}{r['speedup']:>10.2f}{r['steps']:>7}"
               f"{r['acceptance']:>8.2f}{r['state_bytes_per_request']:>13}")
-    llm_config = LLM(num_blocks=64, num_state_slots=8).model.config
-    snapshot = snapshot_state_bytes(llm_config, 3)
+    snapshot = snapshot_state_bytes(load_config(DEFAULT_MODEL_DIR), 3)
     print(f"snapshot-every-position (K=3, not built): {snapshot} state B/req")
     RESULTS.mkdir(exist_ok=True)
     meta = {"backend": jax.default_backend(), "machine": platform.processor() or platform.machine(),

@@ -92,6 +92,7 @@ class Engine:
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(seed)
         self.stats = EngineStats()
+        self._logprob_sequences: set[str] = set()  # running sequences that report logprobs
 
     # -- requests -------------------------------------------------------------------------------------------
 
@@ -114,12 +115,15 @@ class Engine:
                 for queued in request.sequences:
                     self.scheduler = scheduler.abort_request(self.scheduler, queued)
                     del self._sequences[queued]
+                    self._logprob_sequences.discard(queued)
                 message = str(error).replace(f"request {sequence_id!r}", f"request {request_id!r}")
                 raise type(error)(message if request_id in message else f"request {request_id!r}: {message}") from error
             request.sequences.append(sequence_id)
             request.outputs.append(CompletionOutput(index, "", [], 0.0 if params.logprobs is not None else None,
                                                     [] if params.logprobs is not None else None))
             self._sequences[sequence_id] = _Sequence(request, index, self._detokenizer(prompt, params))
+            if params.logprobs is not None or params.prompt_logprobs is not None:
+                self._logprob_sequences.add(sequence_id)
         self._requests[request_id] = request
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -210,8 +214,9 @@ class Engine:
 
     def _note_scheduled(self, plan: BatchPlan) -> None:
         now = time.time()
-        for row, sequence_id in enumerate(plan.request_ids):
-            sequence = self._sequences.get(sequence_id)
+        # a sequence is first scheduled with a prefill row: decode rows need no look
+        for row in np.flatnonzero(plan.row_kind[:plan.num_rows] == RowKind.PREFILL).tolist():
+            sequence = self._sequences.get(plan.request_ids[row])
             if sequence is not None and not sequence.scheduled:
                 sequence.scheduled = True
                 request = sequence.request
@@ -221,12 +226,7 @@ class Engine:
                     self.stats.cached_tokens += request.num_cached_tokens
 
     def _wants_logprobs(self, plan: BatchPlan) -> bool:
-        for sequence_id in plan.request_ids:
-            sequence = self._sequences.get(sequence_id)
-            if sequence is not None and (sequence.request.params.logprobs is not None
-                                         or sequence.request.params.prompt_logprobs is not None):
-                return True
-        return False
+        return not self._logprob_sequences.isdisjoint(plan.request_ids)
 
     def _position(self, reported: Logprobs, entry: int, token: int, num_top: int) -> PositionLogprobs:
         """One position's logprobs: its top `num_top` and the token that is there."""
@@ -288,6 +288,7 @@ class Engine:
         if not released:
             self.scheduler = scheduler.abort_request(self.scheduler, sequence_id)
         del self._sequences[sequence_id]
+        self._logprob_sequences.discard(sequence_id)
         request = sequence.request
         if all(o.finished() for o in request.outputs):
             request.metrics.finished_time = time.time()

@@ -209,22 +209,23 @@ def _sample_rows(logits: jax.Array, plan: DevicePlan, rows: SamplingRows, histor
             jnp.where(verify, verified.num_accepted, 0).astype(jnp.int32))
 
 
+def _next_tokens(plan: DevicePlan, sampled: jax.Array) -> jax.Array:
+    """[T] the token after each packed token: the next one in its chunk, the first lookahead token after a
+    chunk, the sampled token after a prompt (or a decode row's token), a verify row's emitted tokens."""
+    num_tokens = plan.token_ids.shape[0]
+    tok = jnp.arange(num_tokens)
+    row = _row_of(plan.cu_seqlens, tok)
+    after_chunk = jnp.where(plan.num_lookahead_tokens[row] > 0, plan.lookahead_token_ids[row, 0], sampled[row, 0])
+    next_prompt = jnp.where(tok + 1 == plan.cu_seqlens[row + 1], after_chunk,
+                            plan.token_ids[jnp.minimum(tok + 1, num_tokens - 1)])
+    emitted = sampled[row, jnp.clip(tok - plan.cu_seqlens[row], 0, sampled.shape[1] - 1)]
+    return jnp.where(plan.row_kind[row] == RowKind.VERIFY, emitted, next_prompt)
+
+
 def _logprobs(logits: jax.Array, plan: DevicePlan, sampled: jax.Array, num_top: int) -> Logprobs:
-    """Each logit entry's token: the row's emitted token where it samples, else the next prompt token
-    (in the chunk, or the first lookahead token after it)."""
-    entry = jnp.arange(logits.shape[0])
-    row = _row_of(plan.cu_logits, entry)
-    token = plan.logits_indices
-    last_token = plan.token_ids.shape[0] - 1
-    next_prompt = jnp.where(token + 1 < plan.cu_seqlens[row + 1], plan.token_ids[jnp.minimum(token + 1, last_token)],
-                            plan.lookahead_token_ids[row, 0])
-    j = entry - plan.cu_logits[row]
-    kind = plan.row_kind[row]
-    samples = (j == plan.num_logits[row] - 1) & (
-        (kind == RowKind.DECODE) | ((kind == RowKind.PREFILL) & (plan.num_lookahead_tokens[row] == 0)))
-    emitted = sampled[row, jnp.clip(j, 0, sampled.shape[1] - 1)]
-    target = jnp.where((kind == RowKind.VERIFY) | samples, emitted, next_prompt)
-    return logprobs(logits, target, num_top)
+    """Each logit entry's token is the one after its packed token: emitted where the row samples, the next
+    prompt token elsewhere."""
+    return logprobs(logits, _next_tokens(plan, sampled)[plan.logits_indices], num_top)
 
 
 def _no_logprobs(num_entries: int, num_top: int) -> Logprobs:
@@ -243,13 +244,7 @@ def _draft(module: HybridLM, variables: Any, hidden: jax.Array, plan: DevicePlan
     reading them) and stay inside the blocks of this step's tokens: beyond them they go to the null block.
     """
     num_tokens = hidden.shape[0]
-    tok = jnp.arange(num_tokens)
-    row = _row_of(plan.cu_seqlens, tok)
-    after_chunk = jnp.where(plan.num_lookahead_tokens[row] > 0, plan.lookahead_token_ids[row, 0], sampled[row, 0])
-    next_prompt = jnp.where(tok + 1 == plan.cu_seqlens[row + 1], after_chunk,
-                            plan.token_ids[jnp.minimum(tok + 1, num_tokens - 1)])
-    emitted = sampled[row, jnp.clip(tok - plan.cu_seqlens[row], 0, k)]
-    next_tokens = jnp.where(plan.row_kind[row] == RowKind.VERIFY, emitted, next_prompt)
+    next_tokens = _next_tokens(plan, sampled)
     out, state = module.apply(variables, next_tokens, hidden, plan, state, method=HybridLM.mtp_hidden)
     verify = plan.row_kind == RowKind.VERIFY
     source = jnp.clip(jnp.where(verify, plan.cu_seqlens[:-1] + accepted, plan.cu_seqlens[1:] - 1), 0, num_tokens - 1)
