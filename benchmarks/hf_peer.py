@@ -1,7 +1,8 @@
 """The HuggingFace transformers side of `benchmarks/vs_transformers.py`, run by the Python given as
 `--hf-python` (torch and transformers there; this project never imports them).
 
-  python hf_peer.py write DIR            a random ~40M-parameter Qwen3-Next checkpoint (seeded)
+  python hf_peer.py write DIR            a random ~40M-parameter Qwen3-Next checkpoint (seeded), with the
+                                         default model's tokenizer (4096 ids of the 8192) so servers take text
   python hf_peer.py run DIR JOBS OUT     time the jobs in JOBS (json) and write OUT (json)
 
 Jobs: "score" (prompt logprobs of each candidate's tokens after a shared anchor, full forwards in
@@ -9,12 +10,14 @@ batches) and "generate" (greedy, a fixed number of new tokens, eos ignored), eac
 """
 
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
 
 # benchmarks/kernels.py would shadow the `kernels` package transformers probes for
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+TOKENIZER = Path(__file__).resolve().parent.parent / "jaxhybrid" / "assets" / "default_model"
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -31,7 +34,12 @@ CONFIG = dict(
 def write(directory: str) -> None:
     torch.manual_seed(0)
     model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**CONFIG)).eval()
+    model.generation_config.pad_token_id = CONFIG["eos_token_id"]  # else generate() warns on every request
     model.save_pretrained(directory)
+    shutil.copy(TOKENIZER / "tokenizer.json", Path(directory) / "tokenizer.json")
+    tokenizer_config = json.loads((TOKENIZER / "tokenizer_config.json").read_text())
+    tokenizer_config["model_max_length"] = CONFIG["max_position_embeddings"]
+    (Path(directory) / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
     print(sum(p.numel() for p in model.parameters()))
 
 

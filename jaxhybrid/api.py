@@ -59,7 +59,8 @@ class LLM:
     Arguments follow vLLM's where the concept exists. Beyond them: `num_blocks` / `num_state_slots` size the
     pools explicitly (else from `gpu_memory_utilization`), `replayssm_window` is W, `mamba_block_size` the
     grid of cached recurrent states, `backend` the kernels' ("reference", "pallas", "interpret"),
-    `token_buckets` / `row_buckets` the step shapes, `precompile` compiles every shape at start-up and
+    `token_buckets` / `row_buckets` the step shapes (default: ladders growing by `bucket_growth` up to
+    `max_num_batched_tokens` / `max_num_seqs`), `precompile` compiles every shape at start-up and
     `compilation_cache_dir` keeps compiled steps across runs.
     """
 
@@ -70,7 +71,8 @@ class LLM:
                  num_blocks: int | None = None, num_state_slots: int | None = None, replayssm_window: int = 16,
                  block_size: int = 16, mamba_block_size: int = 64, max_logprobs: int = 20,
                  dtype: str = "float32", backend: str | None = None, token_buckets: tuple[int, ...] = (),
-                 row_buckets: tuple[int, ...] = (), precompile: bool = False, compilation_cache_dir: str | None = None):
+                 row_buckets: tuple[int, ...] = (), bucket_growth: int = 2, precompile: bool = False,
+                 compilation_cache_dir: str | None = None):
         from jaxhybrid.models.ops import ModelOps
 
         if compilation_cache_dir is not None:  # compiled steps persist across processes
@@ -97,7 +99,9 @@ class LLM:
             log.info("pools: %s", sizes.describe())
         # one block-table width and logits buckets on the token ladder keep the compiled shapes few; row
         # buckets start at 2 (see Runner)
-        row_buckets = row_buckets or tuple(sorted({max(b, 2) for b in default_buckets(max_num_seqs)}))
+        token_buckets = token_buckets or default_buckets(max_num_batched_tokens, growth=bucket_growth)
+        row_buckets = row_buckets or tuple(sorted({max(b, 2) for b in default_buckets(max_num_seqs,
+                                                                                      growth=bucket_growth)}))
         self.config = SchedulerConfig(
             block_size=block_size, mamba_block_size=mamba_block_size, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_blocks=num_blocks,

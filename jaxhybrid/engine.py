@@ -5,11 +5,18 @@ requests (one per completion, `n` of them, each with its packed sampling record 
 the step's tokens into outputs: incremental text, stop strings, logprobs and metrics. The scheduler
 preempts under memory pressure by itself (recompute); an abort frees everything at once, or, for a
 request whose step is in flight, when that step's update has run.
+
+Failures stay as small as they can: a request whose output cannot be processed (its detokenizer
+raises, say) ends alone, with finish_reason "error". A step that raises (schedule, the device, update)
+may have consumed the donated pools and left hashes over states that were never written, so the
+engine starts over: fresh pools, a fresh scheduler (an empty prefix cache), the requests it had
+started end with "error", and those still waiting are queued again.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -26,6 +33,8 @@ from jaxhybrid.sampling import Logprobs
 from jaxhybrid.sampling_params import SamplingParams
 from jaxhybrid.tokenizer import Tokenizer
 from scheduler import BatchPlan, FinishReason, RowKind, SchedulerConfig
+
+log = logging.getLogger("jaxhybrid")
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 
@@ -44,7 +53,10 @@ class EngineStats:
 
     steps: int = 0
     prefill_tokens: int = 0      # prompt tokens computed (prefix hits excluded, recomputation included)
-    cached_tokens: int = 0       # prompt tokens served from the prefix cache or a checkpoint
+    prefix_cache_queries: int = 0  # prompt tokens of requests scheduled for the first time
+    cached_tokens: int = 0       # ... of them served from the prefix cache or a checkpoint (the hits)
+    checkpoint_queries: int = 0  # requests with a checkpoint marker scheduled for the first time
+    checkpoint_hits: int = 0     # ... of them that started at or beyond their checkpoint
     generation_tokens: int = 0
     hit_copies: int = 0          # prefix-cache and checkpoint hits (state pages copied in)
     pair_copies: int = 0         # consumers paired with their producer in one step
@@ -52,6 +64,17 @@ class EngineStats:
     materializations: int = 0
     draft_tokens: int = 0        # MTP drafts verified
     accepted_tokens: int = 0     # ... and accepted
+    failed_steps: int = 0        # steps that raised (the engine started over)
+
+
+class EngineLoad(NamedTuple):
+    """What the engine holds now; sequences count once per completion (n > 1 counts n)."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float    # KV blocks held by requests, of all (blocks only the prefix cache holds are free)
+    state_slot_usage: float  # state slots held by requests, the same way
+    num_preemptions: int
 
 
 @dataclass
@@ -63,6 +86,8 @@ class _Request:
     outputs: list[CompletionOutput]
     prompt_logprobs: list[PositionLogprobs | None] | None
     metrics: RequestMetrics
+    seed: int
+    cache_salt: str | None
     num_cached_tokens: int = 0
 
 
@@ -72,6 +97,10 @@ class _Sequence:
     index: int
     detokenizer: IncrementalDetokenizer | None
     scheduled: bool = False
+
+    @property
+    def sequence_id(self) -> str:
+        return self.request.sequences[self.index]
 
     @property
     def output(self) -> CompletionOutput:
@@ -103,9 +132,9 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._check_params(params)
-        request = _Request(request_id, prompt, params, [], [], None if params.prompt_logprobs is None else [None],
-                           RequestMetrics(time.time()))
         seed = int(self._seeds.integers(2**32)) if params.seed is None else params.seed
+        request = _Request(request_id, prompt, params, [], [], None if params.prompt_logprobs is None else [None],
+                           RequestMetrics(time.time()), seed, cache_salt)
         for index in range(params.n):
             sequence_id = str(next(self._ids))
             try:
@@ -139,18 +168,27 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or self.scheduler.has_work()
 
+    def load(self) -> EngineLoad:
+        state, config = self.scheduler, self.config
+        return EngineLoad(len(state.running), len(state.waiting), 1 - state.blocks.num_free / (config.num_blocks - 1),
+                          1 - state.slots.num_free_or_cached / (config.num_state_slots - 1), state.num_preemptions)
+
     # -- one step -------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs of the requests that gained tokens or finished in it."""
         if not self.scheduler.has_work():
             return []
-        self.scheduler, plan = scheduler.schedule(self.scheduler)
-        self._note_scheduled(plan)
-        result, logprobs = self.runner.step(plan)
-        self.scheduler, outputs = scheduler.update(self.scheduler, plan, result)
+        try:
+            self.scheduler, plan = scheduler.schedule(self.scheduler)
+            self._note_scheduled(plan)
+            result, logprobs = self.runner.step(plan)
+            self.scheduler, outputs = scheduler.update(self.scheduler, plan, result)
+            reported = jax.device_get(logprobs) if self._wants_logprobs(plan) else None
+        except Exception:
+            log.exception("engine step %d failed; starting over with fresh pools", self.stats.steps)
+            return self._start_over()
         self._count(plan, result, outputs)
-        reported = jax.device_get(logprobs) if self._wants_logprobs(plan) else None
         touched = {}
         if reported is not None:
             self._record_prompt_logprobs(plan, reported, touched)
@@ -163,9 +201,33 @@ class Engine:
             entries = None
             if reported is not None and sequence.request.params.logprobs is not None:
                 entries = _token_entries(plan, rows[sequence_id], len(tokens))
-            self._emit(sequence, tokens, scheduler.request.FINISH_REASONS[outputs.finish_codes[i]], entries, reported)
+            try:
+                self._emit(sequence, tokens, scheduler.request.FINISH_REASONS[outputs.finish_codes[i]], entries,
+                           reported)
+            except Exception:
+                log.exception("request %r failed while its output was processed", sequence.request.request_id)
+                if sequence.sequence_id in self._sequences:
+                    self._end(sequence, "error", None, released=outputs.finish_codes[i] != 0)
             touched[sequence.request.request_id] = sequence.request
         return [self._snapshot(request) for request in touched.values()]
+
+    def _start_over(self) -> list[RequestOutput]:
+        """After a failed step: fresh pools and scheduler; started requests end with "error", the rest requeue."""
+        self.stats.failed_steps += 1
+        self.runner.reset_state()
+        self.scheduler = scheduler.init_state(self.config)
+        failed = []
+        for request in list(self._requests.values()):
+            if request.metrics.first_scheduled_time is None:
+                for index, sequence_id in enumerate(request.sequences):
+                    self.scheduler = scheduler.add_request(self.scheduler, self._scheduler_request(
+                        sequence_id, request.prompt, request.params, request.seed + index, request.cache_salt))
+                continue
+            for sequence_id, output in zip(request.sequences, request.outputs, strict=True):
+                if not output.finished():
+                    self._end(self._sequences[sequence_id], "error", None, released=True)
+            failed.append(self._snapshot(request))
+        return failed
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
@@ -223,7 +285,15 @@ class Engine:
                 if request.metrics.first_scheduled_time is None:
                     request.metrics.first_scheduled_time = now
                     request.num_cached_tokens = int(plan.context_lens[row])
-                    self.stats.cached_tokens += request.num_cached_tokens
+                    self._count_cache_query(request)
+
+    def _count_cache_query(self, request: _Request) -> None:
+        stats, checkpoint = self.stats, request.prompt.checkpoint_position
+        stats.prefix_cache_queries += len(request.prompt.token_ids)
+        stats.cached_tokens += request.num_cached_tokens
+        if checkpoint:
+            stats.checkpoint_queries += 1
+            stats.checkpoint_hits += request.num_cached_tokens >= checkpoint
 
     def _wants_logprobs(self, plan: BatchPlan) -> bool:
         return not self._logprob_sequences.isdisjoint(plan.request_ids)
@@ -284,7 +354,7 @@ class Engine:
         if detokenizer is not None:
             detokenizer.flush()
             output.text = detokenizer.text
-        sequence_id = sequence.request.sequences[sequence.index]
+        sequence_id = sequence.sequence_id
         if not released:
             self.scheduler = scheduler.abort_request(self.scheduler, sequence_id)
         del self._sequences[sequence_id]

@@ -63,11 +63,16 @@ class Runner:
                              f"{model.config.model_type} checkpoint does not have")
         self.model, self.config = model, config
         self.num_logprobs = min(max_logprobs, model.config.vocab_size)
-        self.state = init_device_state(
-            model.config, num_blocks=config.num_blocks, block_size=config.block_size,
-            num_slots=config.num_state_slots, ring_entries=ring_rows(config.ring_size, config.num_spec_tokens),
-            history_len=config.max_model_len + config.num_spec_tokens, dtype=model.dtype)
+        self.reset_state()
         self._step = jax.jit(self._step_fn, static_argnums=2, donate_argnums=1)
+
+    def reset_state(self) -> None:
+        """Fresh, all-zero pools (at start, and after a failed step may have consumed the donated ones)."""
+        config = self.config
+        self.state = init_device_state(
+            self.model.config, num_blocks=config.num_blocks, block_size=config.block_size,
+            num_slots=config.num_state_slots, ring_entries=ring_rows(config.ring_size, config.num_spec_tokens),
+            history_len=config.max_model_len + config.num_spec_tokens, dtype=self.model.dtype)
 
     def step(self, plan: BatchPlan) -> tuple[StepResult, Logprobs]:
         """Run `plan`; returns the host's StepResult and the step's logprobs, still on device."""

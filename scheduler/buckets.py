@@ -5,11 +5,12 @@ from __future__ import annotations
 import bisect
 
 
-def default_buckets(cap: int, smallest: int = 8) -> tuple[int, ...]:
-    """Powers of two from `smallest` up to the first one >= cap."""
+def default_buckets(cap: int, smallest: int = 8, growth: int = 2) -> tuple[int, ...]:
+    """`smallest` times powers of `growth` up to the first one >= cap. Each bucket is one compiled step
+    per combination with the other ladders, so a coarser growth trades padding for warm-up time."""
     buckets = [smallest]
     while buckets[-1] < cap:
-        buckets.append(buckets[-1] * 2)
+        buckets.append(buckets[-1] * growth)
     return tuple(buckets)
 
 

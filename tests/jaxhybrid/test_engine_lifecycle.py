@@ -95,3 +95,51 @@ def test_bad_requests_fail_alone():
     assert sorted(outputs) == ["after", "before"]
     assert outputs["after"].outputs[0].token_ids == greedy_continuation(model, tuple(range(3, 30)), 4)
     assert issubclass(CheckpointMarkerError, ValueError)
+
+
+def test_a_failed_step_fails_the_started_requests_and_requeues_the_waiting():
+    """A step that raises leaves unknown pools: the engine starts over. Requests it had started end with
+    "error"; one still waiting is queued again and gives exactly its greedy continuation; nothing leaks."""
+    model = fixture_model("qwen3_next")
+    engine = engine_for(model, budget=64, max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for name, start in (("a", 1), ("b", 2), ("waiting", 3)):
+        engine.add_request(name, Prompt(tuple(range(start, start + 20))), params)
+    engine.step()  # a and b run; max_num_seqs keeps "waiting" waiting
+    step = engine.runner.step
+
+    def fail(plan):
+        engine.runner.step = step
+        raise RuntimeError("injected device failure")
+
+    engine.runner.step = fail
+    failed = {o.request_id: o for o in engine.step()}
+    assert sorted(failed) == ["a", "b"]
+    assert all(o.finished and o.outputs[0].finish_reason == "error" for o in failed.values())
+    assert engine.stats.failed_steps == 1
+    outputs = run_to_completion(engine)
+    assert sorted(outputs) == ["waiting"]
+    assert outputs["waiting"].outputs[0].token_ids == greedy_continuation(model, tuple(range(3, 23)), 6)
+
+
+def test_a_request_whose_output_fails_ends_alone():
+    model = fixture_model("qwen3_next")
+    engine = engine_for(model, budget=64)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engine.add_request("broken", Prompt(tuple(range(1, 20))), params)
+    engine.add_request("fine", Prompt(tuple(range(2, 21))), params)
+    engine.step()
+    engine._sequences[engine._requests["broken"].sequences[0]].detokenizer = _Exploding()
+    outputs = run_to_completion(engine)
+    assert outputs["broken"].outputs[0].finish_reason == "error"
+    assert outputs["fine"].outputs[0].token_ids == greedy_continuation(model, tuple(range(2, 21)), 5)
+
+
+class _Exploding:
+    def push(self, tokens):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+
+    def flush(self):
+        pass
+
+    text = ""

@@ -1,0 +1,452 @@
+"""The FastAPI app: parse a request, submit it to the `EngineLoop`, and stream or collect its outputs.
+
+Handlers never touch the engine. Every input problem is a 400 with an OpenAI error body naming the
+field, an unknown model a 404, a full queue a 429 with `Retry-After`, a draining or dead engine a 503
+and a request the engine failed a 500 (in-band, as a last `data:` event, once a stream has started).
+A client that goes away aborts its request: a stream is cancelled by Starlette, a plain request by
+`_unless_disconnected`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jaxhybrid.api import LLM
+from jaxhybrid.engine import Prompt
+from jaxhybrid.outputs import RequestOutput
+from jaxhybrid.sampling_params import SamplingParams
+from jaxhybrid.serve import protocol
+from jaxhybrid.serve.engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestStream
+from jaxhybrid.serve.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
+
+log = logging.getLogger("jaxhybrid.serve")
+_KINDS = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 500: "InternalServerError",
+          503: "ServiceUnavailableError"}
+
+
+@dataclass
+class ServerState:
+    llm: LLM
+    loop: EngineLoop
+    model_names: tuple[str, ...]
+    model_root: str
+    max_model_len: int
+
+
+def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, _KINDS[status], status, param), status_code=status, headers=headers)
+
+
+def build_app(state: ServerState, api_keys: tuple[str, ...] = ()) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop.start()
+        yield
+        state.loop.stop()  # after the graceful drain: what is left is aborted
+
+    app = FastAPI(title="jaxhybrid", version=_version(), lifespan=lifespan)
+    if api_keys:
+        app.add_middleware(_ApiKeyGuard, keys=api_keys)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        if first.get("type") == "json_invalid":
+            return _error(400, f"malformed JSON: {first.get('ctx', {}).get('error', 'cannot parse the body')}", "body")
+        location = [str(p) for p in first.get("loc", ()) if p != "body"]
+        return _error(400, f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}",
+                      ".".join(location) or "body")
+
+    @app.exception_handler(BadRequest)
+    async def _bad(request: Request, error: BadRequest) -> JSONResponse:
+        return _error(error.status, str(error), error.param)
+
+    @app.exception_handler(QueueFull)
+    async def _full(request: Request, error: QueueFull) -> JSONResponse:
+        state.loop.metrics.rejected.inc()
+        return _error(429, f"the server is busy: {error}; retry later", headers={"Retry-After": "1"})
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return _error(500, "Internal server error")
+
+    @app.exception_handler(EngineUnavailable)
+    async def _unavailable(request: Request, error: EngineUnavailable) -> JSONResponse:
+        return _error(503, str(error))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if state.loop.healthy() else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.loop.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": _version()}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "jaxhybrid", "root": state.model_root,
+             "parent": None, "max_model_len": state.max_model_len, "permission": []} for name in state.model_names]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        _check_model(state, body.model)
+        tokenizer = _tokenizer(state)
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequest("send exactly one of prompt and messages", "prompt")
+        text = body.prompt if body.messages is None else _render(state, body.messages)
+        ids = tokenizer.encode(text)
+        reply = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            reply["token_strs"] = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+        return reply
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        _check_model(state, body.model)
+        vocab = state.llm.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise BadRequest(f"token ids must be in [0, {vocab})", "tokens")
+        return {"prompt": _tokenizer(state).decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        name = _check_model(state, body.model)
+        body.check()
+        params = body.params()
+        prompts = [_prompt(state, p, params) for p in body.prompts()]
+        if body.echo and any(p.text is None for p in prompts):
+            _tokenizer(state)  # echo decodes token-id prompts
+        streams = await _add_all(state, protocol.new_id("cmpl"), prompts, params, body.cache_salt)
+        if body.stream:
+            return _sse(state, _completion_chunks(state, streams, prompts, body, name))
+        return await _unless_disconnected(request, state, _completion_response(state, streams, prompts, body, name))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        name = _check_model(state, body.model)
+        body.check()
+        params = body.params()
+        prompt = _prompt(state, _render(state, body.messages, body.add_generation_prompt), params)
+        streams = await _add_all(state, protocol.new_id("chatcmpl"), [prompt], params, body.cache_salt)
+        if body.stream:
+            return _sse(state, _chat_chunks(streams, body, name))
+        return await _unless_disconnected(request, state, _chat_response(streams, body, name))
+
+    return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jaxhybrid")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+# -- parsing -------------------------------------------------------------------------------------------------
+
+def _check_model(state: ServerState, model: str | None) -> str:
+    if model is not None and model not in state.model_names:
+        raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
+    return model or state.model_names[0]
+
+
+def _tokenizer(state: ServerState):
+    if state.llm.tokenizer is None:
+        raise BadRequest("this server runs without a tokenizer: send token ids", "prompt")
+    return state.llm.tokenizer
+
+
+def _render(state: ServerState, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    try:
+        return _tokenizer(state).apply_chat_template(messages, add_generation_prompt)
+    except ValueError as error:
+        raise BadRequest(str(error), "messages") from error
+
+
+def _prompt(state: ServerState, prompt: str | list[int], params: SamplingParams) -> Prompt:
+    """Tokenize and place the checkpoint marker; check the lengths against max_model_len (vLLM's message)."""
+    if isinstance(prompt, list) and any(t < 0 for t in prompt):
+        raise BadRequest("prompt token ids must be >= 0", "prompt")
+    try:
+        parsed = state.llm.parse_prompt(prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt})
+    except ValueError as error:
+        raise protocol.as_bad_request(error) from error
+    length, limit = len(parsed.token_ids), state.max_model_len
+    if length > limit:
+        raise BadRequest(f"Input length ({length}) exceeds model's maximum context length ({limit}).", "prompt")
+    if params.max_tokens is not None and length + params.max_tokens > limit:
+        raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
+                         f"{length + params.max_tokens} tokens ({length} in the prompt, {params.max_tokens} in "
+                         "the completion).", "max_tokens")
+    return parsed
+
+
+async def _add_all(state: ServerState, response_id: str, prompts: list[Prompt], params: SamplingParams,
+                   cache_salt: str | None) -> list[RequestStream]:
+    """Submit every prompt at once; if one is refused, the others are aborted and its error is raised."""
+    added = await asyncio.gather(*[state.loop.add(f"{response_id}-{i}", prompt, params, cache_salt)
+                                   for i, prompt in enumerate(prompts)], return_exceptions=True)
+    errors = [a for a in added if isinstance(a, BaseException)]
+    if errors:
+        for stream in added:
+            if isinstance(stream, RequestStream):
+                stream.close()
+        if isinstance(errors[0], ValueError) and not isinstance(errors[0], BadRequest):
+            raise protocol.as_bad_request(errors[0]) from errors[0]
+        raise errors[0]
+    return added
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every stream as they come; closing it aborts the unfinished ones."""
+    if len(streams) == 1:  # the common case needs no tasks
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        finally:
+            streams[0].close()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((i, output))
+        except BaseException as error:
+            queue.put_nowait((i, error))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+def _check_output(output: RequestOutput) -> None:
+    if any(c.finish_reason == "error" for c in output.outputs):
+        raise _EngineFailed()
+
+
+class _EngineFailed(Exception):
+    """The engine ended a request with finish_reason "error"."""
+
+
+async def _unless_disconnected(request: Request, state: ServerState, work: Awaitable[dict]) -> Response:
+    """Run `work`, aborting it if the client goes away first (vLLM's `with_cancellation`)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task not in done:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        state.loop.metrics.disconnects.inc()
+        return Response(status_code=499)
+    try:
+        return JSONResponse(task.result())
+    except _EngineFailed:
+        return _error(500, "Internal server error: the engine failed this request")
+
+
+# -- responses -------------------------------------------------------------------------------------------------
+
+def _prompt_text(state: ServerState, prompt: Prompt) -> str:
+    return prompt.text if prompt.text is not None else _tokenizer(state).decode(list(prompt.token_ids))
+
+
+async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, output in _merged(streams):
+        _check_output(output)
+        finals[i] = output
+    return finals
+
+
+async def _completion_response(state: ServerState, streams: list[RequestStream], prompts: list[Prompt],
+                               body: CompletionRequest, name: str) -> dict:
+    finals = await _finals(streams)
+    choices = []
+    for i, (prompt, output) in enumerate(zip(prompts, finals, strict=True)):
+        prefix = _prompt_text(state, prompt) if body.echo else ""
+        for completion in output.outputs:
+            choice = {"index": i * body.n + completion.index, "text": prefix + completion.text, "logprobs": None,
+                      **protocol.finish_fields(completion)}
+            if completion.logprobs is not None:
+                tokens, positions = completion.token_ids, completion.logprobs
+                if body.echo:
+                    tokens, positions = output.prompt_token_ids + tokens, output.prompt_logprobs + positions
+                choice["logprobs"] = protocol.completion_logprobs(tokens, positions, 0)
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = protocol.prompt_logprobs_json(output.prompt_logprobs)
+            choices.append(choice)
+    choices.sort(key=lambda c: c["index"])
+    return {**protocol.envelope("text_completion", protocol.new_id("cmpl"), name), "choices": choices,
+            "usage": protocol.usage(finals)}
+
+
+async def _chat_response(streams: list[RequestStream], body: ChatCompletionRequest, name: str) -> dict:
+    (final,) = await _finals(streams)
+    choices = []
+    for completion in final.outputs:
+        choice = {"index": completion.index, "message": {"role": "assistant", "content": completion.text},
+                  "logprobs": None, **protocol.finish_fields(completion)}
+        if completion.logprobs is not None:
+            choice["logprobs"] = protocol.chat_logprobs(completion.token_ids, completion.logprobs,
+                                                        body.top_logprobs or 0)
+        choices.append(choice)
+    reply = {**protocol.envelope("chat.completion", protocol.new_id("chatcmpl"), name), "choices": choices,
+             "usage": protocol.usage([final])}
+    if body.prompt_logprobs is not None:
+        reply["prompt_logprobs"] = protocol.prompt_logprobs_json(final.prompt_logprobs)
+    return reply
+
+
+def _sse(state: ServerState, events: AsyncIterator[dict]) -> StreamingResponse:
+    async def lines() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+        except _EngineFailed:
+            yield f"data: {json.dumps(error_body('Internal server error', 'InternalServerError', 500))}\n\n"
+        except EngineUnavailable as error:
+            yield f"data: {json.dumps(error_body(str(error), 'ServiceUnavailableError', 503))}\n\n"
+        except asyncio.CancelledError:  # the client went away; closing `events` aborted its requests
+            state.loop.metrics.disconnects.inc()
+            raise
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream")
+
+
+class _Deltas:
+    """What each choice has sent so far, so that every chunk carries only new text and tokens."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens)
+
+    def new(self, index: int, completion) -> tuple[str, int, int] | None:
+        """(new text, first new token, end token), or None when nothing changed."""
+        chars, tokens = self.sent.get(index, (0, 0))
+        text, num_tokens = completion.text, len(completion.token_ids)
+        if len(text) == chars and num_tokens == tokens and not completion.finished():
+            return None
+        self.sent[index] = (len(text), num_tokens)
+        return text[chars:], tokens, num_tokens
+
+
+async def _completion_chunks(state: ServerState, streams: list[RequestStream], prompts: list[Prompt],
+                             body: CompletionRequest, name: str) -> AsyncIterator[dict]:
+    head = protocol.envelope("text_completion", protocol.new_id("cmpl"), name)
+    deltas, finals = _Deltas(), {}
+    async for i, output in _merged(streams):
+        _check_output(output)
+        finals[i] = output
+        for completion in output.outputs:
+            index = i * body.n + completion.index
+            first = index not in deltas.sent
+            new = deltas.new(index, completion)
+            if new is None:
+                continue
+            text, start, end = new
+            if body.echo and first:
+                text = _prompt_text(state, prompts[i]) + text
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+            if completion.logprobs is not None:
+                choice["logprobs"] = protocol.completion_logprobs(completion.token_ids[start:end],
+                                                                  completion.logprobs[start:end], 0)
+            if completion.finished():
+                choice.update(protocol.finish_fields(completion))
+            yield {**head, "choices": [choice]}
+    if body.stream_options and body.stream_options.include_usage:
+        yield {**head, "choices": [], "usage": protocol.usage(list(finals.values()))}
+
+
+async def _chat_chunks(streams: list[RequestStream], body: ChatCompletionRequest, name: str) -> AsyncIterator[dict]:
+    head = protocol.envelope("chat.completion.chunk", protocol.new_id("chatcmpl"), name)
+    deltas, final = _Deltas(), None
+    for index in range(body.n):  # the first delta of each choice carries the role (OpenAI)
+        yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}]}
+    async for _, output in _merged(streams):
+        _check_output(output)
+        final = output
+        for completion in output.outputs:
+            new = deltas.new(completion.index, completion)
+            if new is None:
+                continue
+            text, start, end = new
+            choice = {"index": completion.index, "delta": {"content": text} if text else {}, "logprobs": None,
+                      "finish_reason": None, "stop_reason": None}
+            if completion.logprobs is not None:
+                choice["logprobs"] = protocol.chat_logprobs(completion.token_ids[start:end],
+                                                            completion.logprobs[start:end], body.top_logprobs or 0)
+            if completion.finished():
+                choice.update(protocol.finish_fields(completion))
+            yield {**head, "choices": [choice]}
+    if body.stream_options and body.stream_options.include_usage and final is not None:
+        yield {**head, "choices": [], "usage": protocol.usage([final])}
+
+
+class _ApiKeyGuard:
+    """Bearer auth on /v1/* (vLLM's paths); /health, /metrics, /tokenize and /version stay open."""
+
+    def __init__(self, app, keys: tuple[str, ...]):
+        self.app = app
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            digest = hashlib.sha256(header.removeprefix("Bearer ").encode()).digest()
+            if not header.startswith("Bearer ") or not any(secrets.compare_digest(digest, d) for d in self._digests):
+                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,242 @@
+"""The OpenAI wire format with vLLM's extras: request bodies in, `SamplingParams` out, and the response,
+chunk, usage and error objects back (reference/ecosystem.md §1.2-1.4).
+
+Unknown fields are accepted and ignored, as vLLM does (clients send fields a server does not know);
+fields we know but do not implement (`logit_bias`, `min_tokens`, `suffix`, `best_of`) are refused with a
+400 rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from jaxhybrid.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from jaxhybrid.sampling_params import SamplingParams
+
+LOGPROB_FLOOR = -9999.0  # vLLM's clamp for -inf, so the JSON stays valid
+
+
+class BadRequest(ValueError):
+    """An input problem: a 400 whose body names the field (`param`)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+def error_body(message: str, kind: str, status: int, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Request(BaseModel):
+    """Fields shared by completions and chat."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    prompt_logprobs: int | None = None
+    cache_salt: str | None = None
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def check(self) -> None:
+        refused = {"min_tokens": self.min_tokens, "logit_bias": self.logit_bias}
+        for name, value in refused.items():
+            if value:
+                raise BadRequest(f"{name} is not supported by this server", name)
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest("stream_options can only be set when stream is true", "stream_options")
+        if self.stream and self.prompt_logprobs is not None:
+            raise BadRequest("prompt_logprobs is not available when streaming", "prompt_logprobs")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None) -> SamplingParams:
+        """vLLM's defaults where a field is null; a broken rule is a 400 naming its field."""
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        values = dict(n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                      top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
+                      stop=tuple(stop or ()), stop_token_ids=tuple(self.stop_token_ids or ()),
+                      ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                      include_stop_str_in_output=self.include_stop_str_in_output,
+                      skip_special_tokens=self.skip_special_tokens)
+        try:
+            return SamplingParams(**{k: v for k, v in values.items() if v is not None or k in _NULLABLE})
+        except ValueError as error:
+            raise as_bad_request(error) from error
+
+
+_NULLABLE = {"max_tokens", "logprobs", "prompt_logprobs", "seed"}
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.suffix:
+            raise BadRequest("suffix is not supported by this server", "suffix")
+        if self.best_of not in (None, self.n):
+            raise BadRequest("best_of is not supported by this server (use n)", "best_of")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise BadRequest("prompt must not be empty", "prompt")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def params(self) -> SamplingParams:
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        # echo with logprobs reports the prompt's logprobs too (vLLM)
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else self.prompt_logprobs
+        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def check(self) -> None:
+        super().check()
+        if not self.messages:
+            raise BadRequest("messages must not be empty", "messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
+
+    def params(self) -> SamplingParams:
+        # unset: whatever fits in max_model_len (the engine resolves None)
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int]
+
+
+def as_bad_request(error: Exception) -> BadRequest:
+    """A ValueError from the engine or `SamplingParams` as a 400 naming its field where the message does."""
+    message = str(error)
+    param = None
+    if message.startswith("SamplingParams."):
+        param = message.split()[0].removeprefix("SamplingParams.")
+    elif "token id" in message or "prompt" in message:
+        param = "prompt"
+    elif "checkpoint" in message or "marker" in message:
+        param = "prompt"
+    return BadRequest(message, param)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+def _token_text(position: PositionLogprobs, token: int) -> str:
+    decoded = position[token].decoded_token
+    return decoded if decoded is not None else f"token_id:{token}"
+
+
+def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], offset: int) -> dict:
+    """The completions `logprobs` object for tokens [their positions], text offsets counted from `offset`."""
+    result = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    for token, position in zip(token_ids, positions, strict=True):
+        if position is None:  # the first prompt token has nothing before it
+            result["tokens"].append(None)
+            result["token_logprobs"].append(None)
+            result["top_logprobs"].append(None)
+            result["text_offset"].append(offset)
+            continue
+        text = _token_text(position, token)
+        result["tokens"].append(text)
+        result["token_logprobs"].append(_clamp(position[token].logprob))
+        result["top_logprobs"].append({_token_text(position, t): _clamp(lp.logprob) for t, lp in position.items()})
+        result["text_offset"].append(offset)
+        offset += len(text)
+    return result
+
+
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], num_top: int) -> dict:
+    def entry(position: PositionLogprobs, token: int) -> dict:
+        text = _token_text(position, token)
+        return {"token": text, "logprob": _clamp(position[token].logprob), "bytes": list(text.encode())}
+
+    content = []
+    for token, position in zip(token_ids, positions, strict=True):
+        top = sorted(position.items(), key=lambda item: item[1].rank)[:num_top]
+        content.append({**entry(position, token), "top_logprobs": [entry(position, t) for t, _ in top]})
+    return {"content": content}
+
+
+def prompt_logprobs_json(positions: list[PositionLogprobs | None] | None) -> list | None:
+    if positions is None:
+        return None
+    return [None if p is None else {str(t): {"logprob": _clamp(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in p.items()}
+            for p in positions]
+
+
+def finish_fields(completion: CompletionOutput) -> dict:
+    return {"finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+
+
+def envelope(kind: str, response_id: str, model: str, created: int | None = None) -> dict:
+    return {"id": response_id, "object": kind, "created": created or int(time.time()), "model": model}

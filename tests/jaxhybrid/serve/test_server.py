@@ -1,0 +1,246 @@
+"""The real server process on the embedded model, over HTTP, with the official `openai` client where it
+fits: completions, chat, streaming, logprobs, n > 1, stop strings, checkpoint hits, every 400, auth,
+disconnects, the bounded queue and the side endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.jaxhybrid.serve.server_process import ServerProcess
+
+KEY = "test-key"
+MAX_QUEUED = 12
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CODE = "import os\nimport sys\n\n\ndef read_config(path):\n    with open(path) as f:\n        return f.read()\n"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("server")
+    process = ServerProcess(["--api-key", KEY, "--max-num-queued-requests", str(MAX_QUEUED),
+                             "--served-model-name", "tiny", "jaxhybrid-default"], tmp / "server.log",
+                            tmp_path_factory.getbasetemp() / "compile-cache")
+    yield process
+    assert process.stop() in (0, -15), process.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def post(server, path: str, body, headers=AUTH, **kwargs) -> httpx.Response:
+    content = body if isinstance(body, str) else json.dumps(body)
+    return httpx.post(f"{server.url}{path}", content=content, headers={**headers, "content-type": "application/json"},
+                      timeout=120, **kwargs)
+
+
+def sse_events(response: httpx.Response) -> list:
+    lines = [line for line in response.text.split("\n\n") if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def test_greedy_completion_streams_the_same_text(server, client):
+    plain = client.completions.create(model="tiny", prompt=CODE, max_tokens=12, temperature=0)
+    choice = plain.choices[0]
+    assert choice.finish_reason == "length" and plain.usage.completion_tokens == 12
+    count = httpx.post(f"{server.url}/tokenize", json={"prompt": CODE}).json()["count"]
+    assert plain.usage.prompt_tokens == count and plain.usage.total_tokens == count + 12
+    chunks = list(client.completions.create(model="tiny", prompt=CODE, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_uses_the_template(server, client):
+    messages = [{"role": "user", "content": "Write a function that reads a file."}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    rendered = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["count"]
+    assert reply.object == "chat.completion" and reply.choices[0].message.role == "assistant"
+    assert reply.usage.prompt_tokens == rendered and reply.usage.completion_tokens == 10
+    stream = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.choices[0].message.content
+    assert stream[-1].usage.completion_tokens == 10
+
+
+def test_raw_stream_is_well_formed_sse(server):
+    response = post(server, "/v1/completions", {"prompt": CODE, "max_tokens": 5, "stream": True,
+                                                 "stream_options": {"include_usage": True}})
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response)
+    assert all(e["object"] == "text_completion" for e in events)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_logprobs_and_echo_scoring(server, client):
+    out = client.completions.create(model="tiny", prompt=CODE, max_tokens=4, temperature=0, logprobs=3)
+    logprobs = out.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert 3 <= len(top) <= 4
+        assert chosen == pytest.approx(max(top.values()))  # greedy picks the most likely token
+    assert "".join(logprobs.tokens) == out.choices[0].text
+    # the "score this text" call: echo, no new tokens, the prompt's logprobs
+    scored = client.completions.create(model="tiny", prompt=CODE, max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == CODE
+    assert choice.logprobs.token_logprobs[0] is None
+    assert len(choice.logprobs.token_logprobs) == scored.usage.prompt_tokens
+    assert all(lp < 0 for lp in choice.logprobs.token_logprobs[1:])
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
+
+
+def test_n_and_several_prompts(server, client):
+    out = client.completions.create(model="tiny", prompt=[CODE, "def main():\n"], n=3, max_tokens=6, temperature=1.0,
+                                    seed=7)
+    assert sorted(c.index for c in out.choices) == list(range(6))
+    assert all(c.finish_reason == "length" for c in out.choices)
+    assert out.usage.completion_tokens == 36
+    again = client.completions.create(model="tiny", prompt=[CODE, "def main():\n"], n=3, max_tokens=6,
+                                      temperature=1.0, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]  # seeded: the same draws
+
+
+def test_stop_string_ends_the_text(server, client):
+    text = client.completions.create(model="tiny", prompt=CODE, max_tokens=24, temperature=0).choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), f"pick another slice of {text!r}"
+    out = client.completions.create(model="tiny", prompt=CODE, max_tokens=24, temperature=0, stop=[stop])
+    choice = out.choices[0]
+    assert choice.text == text[:text.index(stop)]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop
+
+
+def test_checkpoint_consumers_are_reported_as_cached(server, client):
+    anchor = CODE * 4  # well over two 16-token hash units
+    candidates = ["x = 1\n", "y = 2\n", "z = 3\n"]
+    outs = [client.completions.create(model="tiny", prompt=anchor + "<|mamba_checkpoint|>" + c, max_tokens=1,
+                                      temperature=0) for c in candidates]
+    checkpoint = len(httpx.post(f"{server.url}/tokenize", json={"prompt": anchor}).json()["tokens"]) // 16 * 16
+    assert checkpoint > 0
+    for out in outs[1:]:  # the first computes the anchor; the rest start from its checkpoint
+        assert out.usage.prompt_tokens_details.cached_tokens >= checkpoint
+    assert server.metric("checkpoint_hits_total") >= len(candidates) - 1
+
+
+BAD = [
+    ("{not json", "body"),
+    ("[1, 2]", "body"),
+    ({"prompt": CODE, "max_tokens": -1}, "max_tokens"),
+    ({"prompt": CODE, "max_tokens": 10**6}, "max_tokens"),
+    ({"prompt": CODE, "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": CODE * 40}, "prompt"),
+    ({"prompt": [1, 10**6]}, "prompt"),
+    ({"prompt": [-3, 5]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": CODE, "temperature": -1}, "temperature"),
+    ({"prompt": CODE, "top_p": 1.5}, "top_p"),
+    ({"prompt": CODE, "logprobs": 100}, "logprobs"),
+    ({"prompt": CODE, "logprobs": "all"}, "logprobs"),
+    ({"prompt": CODE, "n": 0}, "n"),
+    ({"prompt": "a<|mamba_checkpoint|>b<|mamba_checkpoint|>c"}, "prompt"),
+    ({"prompt": "<|mamba_checkpoint|>" + CODE}, "prompt"),
+    ({"prompt": CODE, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": CODE, "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": CODE, "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD, ids=[f"{i}-{p}" for i, (_, p) in enumerate(BAD)])
+def test_bad_input_is_a_400_naming_the_field(server, body, param):
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == 400 and error["type"] == "BadRequestError" and error["message"]
+    assert error["param"] == param, error
+
+
+def test_bad_chat_and_unknown_model(server):
+    for body in ({"messages": []}, {"messages": [{"role": "user"}]}, {"messages": "hi"}):
+        response = post(server, "/v1/chat/completions", body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages", response.text
+    response = post(server, "/v1/completions", {"model": "gpt-4", "prompt": CODE})
+    assert response.status_code == 404 and response.json()["error"]["type"] == "NotFoundError"
+    # nothing a client sent disturbed the engine
+    assert post(server, "/v1/completions", {"prompt": CODE, "max_tokens": 2}).status_code == 200
+    assert not any(server.wait_drained().values())
+
+
+def test_api_key_guards_v1_only(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        response = post(server, "/v1/completions", {"prompt": CODE, "max_tokens": 1}, headers=headers)
+        assert response.status_code == 401 and response.json() == {"error": "Unauthorized"}
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    models = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()
+    assert [m["id"] for m in models["data"]] == ["tiny", "jaxhybrid-default"]
+    assert models["data"][0]["max_model_len"] == 256
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_tokenize_round_trip(server):
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": CODE, "return_token_strs": True}).json()
+    assert "".join(tokens["token_strs"]) == CODE and tokens["max_model_len"] == 256
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": CODE}
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": [10**7]}).status_code == 400
+
+
+def test_disconnect_aborts_and_frees(server):
+    disconnects = server.metric("http_requests_client_disconnected_total")
+    body = {"prompt": CODE, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i > 6:
+                break  # closing the stream now is a client disconnect
+    assert server.metric("num_requests_running") + server.metric("num_requests_waiting") <= 1
+    assert not any(server.wait_drained().values())
+    with pytest.raises(httpx.ReadTimeout):  # a plain request whose client gives up
+        httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False}, headers=AUTH, timeout=1.0)
+    assert not any(server.wait_drained().values())
+    assert server.metric("http_requests_client_disconnected_total") == disconnects + 2
+
+
+def test_full_queue_answers_429_and_recovers(server):
+    async def flood() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as http:
+            body = {"prompt": CODE, "max_tokens": 40, "ignore_eos": True}
+            return await asyncio.gather(*[http.post("/v1/completions", json=body) for _ in range(MAX_QUEUED + 6)])
+
+    responses = asyncio.run(flood())
+    codes = sorted(r.status_code for r in responses)
+    assert codes.count(200) >= MAX_QUEUED // 2 and 429 in codes and set(codes) <= {200, 429}, codes
+    refused = next(r for r in responses if r.status_code == 429)
+    assert refused.headers["retry-after"] == "1" and refused.json()["error"]["code"] == 429
+    assert all(r.json()["usage"]["completion_tokens"] == 40 for r in responses if r.status_code == 200)
+    assert not any(server.wait_drained().values())
+    assert post(server, "/v1/completions", {"prompt": CODE, "max_tokens": 1}).status_code == 200
+
+
+def test_metrics_count_what_happened(server, client):
+    before = server.metric("generation_tokens_total")
+    client.completions.create(model="tiny", prompt=CODE, max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 10
+    while server.metric("generation_tokens_total") < before + 7 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metric("generation_tokens_total") == before + 7
+    text = httpx.get(f"{server.url}/metrics").text
+    for series in ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
+                   "inter_token_latency_seconds_count", "prefix_cache_queries_total", "cache_config_info"):
+        assert f"jaxhybrid:{series}" in text
