@@ -162,11 +162,26 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         ids = []
-        for prompt, p in zip(prompts, params, strict=True):
-            ids.append(f"{self._counter}")
-            self._counter += 1
-            self.engine.add_request(ids[-1], self.parse_prompt(prompt), p or SamplingParams())
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(f"{self._counter}")
+                self._counter += 1
+                self.engine.add_request(ids[-1], self.parse_prompt(prompt), p or SamplingParams())
+        except ValueError:  # nothing of this call stays queued
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
         return self._run(ids, use_tqdm)
+
+    def score(self, prompt: str | Sequence[int], candidates: Sequence[str | Sequence[int]], *,
+              top_logprobs: int | None = None, reuse: bool = True):
+        """Each candidate's total and per-token log-probabilities given `prompt`, which is computed once
+        (a checkpoint at its end); `top_logprobs` adds the k most likely next tokens after it. Returns a
+        `jaxhybrid.score.PromptScores`."""
+        from jaxhybrid.score import score_prompt
+
+        return score_prompt(self, prompt if isinstance(prompt, str) else list(prompt),
+                            [c if isinstance(c, str) else list(c) for c in candidates], top_logprobs, reuse)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

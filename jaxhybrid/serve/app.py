@@ -139,7 +139,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = ()) -> FastAPI:
         name = _check_model(state, body.model)
         body.check()
         params = body.params()
-        prompts = [_prompt(state, p, params) for p in body.prompts()]
+        prompts = [protocol.prompt_for(state.llm, p, params) for p in body.prompts()]
         if body.echo and any(p.text is None for p in prompts):
             _tokenizer(state)  # echo decodes token-id prompts
         streams = await _add_all(state, protocol.new_id("cmpl"), prompts, params, body.cache_salt)
@@ -152,7 +152,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = ()) -> FastAPI:
         name = _check_model(state, body.model)
         body.check()
         params = body.params()
-        prompt = _prompt(state, _render(state, body.messages, body.add_generation_prompt), params)
+        prompt = protocol.prompt_for(state.llm, _render(state, body.messages, body.add_generation_prompt), params)
         streams = await _add_all(state, protocol.new_id("chatcmpl"), [prompt], params, body.cache_salt)
         if body.stream:
             return _sse(state, _chat_chunks(streams, body, name))
@@ -189,24 +189,6 @@ def _render(state: ServerState, messages: list[dict], add_generation_prompt: boo
         return _tokenizer(state).apply_chat_template(messages, add_generation_prompt)
     except ValueError as error:
         raise BadRequest(str(error), "messages") from error
-
-
-def _prompt(state: ServerState, prompt: str | list[int], params: SamplingParams) -> Prompt:
-    """Tokenize and place the checkpoint marker; check the lengths against max_model_len (vLLM's message)."""
-    if isinstance(prompt, list) and any(t < 0 for t in prompt):
-        raise BadRequest("prompt token ids must be >= 0", "prompt")
-    try:
-        parsed = state.llm.parse_prompt(prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt})
-    except ValueError as error:
-        raise protocol.as_bad_request(error) from error
-    length, limit = len(parsed.token_ids), state.max_model_len
-    if length > limit:
-        raise BadRequest(f"Input length ({length}) exceeds model's maximum context length ({limit}).", "prompt")
-    if params.max_tokens is not None and length + params.max_tokens > limit:
-        raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
-                         f"{length + params.max_tokens} tokens ({length} in the prompt, {params.max_tokens} in "
-                         "the completion).", "max_tokens")
-    return parsed
 
 
 async def _add_all(state: ServerState, response_id: str, prompts: list[Prompt], params: SamplingParams,
@@ -313,40 +295,12 @@ async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
 async def _completion_response(state: ServerState, streams: list[RequestStream], prompts: list[Prompt],
                                body: CompletionRequest, name: str) -> dict:
     finals = await _finals(streams)
-    choices = []
-    for i, (prompt, output) in enumerate(zip(prompts, finals, strict=True)):
-        prefix = _prompt_text(state, prompt) if body.echo else ""
-        for completion in output.outputs:
-            choice = {"index": i * body.n + completion.index, "text": prefix + completion.text, "logprobs": None,
-                      **protocol.finish_fields(completion)}
-            if completion.logprobs is not None:
-                tokens, positions = completion.token_ids, completion.logprobs
-                if body.echo:
-                    tokens, positions = output.prompt_token_ids + tokens, output.prompt_logprobs + positions
-                choice["logprobs"] = protocol.completion_logprobs(tokens, positions, 0)
-            if body.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = protocol.prompt_logprobs_json(output.prompt_logprobs)
-            choices.append(choice)
-    choices.sort(key=lambda c: c["index"])
-    return {**protocol.envelope("text_completion", protocol.new_id("cmpl"), name), "choices": choices,
-            "usage": protocol.usage(finals)}
+    texts = [_prompt_text(state, p) for p in prompts] if body.echo else None
+    return protocol.completion_response(body, finals, name, texts)
 
 
 async def _chat_response(streams: list[RequestStream], body: ChatCompletionRequest, name: str) -> dict:
-    (final,) = await _finals(streams)
-    choices = []
-    for completion in final.outputs:
-        choice = {"index": completion.index, "message": {"role": "assistant", "content": completion.text},
-                  "logprobs": None, **protocol.finish_fields(completion)}
-        if completion.logprobs is not None:
-            choice["logprobs"] = protocol.chat_logprobs(completion.token_ids, completion.logprobs,
-                                                        body.top_logprobs or 0)
-        choices.append(choice)
-    reply = {**protocol.envelope("chat.completion", protocol.new_id("chatcmpl"), name), "choices": choices,
-             "usage": protocol.usage([final])}
-    if body.prompt_logprobs is not None:
-        reply["prompt_logprobs"] = protocol.prompt_logprobs_json(final.prompt_logprobs)
-    return reply
+    return protocol.chat_response(body, (await _finals(streams))[0], name)
 
 
 def _sse(state: ServerState, events: AsyncIterator[dict]) -> StreamingResponse:

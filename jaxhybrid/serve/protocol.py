@@ -14,6 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from jaxhybrid.api import LLM
+from jaxhybrid.engine import Prompt
 from jaxhybrid.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from jaxhybrid.sampling_params import SamplingParams
 
@@ -240,3 +242,64 @@ def finish_fields(completion: CompletionOutput) -> dict:
 
 def envelope(kind: str, response_id: str, model: str, created: int | None = None) -> dict:
     return {"id": response_id, "object": kind, "created": created or int(time.time()), "model": model}
+
+
+def prompt_for(llm: LLM, prompt: str | list[int] | dict, params: SamplingParams) -> Prompt:
+    """Tokenize and place the checkpoint marker (`LLM.parse_prompt`'s inputs); check the lengths against
+    max_model_len (vLLM's messages)."""
+    if isinstance(prompt, list):
+        if any(t < 0 for t in prompt):
+            raise BadRequest("prompt token ids must be >= 0", "prompt")
+        prompt = {"prompt_token_ids": prompt}
+    try:
+        parsed = llm.parse_prompt(prompt)
+    except ValueError as error:
+        raise as_bad_request(error) from error
+    length, limit = len(parsed.token_ids), llm.config.max_model_len
+    if length > limit:
+        raise BadRequest(f"Input length ({length}) exceeds model's maximum context length ({limit}).", "prompt")
+    if params.max_tokens is not None and length + params.max_tokens > limit:
+        raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
+                         f"{length + params.max_tokens} tokens ({length} in the prompt, {params.max_tokens} in "
+                         "the completion).", "max_tokens")
+    return parsed
+
+
+def completion_response(body: CompletionRequest, finals: list[RequestOutput], model: str,
+                        echoed: list[str] | None = None, response_id: str | None = None,
+                        created: int | None = None) -> dict:
+    """The `text_completion` object of finished requests, one per prompt; `echoed` holds the prompts' texts
+    when the body asks for echo."""
+    choices = []
+    for i, output in enumerate(finals):
+        prefix = echoed[i] if body.echo else ""
+        for completion in output.outputs:
+            choice = {"index": i * body.n + completion.index, "text": prefix + completion.text, "logprobs": None,
+                      **finish_fields(completion)}
+            if completion.logprobs is not None:
+                tokens, positions = completion.token_ids, completion.logprobs
+                if body.echo:
+                    tokens, positions = output.prompt_token_ids + tokens, output.prompt_logprobs + positions
+                choice["logprobs"] = completion_logprobs(tokens, positions, 0)
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+            choices.append(choice)
+    choices.sort(key=lambda c: c["index"])
+    return {**envelope("text_completion", response_id or new_id("cmpl"), model, created), "choices": choices,
+            "usage": usage(finals)}
+
+
+def chat_response(body: ChatCompletionRequest, final: RequestOutput, model: str, response_id: str | None = None,
+                  created: int | None = None) -> dict:
+    choices = []
+    for completion in final.outputs:
+        choice = {"index": completion.index, "message": {"role": "assistant", "content": completion.text},
+                  "logprobs": None, **finish_fields(completion)}
+        if completion.logprobs is not None:
+            choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs, body.top_logprobs or 0)
+        choices.append(choice)
+    reply = {**envelope("chat.completion", response_id or new_id("chatcmpl"), model, created), "choices": choices,
+             "usage": usage([final])}
+    if body.prompt_logprobs is not None:
+        reply["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
+    return reply

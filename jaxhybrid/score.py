@@ -1,0 +1,341 @@
+"""`python -m jaxhybrid.score`: offline batch jobs, JSONL in and JSONL out, in input order.
+
+Two line formats, told apart by their keys:
+  * the OpenAI batch format `vllm run-batch` reads: `{"custom_id", "method": "POST", "url":
+    "/v1/completions" | "/v1/chat/completions", "body": {...}}`, answered with vLLM's output line
+    `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`;
+  * scoring: `{"id", "prompt", "candidates": [...], "top_logprobs"?: k}` (text or token ids). Each
+    candidate is scored given the prompt: its total and per-token log-probabilities, and with
+    `top_logprobs` the k most likely next tokens after the prompt. The job places the checkpoint at the
+    end of the prompt itself (its last token stays after it, so that its logits score each candidate's
+    first token), so the prompt is computed once for all its candidates. Text prompts and candidates are
+    tokenized separately (as lm-eval-harness does for context and continuation).
+
+A bad line becomes an error line naming the problem and the job goes on. Lines are read and run a window
+at a time (bounded memory), each output line is written whole and flushed, and `--resume` keeps the
+complete lines of an earlier run of the same job (a torn last line is cut) and carries on after them. Every
+line's output depends only on the line: ids come from the line number and seeds from `--seed` and the
+line number, so a resumed job writes the same bytes as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from tqdm import tqdm
+
+from jaxhybrid.api import LLM
+from jaxhybrid.engine import Prompt
+from jaxhybrid.engine_args import build_llm, make_parser, non_default, parse_args
+from jaxhybrid.outputs import RequestOutput
+from jaxhybrid.sampling_params import MAX_SEED, SamplingParams
+from jaxhybrid.serve import protocol
+from jaxhybrid.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("jaxhybrid.score")
+
+_BATCH_KEYS = {"custom_id", "method", "url", "body"}
+_SCORE_KEYS = {"id", "prompt", "candidates", "top_logprobs"}
+
+
+@dataclass(frozen=True)
+class CandidateScore:
+    logprob: float               # sum of token_logprobs
+    token_logprobs: list[float]  # log P(token | prompt, earlier candidate tokens), one per candidate token
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    candidates: list[CandidateScore]
+    top_logprobs: list[dict] | None  # [{"token_id", "token", "logprob"}] after the prompt, most likely first
+
+
+@dataclass
+class _Work:
+    """One input line turned into engine requests, and how their finished outputs become its output line."""
+
+    requests: list[tuple[Prompt, SamplingParams]]
+    finish: Callable[[list[RequestOutput]], dict]
+
+
+def _tokens(llm: LLM, value: Any, name: str) -> list[int]:
+    if isinstance(value, str):
+        if llm.tokenizer is None:
+            raise BadRequest(f"{name}: text needs a tokenizer (this job runs with --skip-tokenizer-init)", name)
+        return llm.tokenizer.encode(value)
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    raise BadRequest(f"{name} must be a non-empty string or a non-empty list of token ids", name)
+
+
+def scoring_requests(llm: LLM, prompt: str | list[int], candidates: list, top_logprobs: int | None = None,
+                     reuse: bool = True) -> tuple[list[tuple[Prompt, SamplingParams]], int]:
+    """The requests that score `candidates` given `prompt`, and the prompt's length in tokens."""
+    if not isinstance(candidates, list) or not candidates:
+        raise BadRequest("candidates must be a non-empty list", "candidates")
+    if top_logprobs is not None and (not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool)
+                                     or top_logprobs < 0):
+        raise BadRequest("top_logprobs must be an integer >= 0", "top_logprobs")
+    context = _tokens(llm, prompt, "prompt")
+    unit = llm.config.hash_unit
+    # the checkpoint stays before the prompt's last token: that token's logits score every first token
+    checkpoint = (len(context) - 1) // unit * unit if reuse else 0
+    params = SamplingParams(max_tokens=0, prompt_logprobs=top_logprobs or 0)
+    requests = []
+    for i, candidate in enumerate(candidates):
+        tokens = context + _tokens(llm, candidate, f"candidates[{i}]")
+        prompt_ids = {"prompt_token_ids": tokens, "checkpoint_position": checkpoint or None}
+        requests.append((protocol.prompt_for(llm, prompt_ids, params), params))
+    return requests, len(context)
+
+
+def score_prompt(llm: LLM, prompt: str | list[int], candidates: list, top_logprobs: int | None = None,
+                 reuse: bool = True) -> PromptScores:
+    """`LLM.score`: every candidate's log-probabilities given `prompt`, the prompt computed once."""
+    requests, prompt_len = scoring_requests(llm, prompt, candidates, top_logprobs, reuse)
+    prompts = [{"prompt_token_ids": list(p.token_ids), "checkpoint_position": p.checkpoint_position}
+               for p, _ in requests]
+    outputs = llm.generate(prompts, [params for _, params in requests], use_tqdm=False)
+    return read_scores(outputs, prompt_len, top_logprobs)
+
+
+def read_scores(outputs: list[RequestOutput], prompt_len: int, top_logprobs: int | None) -> PromptScores:
+    """Per candidate: the logprobs of its tokens (positions from `prompt_len` on) given what precedes them."""
+    scores = []
+    for output in outputs:
+        positions = range(prompt_len, len(output.prompt_token_ids))
+        values = [output.prompt_logprobs[p][output.prompt_token_ids[p]].logprob for p in positions]
+        scores.append(CandidateScore(sum(values), values))
+    top = None
+    if top_logprobs is not None:
+        first = output.prompt_logprobs[prompt_len]
+        ranked = sorted(first.items(), key=lambda item: item[1].rank)
+        top = [{"token_id": t, "token": lp.decoded_token, "logprob": lp.logprob}
+               for t, lp in ranked if lp.rank <= top_logprobs]
+    return PromptScores(scores, top)
+
+
+def _scores_json(scores: PromptScores) -> dict:
+    reply = {"scores": [dataclasses.asdict(c) for c in scores.candidates]}
+    if scores.top_logprobs is not None:
+        reply["top_logprobs"] = scores.top_logprobs
+    return reply
+
+
+def _seeded(params: SamplingParams, seed: int) -> SamplingParams:
+    return params if params.seed is not None else dataclasses.replace(params, seed=seed % (MAX_SEED + 1))
+
+
+def _batch_work(llm: LLM, line: dict, index: int, model: str, created: int, seed: int) -> _Work:
+    url, body = line.get("url"), line.get("body")
+    if line.get("method", "POST") != "POST":
+        raise BadRequest(f"method must be POST, got {line.get('method')!r}", "method")
+    kinds = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+    if url not in kinds:
+        raise BadRequest(f"url must be one of {sorted(kinds)}, got {url!r}", "url")
+    try:
+        request = kinds[url].model_validate(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "body"
+        raise BadRequest(f"body.{field}: {first['msg']}", f"body.{field}") from error
+    request.check()
+    if request.stream:
+        raise BadRequest("stream is not available in a batch job", "body.stream")
+    params = _seeded(request.params(), seed * 1_000_003 + index)
+    response_id = f"{'cmpl' if url == '/v1/completions' else 'chatcmpl'}-{index}"
+    if isinstance(request, ChatCompletionRequest):
+        if llm.tokenizer is None:
+            raise BadRequest("chat needs a tokenizer", "body.messages")
+        try:
+            text = llm.tokenizer.apply_chat_template(request.messages, request.add_generation_prompt)
+        except ValueError as error:
+            raise BadRequest(str(error), "body.messages") from error
+        prompts = [protocol.prompt_for(llm, text, params)]
+        return _Work([(prompts[0], params)], lambda finals: protocol.chat_response(
+            request, finals[0], model, response_id, created))
+    prompts = [protocol.prompt_for(llm, p, params) for p in request.prompts()]
+    if request.echo and any(p.text is None for p in prompts) and llm.tokenizer is None:
+        raise BadRequest("echo of a token-id prompt needs a tokenizer", "body.echo")
+    echoed = [p.text if p.text is not None else llm.tokenizer.decode(list(p.token_ids)) for p in prompts] \
+        if request.echo else None
+    return _Work([(p, params) for p in prompts], lambda finals: protocol.completion_response(
+        request, finals, model, echoed, response_id, created))
+
+
+@dataclass
+class JobSummary:
+    lines: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    prefix_cache_hit_rate: float = 0.0  # prompt tokens served from the cache or a checkpoint, of all looked up
+    checkpoint_hit_rate: float = 0.0    # requests with a checkpoint that started from it, of all with one
+
+
+class ScoreJob:
+    """Runs input lines through one `LLM`, a window at a time, and yields output lines in input order."""
+
+    def __init__(self, llm: LLM, *, model_name: str, created: int = 0, seed: int = 0, reuse: bool = True,
+                 default_top_logprobs: int | None = None):
+        self.llm, self.model_name, self.created, self.seed = llm, model_name, created, seed
+        self.reuse, self.default_top_logprobs = reuse, default_top_logprobs
+        self.summary = JobSummary()
+
+    def run(self, lines: Iterator[tuple[int, str]], window: int) -> Iterator[str]:
+        while chunk := list(itertools.islice(lines, window)):
+            yield from self._run_window(chunk)
+
+    @staticmethod
+    def _load(index: int, raw: str) -> dict:
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise BadRequest(f"line {index + 1} is not JSON: {error}", "line") from error
+        if not isinstance(line, dict):
+            raise BadRequest(f"line {index + 1} must be a JSON object", "line")
+        return line
+
+    def _work(self, index: int, line: dict) -> _Work:
+        keys, expected = set(line), _BATCH_KEYS if "custom_id" in line else _SCORE_KEYS
+        if keys - expected:
+            raise BadRequest(f"unknown fields {sorted(keys - expected)} (expected {sorted(expected)})",
+                             sorted(keys - expected)[0])
+        if "custom_id" in line:
+            return _batch_work(self.llm, line, index, self.model_name, self.created, self.seed)
+        if "candidates" not in line or "prompt" not in line:
+            raise BadRequest("a line needs custom_id/url/body (OpenAI batch) or prompt/candidates (scoring)", "line")
+        top = line.get("top_logprobs", self.default_top_logprobs)
+        requests, prompt_len = scoring_requests(self.llm, line["prompt"], line["candidates"], top, self.reuse)
+        return _Work(requests, lambda finals: _scores_json(read_scores(finals, prompt_len, top)))
+
+    def _run_window(self, chunk: list[tuple[int, str]]) -> Iterator[str]:
+        engine, results, pending = self.llm.engine, {}, {}
+        for index, raw in chunk:
+            line: dict = {}
+            try:
+                line = self._load(index, raw)
+                work = self._work(index, line)
+                ids = [f"{index}-{j}" for j in range(len(work.requests))]
+                try:
+                    for request_id, (prompt, params) in zip(ids, work.requests, strict=True):
+                        engine.add_request(request_id, prompt, params)
+                except ValueError as error:
+                    for request_id in ids:
+                        engine.abort(request_id)
+                    raise protocol.as_bad_request(error) from error
+                pending[index] = (line, work, ids)
+            except BadRequest as error:
+                results[index] = self._error_line(index, line, error)
+        finished: dict[str, RequestOutput] = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        for index, _ in chunk:
+            if index in pending:
+                line, work, ids = pending[index]
+                results[index] = self._output_line(index, line, work, [finished[i] for i in ids])
+            self.summary.lines += 1
+            yield json.dumps(results[index]) + "\n"
+
+    def _output_line(self, index: int, line: dict, work: _Work, finals: list[RequestOutput]) -> dict:
+        self.summary.prompt_tokens += sum(len(o.prompt_token_ids) for o in finals)
+        self.summary.generated_tokens += sum(len(c.token_ids) for o in finals for c in o.outputs)
+        if any(c.finish_reason == "error" for o in finals for c in o.outputs):
+            return self._error_line(index, line, BadRequest("the engine failed this line", None, 500))
+        body = work.finish(finals)
+        if "custom_id" in line:
+            return {"id": f"jaxhybrid-{index}", "custom_id": line["custom_id"],
+                    "response": {"status_code": 200, "request_id": f"jaxhybrid-{index}", "body": body},
+                    "error": None}
+        return {"id": line.get("id"), **body, "error": None}
+
+    def _error_line(self, index: int, line: dict, error: BadRequest) -> dict:
+        self.summary.errors += 1
+        detail = protocol.error_body(str(error), "BadRequestError" if error.status == 400 else "InternalServerError",
+                                     error.status, error.param)["error"]
+        if "custom_id" in line:
+            return {"id": f"jaxhybrid-{index}", "custom_id": line["custom_id"], "response": None, "error": detail}
+        return {"id": line.get("id"), "line": index + 1, "error": detail}
+
+    def finish_summary(self, seconds: float) -> JobSummary:
+        stats, summary = self.llm.engine.stats, self.summary
+        summary.seconds = seconds
+        summary.prefix_cache_hit_rate = stats.cached_tokens / max(stats.prefix_cache_queries, 1)
+        summary.checkpoint_hit_rate = stats.checkpoint_hits / max(stats.checkpoint_queries, 1)
+        return summary
+
+
+def resume_point(output: Path) -> int:
+    """Complete lines an earlier run wrote to `output`; a torn last line is cut off the file."""
+    if not output.exists():
+        return 0
+    data = output.read_bytes()
+    complete = data[:data.rfind(b"\n") + 1]
+    if len(complete) != len(data):
+        with output.open("r+b") as f:
+            f.truncate(len(complete))
+    return complete.count(b"\n")
+
+
+def _input_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number among non-blank lines, text), read lazily."""
+    with path.open() as f:
+        yield from enumerate(line for line in f if line.strip())
+
+
+_SCORE_FLAGS: dict[str, dict] = {
+    "--input": dict(required=True, help="JSONL input (OpenAI batch lines or scoring lines)"),
+    "--output": dict(required=True, help="JSONL output, one line per input line, in input order"),
+    "--resume": dict(action="store_true", help="keep the complete lines of an earlier run and carry on"),
+    "--window": dict(type=int, default=256, help="input lines in flight at once"),
+    "--top-logprobs": dict(type=int, default=None, help="scoring lines: top-k next tokens after the prompt"),
+    "--checkpoint-reuse": dict(action="store_true", default=True,
+                               help="scoring lines: compute each prompt once (--no-checkpoint-reuse: per candidate)"),
+    "--no-checkpoint-reuse": dict(action="store_false", dest="checkpoint_reuse"),
+    "--served-model-name": dict(default=None, help="the `model` field of OpenAI batch responses"),
+}
+
+
+def main(argv: list[str] | None = None) -> JobSummary:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = make_parser("python -m jaxhybrid.score", __doc__.splitlines()[0], _SCORE_FLAGS)
+    args = parse_args(parser, argv)
+    log.info("non-default arguments: %s", non_default(parser, args))
+    source, output = Path(args.input), Path(args.output)
+    if not source.exists():
+        parser.error(f"--input {source} does not exist")
+    done = resume_point(output) if args.resume else 0
+    llm = build_llm(args)
+    job = ScoreJob(llm, model_name=args.served_model_name or str(args.model or "jaxhybrid-default"),
+                   created=int(source.stat().st_mtime), seed=args.seed, reuse=args.checkpoint_reuse,
+                   default_top_logprobs=args.top_logprobs)
+    lines = itertools.islice(_input_lines(source), done, None)
+    start = time.perf_counter()
+    with output.open("a" if args.resume else "w") as out, tqdm(desc="score", unit="line", initial=done) as bar:
+        for text in job.run(lines, args.window):
+            out.write(text)  # one whole line per write; a kill leaves at most a torn last line
+            out.flush()
+            bar.update(1)
+            bar.set_postfix_str(f"{job.summary.prompt_tokens / (time.perf_counter() - start):.0f} prompt tok/s")
+        os.fsync(out.fileno())
+    summary = job.finish_summary(time.perf_counter() - start)
+    print(json.dumps({"summary": dataclasses.asdict(summary), "resumed_after": done}), file=sys.stderr)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Offline batch jobs: scores equal the full forward's log-probabilities in both line formats, with and
+without checkpoint reuse; bad lines become error lines while the job goes on; a killed job resumes to a
+byte-identical output file."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxhybrid.api import LLM
+from jaxhybrid.score import ScoreJob, main
+from tests.tolerances import assert_close
+
+PROMPT = "import os\nimport sys\n\n\ndef read_config(path):\n    with open(path) as f:\n"
+CANDIDATES = ["        return f.read()\n", "        pass\n", "        return json.load(f)\n"]
+SMALL = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=192, num_blocks=96, num_state_slots=24,
+             token_buckets=(16, 64), row_buckets=(4,), mamba_block_size=16)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(**SMALL)
+
+
+def reference_logprobs(llm: LLM, tokens: list[int]) -> np.ndarray:
+    """log P(tokens[p] | tokens[:p]) for p >= 1, from `load_model`'s full forward."""
+    logits = np.asarray(llm.model(np.array([tokens])), np.float64)[0]
+    shifted = logits - logits.max(-1, keepdims=True)
+    logprobs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    return logprobs[np.arange(len(tokens) - 1), tokens[1:]]
+
+
+SCORE_ATOL = 1e-4  # the job's contract with its users (issue 17), tighter than the worst-case float32 bound
+
+
+def assert_logprobs_close(llm: LLM, actual, tokens: list[int], start: int) -> None:
+    """Scores against the full forward from position `start`: the same maths in two blockings."""
+    assert_close(actual, reference_logprobs(llm, tokens)[start:], SCORE_ATOL, "token logprobs")
+
+
+def run_lines(llm: LLM, lines: list, reuse: bool = True) -> list[dict]:
+    job = ScoreJob(llm, model_name="m", reuse=reuse)
+    raw = [line if isinstance(line, str) else json.dumps(line) for line in lines]
+    return [json.loads(text) for text in job.run(iter(enumerate(raw)), window=3)]
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_scoring_lines_equal_the_full_forward(llm, reuse):
+    tokenizer = llm.tokenizer
+    context = tokenizer.encode(PROMPT)
+    (out,) = run_lines(llm, [{"id": "q", "prompt": PROMPT, "candidates": CANDIDATES, "top_logprobs": 3}], reuse)
+    assert out["id"] == "q" and out["error"] is None
+    for candidate, score in zip(CANDIDATES, out["scores"], strict=True):
+        assert_logprobs_close(llm, score["token_logprobs"], context + tokenizer.encode(candidate), len(context) - 1)
+        assert score["logprob"] == pytest.approx(sum(score["token_logprobs"]))
+    logits = np.asarray(llm.model(np.array([context])), np.float64)[0, -1]  # the distribution after the prompt
+    assert [t["token_id"] for t in out["top_logprobs"]] == np.argsort(-logits)[:3].tolist()
+    if reuse:  # the prompt was computed once: later candidates started from the checkpoint
+        assert llm.engine.stats.checkpoint_hits >= 2
+
+
+def test_llm_score_with_token_ids(llm):
+    context = list(range(5, 60))
+    candidates = [[7, 8, 9], [100, 3]]
+    scores = llm.score(context, candidates, top_logprobs=2)
+    for candidate, score in zip(candidates, scores.candidates, strict=True):
+        assert_logprobs_close(llm, score.token_logprobs, context + candidate, len(context) - 1)
+    assert len(scores.top_logprobs) == 2
+
+
+def test_openai_batch_lines(llm):
+    lines = [
+        {"custom_id": "echo", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 0}},
+        {"custom_id": "gen", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": PROMPT, "max_tokens": 5, "temperature": 0}},
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}},
+    ]
+    echo, gen, chat = run_lines(llm, lines)
+    assert [o["custom_id"] for o in (echo, gen, chat)] == ["echo", "gen", "chat"]
+    assert all(o["error"] is None and o["response"]["status_code"] == 200 for o in (echo, gen, chat))
+    logprobs = echo["response"]["body"]["choices"][0]["logprobs"]["token_logprobs"]
+    assert logprobs[0] is None
+    assert_logprobs_close(llm, logprobs[1:], llm.tokenizer.encode(PROMPT), 0)
+    greedy = llm.generate(PROMPT, llm_params(5), use_tqdm=False)[0].outputs[0].text
+    assert gen["response"]["body"]["choices"][0]["text"] == greedy
+    assert chat["response"]["body"]["object"] == "chat.completion"
+    assert chat["response"]["body"]["usage"]["completion_tokens"] == 3
+
+
+def llm_params(max_tokens: int):
+    from jaxhybrid import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens)
+
+
+def test_bad_lines_become_error_lines_and_the_job_goes_on(llm):
+    good = {"id": "ok", "prompt": PROMPT, "candidates": CANDIDATES[:1]}
+    lines = ["{not json", {"id": "x", "prompt": PROMPT, "candidates": ["a"], "colour": "red"},
+             {"id": "long", "prompt": PROMPT * 40, "candidates": ["a"]}, {"id": "empty", "prompt": PROMPT,
+                                                                        "candidates": []},
+             {"custom_id": "c", "method": "POST", "url": "/v1/embeddings", "body": {}},
+             {"custom_id": "d", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": 0}},
+             good]
+    outputs = run_lines(llm, lines)
+    errors = [o["error"] for o in outputs[:-1]]
+    assert [e["param"] for e in errors] == ["line", "colour", "prompt", "candidates", "url", "n"]
+    assert "not JSON" in errors[0]["message"] and "colour" in errors[1]["message"]
+    assert "maximum context length" in errors[2]["message"]
+    assert outputs[4]["response"] is None and outputs[4]["custom_id"] == "c"
+    assert outputs[-1]["error"] is None and len(outputs[-1]["scores"]) == 1
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_killed_job_resumes_to_the_same_bytes(tmp_path):
+    lines = [{"id": f"s{i}", "prompt": PROMPT, "candidates": CANDIDATES[i % 3:]} for i in range(4)]
+    lines += [{"custom_id": f"g{i}", "method": "POST", "url": "/v1/completions",
+               "body": {"prompt": f"def f{i}(x):", "max_tokens": 4, "temperature": 1.0}} for i in range(4)]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    flags = ["--input", str(source), "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len",
+             "192", "--num-blocks", "96", "--num-state-slots", "24", "--token-buckets", "16", "64", "--row-buckets",
+             "4", "--no-precompile", "--compilation-cache-dir", "", "--window", "3", "--seed", "5"]
+    whole = tmp_path / "whole.jsonl"
+    summary = main([*flags, "--output", str(whole)])
+    assert summary.lines == 8 and summary.errors == 0
+    killed = tmp_path / "killed.jsonl"
+    kept = whole.read_bytes().splitlines(keepends=True)
+    killed.write_bytes(b"".join(kept[:3]) + kept[3][:17])  # three whole lines and a torn one
+    main([*flags, "--output", str(killed), "--resume"])
+    assert killed.read_bytes() == whole.read_bytes()
