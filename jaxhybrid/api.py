@@ -20,6 +20,7 @@ from jaxhybrid.sampling import ROW_DTYPE
 from jaxhybrid.sampling_params import SamplingParams
 from jaxhybrid.tokenizer import Tokenizer
 from jaxhybrid.weights import DEFAULT_MODEL_DIR, load_model
+from pallas_kernels.common import resolve_backend
 from scheduler import SchedulerConfig, parse_checkpoint_marker
 from scheduler.buckets import default_buckets
 
@@ -57,8 +58,10 @@ class LLM:
     """An engine on one checkpoint: `generate` and `chat` run prompts to completion, in input order.
 
     Arguments follow vLLM's where the concept exists. Beyond them: `num_blocks` / `num_state_slots` size the
-    pools explicitly (else from `gpu_memory_utilization`), `replayssm_window` is W, `mamba_block_size` the
-    grid of cached recurrent states, `backend` the kernels' ("reference", "pallas", "interpret"),
+    pools explicitly (else from `gpu_memory_utilization`), `replayssm_window` is W (default 16 with the
+    Pallas kernels; on the reference path, where folding an entry costs a pass over the state, the
+    smallest window, 1 + K), `mamba_block_size` the grid of cached recurrent states, `backend` the
+    kernels' ("reference", "pallas", "interpret"),
     `token_buckets` / `row_buckets` the step shapes (default: ladders growing by `bucket_growth` up to
     `max_num_batched_tokens` / `max_num_seqs`), `precompile` compiles every shape at start-up and
     `compilation_cache_dir` keeps compiled steps across runs.
@@ -68,7 +71,7 @@ class LLM:
                  skip_tokenizer_init: bool = False, enable_prefix_caching: bool = True,
                  speculative_config: dict | None = None, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  max_model_len: int | None = None, seed: int = 0, gpu_memory_utilization: float = 0.9,
-                 num_blocks: int | None = None, num_state_slots: int | None = None, replayssm_window: int = 16,
+                 num_blocks: int | None = None, num_state_slots: int | None = None, replayssm_window: int | None = None,
                  block_size: int = 16, mamba_block_size: int = 64, max_logprobs: int = 20,
                  dtype: str = "float32", backend: str | None = None, token_buckets: tuple[int, ...] = (),
                  row_buckets: tuple[int, ...] = (), bucket_growth: int = 2, precompile: bool = False,
@@ -88,6 +91,8 @@ class LLM:
             raise ValueError(f"speculative_config asks for MTP, but the {cfg.model_type} checkpoint at {directory} "
                              "has no MTP weights (mtp.*)")
         max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
+        if replayssm_window is None:  # the reference ops fold a ring entry with a whole pass over the state
+            replayssm_window = 16 if resolve_backend(backend) == "pallas" else 1
         ring_size = max(replayssm_window, 1 + k)
         if num_blocks is None or num_state_slots is None:
             sizes = size_pools(cfg, device_memory_budget(gpu_memory_utilization, self.model.params),

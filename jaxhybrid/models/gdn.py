@@ -46,9 +46,9 @@ class GatedDeltaNet(nn.Module):
             v = mixed[:, 2 * cfg.key_dim :].reshape(num_tokens, cfg.num_v_heads, cfg.head_v_dim)
             return q, k, v, g, beta
 
-        def verify(mixed, cu, state, rings, slots, ring_start, committed, flush):
+        def verify(mixed, cu, state, rings, slots, ring_start, committed, flush, max_query_len):
             out, state, *rings = gdn_verify(*heads(mixed), cu, state, *rings, slots, ring_start, committed, flush,
-                                            backend=backend)
+                                            max_query_len=max_query_len, backend=backend)
             return out, state, tuple(rings)
 
         core = MixerCore(

@@ -45,9 +45,9 @@ class Mamba2Mixer(nn.Module):
             c = mixed[:, inner + groups_width :].reshape(num_tokens, cfg.n_groups, cfg.state_size)
             return xs, dt, a, b, c, d
 
-        def verify(mixed, cu, state, rings, slots, ring_start, committed, flush):
+        def verify(mixed, cu, state, rings, slots, ring_start, committed, flush, max_query_len):
             out, state, *rings = ssd_verify(*inputs(mixed), cu, state, *rings, slots, ring_start, committed, flush,
-                                            backend=backend)
+                                            max_query_len=max_query_len, backend=backend)
             return out, state, tuple(rings)
 
         core = MixerCore(

@@ -26,7 +26,8 @@ class MixerCore(NamedTuple):
 
     # (conv_out [T, D], cu_seqlens, state_pool, slots, has_initial) -> (out [T, ...], state_pool)
     prefill: Callable
-    # (conv_out, cu_seqlens, state_pool, rings, slots, ring_start, committed, flush) -> (out, state_pool, rings)
+    # (conv_out, cu_seqlens, state_pool, rings, slots, ring_start, committed, flush, max_query_len)
+    #   -> (out, state_pool, rings); max_query_len (static) bounds every row's tokens
     verify: Callable
     # (state_pool, rings, src, dst, ring_start, count) -> state_pool
     materialise: Callable
@@ -77,7 +78,9 @@ def _decode_rows(conv_in, conv: Conv, core: MixerCore, plan: DevicePlan, decode,
     trackers = (plan.ring_start, plan.ring_committed, plan.flush & decode)
     conv_out, window, conv_ring = conv1d_replay(conv_in, conv.weight, conv.bias, cu, pool.window, pool.conv_ring,
                                                 slots, *trackers, backend=conv.backend)
-    out, state, rings = core.verify(conv_out, cu, pool.state, pool.rings, slots, *trackers)
+    # a decode or verify row has 1 + K tokens at most (K = the plan's static draft width)
+    out, state, rings = core.verify(conv_out, cu, pool.state, pool.rings, slots, *trackers,
+                                    1 + plan.draft_token_ids.shape[1])
     return out, RecurrentPool(window, state, rings, conv_ring)
 
 

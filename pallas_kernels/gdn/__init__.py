@@ -71,7 +71,7 @@ def gdn_decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, *, scale=None, u
 
 def gdn_verify(
     q, k, v, g, beta, cu_seqlens, state_pool, ring_k, ring_u, ring_g, slots, ring_start, committed, flush,
-    *, scale=None, use_qk_l2norm=True, backend=None,
+    *, scale=None, use_qk_l2norm=True, max_query_len=None, backend=None,
 ):  # fmt: skip
     """ReplaySSM verify/decode: each row has T_r = 1 + k tokens (1 for plain decode), T_r <= W.
 
@@ -86,6 +86,8 @@ def gdn_verify(
       q, k, v, g, beta, cu_seqlens, slots: as in `gdn_prefill`.
       state_pool, ring_k, ring_u, ring_g: the slot page (module docstring), donated, updated in place.
       ring_start, committed: [R] i32 trackers of each row's slot.  flush: [R] bool.
+      max_query_len: static bound on every T_r (1 + k); the reference steps through this many tokens per
+        row (None: the ring's width, which always holds). The Pallas kernel stops at each row's own T_r.
       backend: "reference", "pallas" or "interpret"; None: pallas on GPU, reference on CPU.
 
     Returns:
@@ -94,7 +96,7 @@ def gdn_verify(
     args = (q, k, v, g, beta, cu_seqlens, state_pool, ring_k, ring_u, ring_g, slots, ring_start, committed, flush)
     backend = resolve_backend(backend)
     if backend == "reference":
-        return reference.gdn_verify(*args, scale=scale, use_qk_l2norm=use_qk_l2norm)
+        return reference.gdn_verify(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, max_query_len=max_query_len)
     return pallas.gdn_verify(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=backend == "interpret")
 
 

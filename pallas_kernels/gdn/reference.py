@@ -276,16 +276,16 @@ def gdn_decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, *, scale=None, u
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "use_qk_l2norm"),
+    static_argnames=("scale", "use_qk_l2norm", "max_query_len"),
     donate_argnames=("state_pool", "ring_k", "ring_u", "ring_g"),
 )
 def gdn_verify(
     q, k, v, g, beta, cu_seqlens, state_pool, ring_k, ring_u, ring_g, slots, ring_start, committed, flush,
-    *, scale=None, use_qk_l2norm=True,
+    *, scale=None, use_qk_l2norm=True, max_query_len=None,
 ):  # fmt: skip
     """ReplaySSM verify/decode; see `pallas_kernels.gdn.gdn_verify` for the contract."""
     check_rows(cu_seqlens, slots, "slots")
-    width, num_heads = ring_g.shape[2], state_pool.shape[1]
+    width, num_heads = max_query_len or ring_g.shape[2], state_pool.shape[1]
     qd, kd, k_heads, vd, gd, bd = _dense_inputs(q, k, v, g, beta, cu_seqlens, width, num_heads, scale, use_qk_l2norm)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     rk, ru, rg = ring_k[slots], ring_u[slots], ring_g[slots]

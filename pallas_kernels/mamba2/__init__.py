@@ -61,7 +61,7 @@ def ssd_decode(x, dt, A, B, C, D, cu_seqlens, state_pool, slots, *, backend=None
 
 def ssd_verify(
     x, dt, A, B, C, D, cu_seqlens, state_pool, ring_x, ring_dt, ring_B, slots, ring_start, committed, flush,
-    *, backend=None,
+    *, max_query_len=None, backend=None,
 ):  # fmt: skip
     """ReplaySSM verify/decode: each row has T_r = 1 + k tokens (1 for plain decode), T_r <= W.
 
@@ -75,6 +75,7 @@ def ssd_verify(
       x, dt, A, B, C, D, cu_seqlens, slots: as in `ssd_prefill`.
       state_pool, ring_x, ring_dt, ring_B: the slot page (module docstring), donated, updated in place.
       ring_start, committed: [R] i32 trackers of each row's slot.  flush: [R] bool.
+      max_query_len: static bound on every T_r, as in `gdn_verify`.
 
     Returns:
       y: [T, NH, P] in x.dtype, state_pool, ring_x, ring_dt, ring_B.
@@ -82,7 +83,7 @@ def ssd_verify(
     args = (x, dt, A, B, C, D, cu_seqlens, state_pool, ring_x, ring_dt, ring_B, slots, ring_start, committed, flush)
     backend = resolve_backend(backend)
     if backend == "reference":
-        return reference.ssd_verify(*args)
+        return reference.ssd_verify(*args, max_query_len=max_query_len)
     return pallas.ssd_verify(*args, interpret=backend == "interpret")
 
 

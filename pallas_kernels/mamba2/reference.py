@@ -220,11 +220,13 @@ def ssd_decode(x, dt, A, B, C, D, cu_seqlens, state_pool, slots):
     return dense_to_rows(y, cu_seqlens, x.shape[0]).astype(x.dtype), scatter_slots(state_pool, slots, state)
 
 
-@functools.partial(jax.jit, donate_argnames=("state_pool", "ring_x", "ring_dt", "ring_B"))
-def ssd_verify(x, dt, A, B, C, D, cu_seqlens, state_pool, ring_x, ring_dt, ring_B, slots, ring_start, committed, flush):
+@functools.partial(jax.jit, static_argnames="max_query_len",
+                   donate_argnames=("state_pool", "ring_x", "ring_dt", "ring_B"))
+def ssd_verify(x, dt, A, B, C, D, cu_seqlens, state_pool, ring_x, ring_dt, ring_B, slots, ring_start, committed, flush,
+               *, max_query_len=None):
     """ReplaySSM verify/decode; see `pallas_kernels.mamba2.ssd_verify` for the contract."""
     check_rows(cu_seqlens, slots, "slots")
-    width, num_heads = ring_dt.shape[2], state_pool.shape[1]
+    width, num_heads = max_query_len or ring_dt.shape[2], state_pool.shape[1]
     xd, dtd, bd, cd, b_groups = _dense_inputs(x, dt, B, C, cu_seqlens, width, num_heads)
     a, d = _f32(A, D)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]

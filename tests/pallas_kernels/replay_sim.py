@@ -22,8 +22,8 @@ class ReplayOp:
     ring_start, num_entries) -> state_pool`.
     """
 
-    def __init__(self, backend="reference"):
-        self.backend = backend
+    def __init__(self, backend="reference", max_query_len=None):
+        self.backend, self.max_query_len = backend, max_query_len  # verify's static bound on a row's tokens
 
 
 @dataclass

@@ -53,7 +53,8 @@ class SsdReplay(replay_sim.ReplayOp):
 
     def verify(self, packed, cu, pools, slots, ring_start, committed, flush):
         x, dt, b, c = packed
-        y, *pools = ssd_verify(x, dt, A, b, c, D, cu, *pools, slots, ring_start, committed, flush, backend=self.backend)
+        y, *pools = ssd_verify(x, dt, A, b, c, D, cu, *pools, slots, ring_start, committed, flush,
+                             max_query_len=self.max_query_len, backend=self.backend)
         return y, pools
 
     def decode(self, packed, cu, state_pool, slots):
@@ -68,6 +69,15 @@ class SsdReplay(replay_sim.ReplayOp):
 @given(max_drafts=st.integers(0, 3), seed=st.integers(0, 2**16), data=st.data())
 def test_verify_matches_recurrent_decoding(max_drafts, seed, data):
     replay_sim.check_verify_matches_recurrent_decoding(SsdReplay(), max_drafts, seed, data)
+
+
+
+@settings(max_examples=4, deadline=None)
+@given(max_drafts=st.integers(0, 3), seed=st.integers(0, 2**16), data=st.data())
+def test_a_tight_query_bound_changes_nothing(max_drafts, seed, data):
+    """The model passes max_query_len = 1 + K (a row's most tokens) so the reference steps no further."""
+    op = SsdReplay(max_query_len=1 + max_drafts)
+    replay_sim.check_verify_matches_recurrent_decoding(op, max_drafts, seed, data)
 
 
 def test_ring_wraps_and_rejected_entries_do_not_matter():
