@@ -60,7 +60,7 @@ def ragged_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, block_tables, 
     positions = context_lens[rows] - query_lens[rows] + tok.positions  # [T]
     group = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, -1, head_dim) * scale
 
-    def step(carry, block_index):
+    def step(block_index, carry):
         blocks = block_tables[rows, block_index]  # [T]
         keys = k_pool[blocks].astype(jnp.float32)  # [T, BS, HKV, Dh]
         scores = jnp.einsum("tgqd,tbgd->tgqb", group, keys, precision=HIGHEST)
@@ -69,10 +69,12 @@ def ragged_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, block_tables, 
         scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
         # Select, not multiply by a zero probability: an unwritten pool position may hold NaN or Inf.
         values = jnp.where(visible[:, :, None, None], v_pool[blocks].astype(jnp.float32), 0.0)
-        return _online_softmax_step(carry, scores, values), None
+        return _online_softmax_step(carry, scores, values)
 
     heads = (num_tokens, num_kv_heads, num_q_heads // num_kv_heads)
     init = (jnp.full(heads, -jnp.inf), jnp.zeros(heads), jnp.zeros(heads + (head_dim,)))
-    (_, total, acc), _ = jax.lax.scan(step, init, jnp.arange(block_tables.shape[1]))
+    # only the blocks some row reaches: the table is as wide as max_model_len, contexts are mostly shorter
+    num_blocks = (jnp.max(jnp.where(query_lens > 0, context_lens, 0), initial=0) + block_size - 1) // block_size
+    _, total, acc = jax.lax.fori_loop(0, jnp.minimum(num_blocks, block_tables.shape[1]), step, init)
     o = acc / jnp.where(total == 0, 1.0, total)[..., None]
     return o.reshape(q.shape).astype(q.dtype), k_pool, v_pool
