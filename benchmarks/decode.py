@@ -31,7 +31,7 @@ from jaxhybrid.tiny.corpus import HELD_OUT_MODULES, stdlib_dir
 from jaxhybrid.weights import DEFAULT_MODEL_DIR
 
 RESULTS = Path(__file__).parent / "results"
-MODES = {"no_mtp": (0, 16), "replay_w16": (3, 16), "replay_w4": (3, 4)}
+MODES = {"no_mtp": (0, None), "replay_w16": (3, 16), "replay_w4": (3, 4)}  # None: the engine's default W
 
 
 def prompts(count: int, tokenizer, length: int = 48) -> list[list[int]]:

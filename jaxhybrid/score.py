@@ -20,6 +20,7 @@ line number, so a resumed job writes the same bytes as an uninterrupted one.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import json
@@ -303,9 +304,8 @@ _SCORE_FLAGS: dict[str, dict] = {
     "--resume": dict(action="store_true", help="keep the complete lines of an earlier run and carry on"),
     "--window": dict(type=int, default=256, help="input lines in flight at once"),
     "--top-logprobs": dict(type=int, default=None, help="scoring lines: top-k next tokens after the prompt"),
-    "--checkpoint-reuse": dict(action="store_true", default=True,
+    "--checkpoint-reuse": dict(action=argparse.BooleanOptionalAction, default=True,
                                help="scoring lines: compute each prompt once (--no-checkpoint-reuse: per candidate)"),
-    "--no-checkpoint-reuse": dict(action="store_false", dest="checkpoint_reuse"),
     "--served-model-name": dict(default=None, help="the `model` field of OpenAI batch responses"),
 }
 

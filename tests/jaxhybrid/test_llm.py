@@ -94,6 +94,9 @@ def test_bad_prompts_raise_clear_errors(llm):
         llm.generate("x = 1\n" * 300, use_tqdm=False)
     with pytest.raises(ValueError, match="SamplingParams.top_p"):
         SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="max_model_len"):  # the good prompt before it is not left queued
+        llm.generate(["x = 1\n", "x = 1\n" * 300], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
     assert llm.generate("x = 1\n", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
 
 
