@@ -2,7 +2,7 @@
 
 Modes, at batch 1, 16 and 64 (every request: a code prompt from the held-out standard library, 96 new
 tokens, greedy, eos ignored so every request decodes the same length):
-  no_mtp          K = 0: one token per row per step;
+  no_mtp          K = 0: one token per row per step, the default window (1 on CPU: plain decoding);
   replay_w16      MTP K = 3, ReplaySSM window W = 16: a verify row appends 1 + K ring entries and folds
                   them into S0 only every ~16 tokens (the default);
   replay_w4       MTP K = 3, W = 1 + K = 4: the smallest window, which folds (writes S0) at every step,
@@ -64,6 +64,7 @@ def run(mode: str, batch: int, new_tokens: int) -> dict:
     stats = llm.engine.stats
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     cfg = llm.model.config
+    window = llm.config.ring_size
     return {"mode": mode, "batch": batch, "k": k, "window": window, "tokens": tokens, "seconds": seconds,
             "tokens_per_s": tokens / seconds, "steps": stats.steps - steps,
             "acceptance": (stats.accepted_tokens - accepted) / max(stats.draft_tokens - drafts, 1),
