@@ -45,13 +45,17 @@ def write(directory: str) -> None:
 
 @torch.no_grad()
 def score(model, anchor: list[int], candidates: list[list[int]], batch: int) -> tuple[float, list[list[float]]]:
+    """Full forwards of anchor + candidate in batches; candidates of unequal length are right-padded (a causal
+    model's logits at a position never see the padding after it)."""
     start, logprobs = time.perf_counter(), []
     for i in range(0, len(candidates), batch):
-        ids = torch.tensor([anchor + c for c in candidates[i:i + batch]])
+        group = candidates[i:i + batch]
+        width = max(map(len, group))
+        ids = torch.tensor([anchor + c + [0] * (width - len(c)) for c in group])
         out = torch.log_softmax(model(ids).logits.float(), dim=-1)
         targets = ids[:, len(anchor):]
         picked = out[:, len(anchor) - 1:-1].gather(-1, targets[..., None])[..., 0]
-        logprobs += picked.tolist()
+        logprobs += [row[:len(c)] for row, c in zip(picked.tolist(), group, strict=True)]
     return time.perf_counter() - start, logprobs
 
 
