@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from jaxhybrid.distributed.tensor_parallel import make_mesh
 from jaxhybrid.engine import Engine, Prompt
 from jaxhybrid.memory import size_pools
 from jaxhybrid.model import Model
@@ -63,7 +64,8 @@ class LLM:
     smallest window, 1 + K), `mamba_block_size` the grid of cached recurrent states, `backend` the
     kernels' ("reference", "pallas", "interpret"),
     `token_buckets` / `row_buckets` the step shapes (default: ladders growing by `bucket_growth` up to
-    `max_num_batched_tokens` / `max_num_seqs`), `precompile` compiles every shape at start-up and
+    `max_num_batched_tokens` / `max_num_seqs`), `tensor_parallel_size` shards weights and pools by heads
+    over that many devices (`jaxhybrid.distributed.tensor_parallel`), `precompile` compiles every shape at start-up and
     `compilation_cache_dir` keeps compiled steps across runs.
     """
 
@@ -74,8 +76,8 @@ class LLM:
                  num_blocks: int | None = None, num_state_slots: int | None = None, replayssm_window: int | None = None,
                  block_size: int = 16, mamba_block_size: int = 64, max_logprobs: int = 20,
                  dtype: str = "float32", backend: str | None = None, token_buckets: tuple[int, ...] = (),
-                 row_buckets: tuple[int, ...] = (), bucket_growth: int = 2, precompile: bool = False,
-                 compilation_cache_dir: str | None = None):
+                 row_buckets: tuple[int, ...] = (), bucket_growth: int = 2, tensor_parallel_size: int = 1,
+                 precompile: bool = False, compilation_cache_dir: str | None = None):
         from jaxhybrid.models.ops import ModelOps
 
         if compilation_cache_dir is not None:  # compiled steps persist across processes
@@ -114,7 +116,8 @@ class LLM:
             ring_size=ring_size, vocab_size=cfg.vocab_size, row_data_bytes=ROW_DTYPE.itemsize,
             token_buckets=token_buckets, row_buckets=row_buckets, logits_buckets=token_buckets,
             block_table_buckets=(-(-(max_model_len + k) // block_size),))
-        self.engine = Engine(self.model, self.config, self.tokenizer, seed=seed, max_logprobs=max_logprobs)
+        mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
+        self.engine = Engine(self.model, self.config, self.tokenizer, seed=seed, max_logprobs=max_logprobs, mesh=mesh)
         self._counter = 0
         if precompile:
             start = time.perf_counter()

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 import scheduler
 from jaxhybrid.detokenize import IncrementalDetokenizer
@@ -111,9 +112,9 @@ class Engine:
     """A model, its device pools and the scheduler state, serving requests step by step."""
 
     def __init__(self, model: Model, config: SchedulerConfig, tokenizer: Tokenizer | None = None, *, seed: int = 0,
-                 max_logprobs: int = 20):
+                 max_logprobs: int = 20, mesh: Mesh | None = None):
         self.model, self.config, self.tokenizer = model, config, tokenizer
-        self.runner = Runner(model, config, max_logprobs=max_logprobs)
+        self.runner = Runner(model, config, max_logprobs=max_logprobs, mesh=mesh)
         self.max_logprobs = self.runner.num_logprobs
         self.scheduler = scheduler.init_state(config)
         self._requests: dict[str, _Request] = {}

@@ -50,7 +50,7 @@ ENGINE_FLAGS: dict[str, dict] = {
 _LLM_ARGS = ("tokenizer", "skip_tokenizer_init", "enable_prefix_caching", "speculative_config", "max_num_seqs",
              "max_num_batched_tokens", "max_model_len", "seed", "gpu_memory_utilization", "num_blocks",
              "num_state_slots", "replayssm_window", "block_size", "mamba_block_size", "max_logprobs", "dtype",
-             "bucket_growth")
+             "bucket_growth", "tensor_parallel_size")
 
 
 def _dest(flag: str) -> str:
@@ -78,8 +78,6 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
             parser.error(f"--config {args.config}: unknown keys {unknown}")
         parser.set_defaults(**defaults)
         args = parser.parse_args(argv)
-    if args.tensor_parallel_size != 1:
-        parser.error("--tensor-parallel-size: this build runs on one device (tensor parallelism is not built yet)")
     return args
 
 

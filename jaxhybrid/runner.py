@@ -16,8 +16,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
+from jaxhybrid.distributed.tensor_parallel import param_shardings, state_shardings
 from jaxhybrid.model import Model
 from jaxhybrid.models.hybrid import HybridLM
 from jaxhybrid.models.pools import DeviceState, copy_pages, init_device_state
@@ -50,7 +52,7 @@ class StepOutput(NamedTuple):
 class Runner:
     """A model's params and device pools, sized by a `SchedulerConfig`, stepping its plans."""
 
-    def __init__(self, model: Model, config: SchedulerConfig, *, max_logprobs: int = 20):
+    def __init__(self, model: Model, config: SchedulerConfig, *, max_logprobs: int = 20, mesh: Mesh | None = None):
         if config.row_data_bytes != ROW_DTYPE.itemsize:
             raise ValueError(f"SchedulerConfig.row_data_bytes must be {ROW_DTYPE.itemsize} (sampling.ROW_DTYPE), "
                              f"got {config.row_data_bytes}")
@@ -61,23 +63,37 @@ class Runner:
         if config.num_spec_tokens and not model.config.mtp_layers:
             raise ValueError(f"num_spec_tokens={config.num_spec_tokens} needs MTP weights (mtp.*), which this "
                              f"{model.config.model_type} checkpoint does not have")
-        self.model, self.config = model, config
+        self.model, self.config, self.mesh = model, config, mesh
         self.num_logprobs = min(max_logprobs, model.config.vocab_size)
+        self.params = model.params
+        shardings = {}
+        if mesh is not None:  # tensor parallel: weights and pools sharded by heads, outputs replicated
+            self.params = jax.device_put(model.params, param_shardings(model.params, mesh))
+            shardings = dict(out_shardings=(self._state_shardings(), NamedSharding(mesh, PartitionSpec())))
         self.reset_state()
-        self._step = jax.jit(self._step_fn, static_argnums=2, donate_argnums=1)
+        self._step = jax.jit(self._step_fn, static_argnums=2, donate_argnums=1, **shardings)
 
-    def reset_state(self) -> None:
-        """Fresh, all-zero pools (at start, and after a failed step may have consumed the donated ones)."""
+    def _state_shardings(self) -> DeviceState:
+        return state_shardings(jax.eval_shape(self._fresh_state), self.mesh)
+
+    def _fresh_state(self) -> DeviceState:
         config = self.config
-        self.state = init_device_state(
+        return init_device_state(
             self.model.config, num_blocks=config.num_blocks, block_size=config.block_size,
             num_slots=config.num_state_slots, ring_entries=ring_rows(config.ring_size, config.num_spec_tokens),
             history_len=config.max_model_len + config.num_spec_tokens, dtype=self.model.dtype)
 
+    def reset_state(self) -> None:
+        """Fresh, all-zero pools (at start, and after a failed step may have consumed the donated ones)."""
+        if self.mesh is None:
+            self.state = self._fresh_state()
+        else:  # built in place on the mesh, never whole on one device
+            self.state = jax.jit(self._fresh_state, out_shardings=self._state_shardings())()
+
     def step(self, plan: BatchPlan) -> tuple[StepResult, Logprobs]:
         """Run `plan`; returns the host's StepResult and the step's logprobs, still on device."""
         buffer, layout = pack_plan(plan)
-        self.state, out = self._step(self.model.params, self.state, layout, buffer)
+        self.state, out = self._step(self.params, self.state, layout, buffer)
         sampled, accepted, drafts = jax.device_get((out.sampled_token_ids, out.num_accepted, out.draft_token_ids))
         return StepResult(sampled, accepted, drafts), out.logprobs
 

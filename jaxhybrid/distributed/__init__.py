@@ -1,0 +1,1 @@
+"""Beyond one device: tensor parallelism over a JAX mesh (`tensor_parallel`)."""
