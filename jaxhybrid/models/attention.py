@@ -35,7 +35,7 @@ class Attention(nn.Module):
         k = apply_rotary(k, plan.positions, cfg.rotary_dim, cfg.rope_theta)
         out, k_pool, v_pool = self.ops.attention(
             q, k, v, pool.k, pool.v, plan.slot_mapping, plan.block_table, plan.cu_seqlens,
-            plan.context_lens + plan.query_lens, scale=cfg.head_dim**-0.5, backend=self.ops.backend,
+            plan.context_lens, scale=cfg.head_dim**-0.5, backend=self.ops.backend,
         )
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
         if gate is not None:

@@ -20,10 +20,10 @@ from pallas_kernels.gdn.reference import chunk_decays, l2norm
 CHUNK = 64  # the inference op's default chunk, so the arithmetic matches it step for step
 
 
-def causal_attention(q, k, v, k_pool, v_pool, slot_mapping, block_tables, cu_seqlens, context_lens, *, scale,
+def causal_attention(q, k, v, k_pool, v_pool, slot_mapping, block_table, cu_seqlens, context_lens, *, scale,
                      backend=None):
     """`ragged_paged_attention` for R equal rows starting at position 0; the KV pools are returned unwritten."""
-    num_rows = block_tables.shape[0]
+    num_rows = block_table.shape[0]
     num_tokens, num_q_heads, head_dim = q.shape
     length, num_kv_heads = num_tokens // num_rows, k.shape[1]
     grouped = q.astype(jnp.float32).reshape(num_rows, length, num_kv_heads, -1, head_dim) * scale

@@ -2,7 +2,7 @@
 
 Shapes: T packed tokens, R rows, HQ query heads, HKV kv heads (query head h reads kv head
 h // (HQ // HKV)), Dh head dim, NB pool blocks of BS tokens (block 0 is the null block), MB blocks per
-row in `block_tables`.
+row in `block_table`.
 """
 
 from pallas_kernels.attention import pallas, reference
@@ -12,27 +12,27 @@ __all__ = ["ragged_paged_attention"]
 
 
 def ragged_paged_attention(
-    q, k, v, k_pool, v_pool, slot_mapping, block_tables, cu_seqlens, context_lens, *, scale, backend=None
+    q, k, v, k_pool, v_pool, slot_mapping, block_table, cu_seqlens, context_lens, *, scale, backend=None
 ):
     """Write the new K/V into the paged pool, then attend causally within each row (one call for all
     row kinds: prefill chunks, decode and verify rows).
 
-    Query token i of row r (qlen = cu[r+1] - cu[r]) sits at position context_lens[r] - qlen + i and sees
-    cache positions 0..that position of row r, read through block_tables[r]. Softmax in fp32.
+    Query token i of row r sits at position context_lens[r] + i and sees cache positions 0..that position
+    of row r, read through block_table[r]. Softmax in fp32. Names and meanings are the BatchPlan's.
 
     Args:
       q: [T, HQ, Dh] packed queries; tokens at index >= cu_seqlens[-1] are padding.
       k, v: [T, HKV, Dh] new keys/values.
       k_pool, v_pool: [NB, BS, HKV, Dh]; returned updated (donate them at the caller's jit).
       slot_mapping: [T] i32 flat slot (block * BS + offset) per token; padding tokens -> 0 (null block).
-      block_tables: [R, MB] i32 block ids per row.  cu_seqlens: [R+1] i32.
-      context_lens: [R] i32 tokens of each row in the cache after this write.
+      block_table: [R, MB] i32 block ids per row.  cu_seqlens: [R+1] i32.
+      context_lens: [R] i32 tokens of each row in the cache before this step (the plan's).
       scale: softmax scale.  backend: "reference" | "pallas" | "interpret"; None = pallas on GPU.
 
     Returns:
       o: [T, HQ, Dh] in q.dtype (padding tokens zero), k_pool, v_pool.
     """
-    args = (q, k, v, k_pool, v_pool, slot_mapping, block_tables, cu_seqlens, context_lens)
+    args = (q, k, v, k_pool, v_pool, slot_mapping, block_table, cu_seqlens, context_lens)
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.ragged_paged_attention(*args, scale=scale)

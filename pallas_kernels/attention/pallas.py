@@ -23,8 +23,8 @@ def _attention_kernel(
     tile_starts_ref,  # [NQ] i32, first token of the tile
     tile_lens_ref,  # [NQ] i32, tokens in the tile (0 for surplus tiles)
     cu_seqlens_ref,  # [R+1] i32
-    context_lens_ref,  # [R] i32
-    block_tables_ref,  # [R, MB] i32
+    context_lens_ref,  # [R] i32 tokens before this step
+    block_table_ref,  # [R, MB] i32
     q_ref,  # [T, HQ, Dh]
     k_pool_ref,  # [NB, BS, HKV, Dh]
     v_pool_ref,  # [NB, BS, HKV, Dh]
@@ -38,18 +38,17 @@ def _attention_kernel(
     def _():
         row, start = tile_rows_ref[i_tile], tile_starts_ref[i_tile]
         row_start, context_len = cu_seqlens_ref[row], context_lens_ref[row]
-        query_len = cu_seqlens_ref[row + 1] - row_start
         offsets = jnp.arange(block_q)
         in_tile = offsets < tile_len
-        positions = context_len - query_len + (start - row_start) + offsets  # [BQ]
+        positions = context_len + (start - row_start) + offsets  # [BQ]
         q = plt.load(q_ref.at[pl.ds(start, block_q), i_head, :], mask=in_tile[:, None], other=0.0)
         q = q.astype(jnp.float32) * scale
         kv_head = i_head // group
-        last_position = context_len - query_len + (start - row_start) + tile_len - 1
+        last_position = context_len + (start - row_start) + tile_len - 1
 
         def body(j, carry):
             running_max, running_sum, acc = carry
-            block = block_tables_ref[row, j]
+            block = block_table_ref[row, j]
             keys = k_pool_ref[block, :, kv_head, :].astype(jnp.float32)  # [BS, Dh]
             key_positions = j * block_size + jnp.arange(block_size)
             # Select, not multiply by a zero probability: a block's unwritten tail may hold NaN or Inf.
@@ -80,7 +79,7 @@ def _attention_kernel(
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "interpret"))
 def ragged_paged_attention(
-    q, k, v, k_pool, v_pool, slot_mapping, block_tables, cu_seqlens, context_lens, *, scale,
+    q, k, v, k_pool, v_pool, slot_mapping, block_table, cu_seqlens, context_lens, *, scale,
     block_q: int = 16, interpret: bool = False,
 ):  # fmt: skip
     """Same contract as `reference.ragged_paged_attention`; `block_q` query tokens per program."""
@@ -100,5 +99,5 @@ def ragged_paged_attention(
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
         name=f"ragged_paged_attention_{block_q=}_{block_size=}",
-    )(table.rows, table.starts, table.lengths, cu_seqlens, context_lens, block_tables, padded_q, k_pool, v_pool)
+    )(table.rows, table.starts, table.lengths, cu_seqlens, context_lens, block_table, padded_q, k_pool, v_pool)
     return zero_padding(out[:num_tokens], cu_seqlens, q.dtype), k_pool, v_pool

@@ -30,11 +30,11 @@ def _online_softmax_step(carry, scores, values):
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
-def ragged_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, block_tables, cu_seqlens, context_lens, *, scale):
+def ragged_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, block_table, cu_seqlens, context_lens, *, scale):
     """Write the new K/V into the paged pool, then attend causally within each row.
 
-    Query token i of row r (qlen = cu[r+1] - cu[r]) sits at position context_lens[r] - qlen + i and sees
-    cache positions 0..that position of row r, read through block_tables[r]. One call mixes prefill
+    Query token i of row r sits at position context_lens[r] + i and sees cache positions 0..that position
+    of row r, read through block_table[r]. One call mixes prefill
     chunks, decode and verify rows. Softmax in fp32.
 
     Args:
@@ -42,9 +42,9 @@ def ragged_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, block_tables, 
       k, v: [T, HKV, Dh] new keys/values; query head h uses kv head h // (HQ // HKV).
       k_pool, v_pool: [NB, BS, HKV, Dh] paged cache; block 0 is the null block.
       slot_mapping: [T] i32 flat slot (block * BS + offset) per token; padding tokens -> 0.
-      block_tables: [R, MB] i32 block ids per row.
+      block_table: [R, MB] i32 block ids per row.
       cu_seqlens: [R+1] i32 row boundaries.
-      context_lens: [R] i32 tokens of each row in the cache after this write.
+      context_lens: [R] i32 tokens of each row in the cache before this step (the plan's).
       scale: softmax scale.
 
     Returns:
@@ -52,16 +52,16 @@ def ragged_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, block_tables, 
     """
     k_pool, v_pool = write_kv(k, v, k_pool, v_pool, slot_mapping)
     num_tokens, num_q_heads, head_dim = q.shape
-    num_rows = block_tables.shape[0]
+    num_rows = block_table.shape[0]
     block_size, num_kv_heads = k_pool.shape[1:3]
     tok = token_rows(cu_seqlens, num_tokens)
     rows = jnp.minimum(tok.rows, num_rows - 1)
     query_lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    positions = context_lens[rows] - query_lens[rows] + tok.positions  # [T]
+    positions = context_lens[rows] + tok.positions  # [T]
     group = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, -1, head_dim) * scale
 
     def step(block_index, carry):
-        blocks = block_tables[rows, block_index]  # [T]
+        blocks = block_table[rows, block_index]  # [T]
         keys = k_pool[blocks].astype(jnp.float32)  # [T, BS, HKV, Dh]
         scores = jnp.einsum("tgqd,tbgd->tgqb", group, keys, precision=HIGHEST)
         key_positions = block_index * block_size + jnp.arange(block_size)
@@ -74,7 +74,8 @@ def ragged_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, block_tables, 
     heads = (num_tokens, num_kv_heads, num_q_heads // num_kv_heads)
     init = (jnp.full(heads, -jnp.inf), jnp.zeros(heads), jnp.zeros(heads + (head_dim,)))
     # only the blocks some row reaches: the table is as wide as max_model_len, contexts are mostly shorter
-    num_blocks = (jnp.max(jnp.where(query_lens > 0, context_lens, 0), initial=0) + block_size - 1) // block_size
-    _, total, acc = jax.lax.fori_loop(0, jnp.minimum(num_blocks, block_tables.shape[1]), step, init)
+    reach = jnp.where(query_lens > 0, context_lens + query_lens, 0)
+    num_blocks = (jnp.max(reach, initial=0) + block_size - 1) // block_size
+    _, total, acc = jax.lax.fori_loop(0, jnp.minimum(num_blocks, block_table.shape[1]), step, init)
     o = acc / jnp.where(total == 0, 1.0, total)[..., None]
     return o.reshape(q.shape).astype(q.dtype), k_pool, v_pool

@@ -48,7 +48,7 @@ def _make_case(row_specs, seed):
         dense.append((keys, values))
     pad = NUM_TOKENS - sum(len(x) for x in q)
     packed = [np.concatenate(x + [np.zeros((pad,) + x[0].shape[1:], x[0].dtype)]) for x in (q, k, v, slots)]
-    context = np.array([c for _, c in row_specs] + [0] * (NUM_ROWS - len(row_specs)), np.int32)
+    context = np.array([c - q_ for q_, c in row_specs] + [0] * (NUM_ROWS - len(row_specs)), np.int32)  # before
     args = dict(
         q=packed[0],
         k=packed[1],
@@ -56,7 +56,7 @@ def _make_case(row_specs, seed):
         k_pool=k_pool,
         v_pool=v_pool,
         slot_mapping=packed[3].astype(np.int32),
-        block_tables=tables,
+        block_table=tables,
         cu_seqlens=cu_seqlens([q_ for q_, _ in row_specs], NUM_ROWS),
         context_lens=context,
     )
@@ -95,15 +95,15 @@ def test_split_row_equals_one_call(qlen, ctx, data):
     split = data.draw(st.integers(1, qlen - 1))
     args, _ = _make_case([(qlen, ctx)], data.draw(st.integers(0, 2**16)))
     o, _, _ = ragged_paged_attention(**args, scale=SCALE)
-    first = _slice_call(args, 0, split, ctx - qlen + split)
+    first = _slice_call(args, 0, split, ctx - qlen)
     o1, k_pool, v_pool = ragged_paged_attention(**first, scale=SCALE)
-    second = _slice_call(dict(args, k_pool=k_pool, v_pool=v_pool), split, qlen, ctx)
+    second = _slice_call(dict(args, k_pool=k_pool, v_pool=v_pool), split, qlen, ctx - qlen + split)
     o2, _, _ = ragged_paged_attention(**second, scale=SCALE)
     TOL.check(np.concatenate([o1[:split], o2[: qlen - split]]), o[:qlen])
 
 
 def _slice_call(args, start, stop, context_len):
-    """Single-row call over the row's new tokens [start, stop), with `context_len` cached after it."""
+    """Single-row call over the row's new tokens [start, stop), with `context_len` cached before it."""
     call = dict(args, cu_seqlens=cu_seqlens([stop - start], NUM_ROWS))
     call["context_lens"] = np.array([context_len] + [0] * (NUM_ROWS - 1), np.int32)
     for name in ("q", "k", "v", "slot_mapping"):

@@ -145,8 +145,9 @@ def test_attention_ignores_kv_outside_every_context(backend, poison):
     args, _ = _make_case([(3, 9), (1, 14), (0, 5), (6, 6)], seed=2)
     block_size = args["k_pool"].shape[1]
     visible = np.zeros(args["k_pool"].shape[:2], bool)
-    for table, context in zip(args["block_tables"], args["context_lens"], strict=True):
-        positions = np.arange(context)
+    query_lens = np.diff(args["cu_seqlens"])
+    for table, context, query_len in zip(args["block_table"], args["context_lens"], query_lens, strict=True):
+        positions = np.arange(context + query_len)  # cached before the step, then this step's tokens
         visible[table[positions // block_size], positions % block_size] = True
     visible[0] = True
     poisoned = dict(args, k_pool=args["k_pool"].copy(), v_pool=args["v_pool"].copy())
