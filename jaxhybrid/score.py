@@ -72,9 +72,7 @@ class _Work:
 
 def _tokens(llm: LLM, value: Any, name: str) -> list[int]:
     if isinstance(value, str):
-        if llm.tokenizer is None:
-            raise BadRequest(f"{name}: text needs a tokenizer (this job runs with --skip-tokenizer-init)", name)
-        return llm.tokenizer.encode(value)
+        return protocol.require_tokenizer(llm, name).encode(value)
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return value
     raise BadRequest(f"{name} must be a non-empty string or a non-empty list of token ids", name)
@@ -157,20 +155,12 @@ def _batch_work(llm: LLM, line: dict, index: int, model: str, created: int, seed
     params = _seeded(request.params(), seed * 1_000_003 + index)
     response_id = f"{'cmpl' if url == '/v1/completions' else 'chatcmpl'}-{index}"
     if isinstance(request, ChatCompletionRequest):
-        if llm.tokenizer is None:
-            raise BadRequest("chat needs a tokenizer", "body.messages")
-        try:
-            text = llm.tokenizer.apply_chat_template(request.messages, request.add_generation_prompt)
-        except ValueError as error:
-            raise BadRequest(str(error), "body.messages") from error
-        prompts = [protocol.prompt_for(llm, text, params)]
-        return _Work([(prompts[0], params)], lambda finals: protocol.chat_response(
+        text = protocol.render_chat(llm, request.messages, request.add_generation_prompt, "body.messages")
+        prompt = protocol.prompt_for(llm, text, params)
+        return _Work([(prompt, params)], lambda finals: protocol.chat_response(
             request, finals[0], model, response_id, created))
     prompts = [protocol.prompt_for(llm, p, params) for p in request.prompts()]
-    if request.echo and any(p.text is None for p in prompts) and llm.tokenizer is None:
-        raise BadRequest("echo of a token-id prompt needs a tokenizer", "body.echo")
-    echoed = [p.text if p.text is not None else llm.tokenizer.decode(list(p.token_ids)) for p in prompts] \
-        if request.echo else None
+    echoed = [protocol.prompt_text(llm, p, "body.echo") for p in prompts] if request.echo else None
     return _Work([(p, params) for p in prompts], lambda finals: protocol.completion_response(
         request, finals, model, echoed, response_id, created))
 

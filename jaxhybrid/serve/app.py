@@ -116,10 +116,10 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = ()) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         _check_model(state, body.model)
-        tokenizer = _tokenizer(state)
+        tokenizer = protocol.require_tokenizer(state.llm, "prompt")
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("send exactly one of prompt and messages", "prompt")
-        text = body.prompt if body.messages is None else _render(state, body.messages)
+        text = body.prompt if body.messages is None else protocol.render_chat(state.llm, body.messages, True)
         ids = tokenizer.encode(text)
         reply = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
         if body.return_token_strs:
@@ -132,7 +132,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = ()) -> FastAPI:
         vocab = state.llm.model.config.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise BadRequest(f"token ids must be in [0, {vocab})", "tokens")
-        return {"prompt": _tokenizer(state).decode(body.tokens)}
+        return {"prompt": protocol.require_tokenizer(state.llm, "tokens").decode(body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -141,7 +141,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = ()) -> FastAPI:
         params = body.params()
         prompts = [protocol.prompt_for(state.llm, p, params) for p in body.prompts()]
         if body.echo and any(p.text is None for p in prompts):
-            _tokenizer(state)  # echo decodes token-id prompts
+            protocol.require_tokenizer(state.llm, "echo")  # before any work starts
         streams = await _add_all(state, protocol.new_id("cmpl"), prompts, params, body.cache_salt)
         if body.stream:
             return _sse(state, _completion_chunks(state, streams, prompts, body, name))
@@ -152,7 +152,8 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = ()) -> FastAPI:
         name = _check_model(state, body.model)
         body.check()
         params = body.params()
-        prompt = protocol.prompt_for(state.llm, _render(state, body.messages, body.add_generation_prompt), params)
+        text = protocol.render_chat(state.llm, body.messages, body.add_generation_prompt)
+        prompt = protocol.prompt_for(state.llm, text, params)
         streams = await _add_all(state, protocol.new_id("chatcmpl"), [prompt], params, body.cache_salt)
         if body.stream:
             return _sse(state, _chat_chunks(streams, body, name))
@@ -176,19 +177,6 @@ def _check_model(state: ServerState, model: str | None) -> str:
     if model is not None and model not in state.model_names:
         raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
     return model or state.model_names[0]
-
-
-def _tokenizer(state: ServerState):
-    if state.llm.tokenizer is None:
-        raise BadRequest("this server runs without a tokenizer: send token ids", "prompt")
-    return state.llm.tokenizer
-
-
-def _render(state: ServerState, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    try:
-        return _tokenizer(state).apply_chat_template(messages, add_generation_prompt)
-    except ValueError as error:
-        raise BadRequest(str(error), "messages") from error
 
 
 async def _add_all(state: ServerState, response_id: str, prompts: list[Prompt], params: SamplingParams,
@@ -280,10 +268,6 @@ async def _unless_disconnected(request: Request, state: ServerState, work: Await
 
 # -- responses -------------------------------------------------------------------------------------------------
 
-def _prompt_text(state: ServerState, prompt: Prompt) -> str:
-    return prompt.text if prompt.text is not None else _tokenizer(state).decode(list(prompt.token_ids))
-
-
 async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
     finals: list[RequestOutput | None] = [None] * len(streams)
     async for i, output in _merged(streams):
@@ -295,7 +279,7 @@ async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
 async def _completion_response(state: ServerState, streams: list[RequestStream], prompts: list[Prompt],
                                body: CompletionRequest, name: str) -> dict:
     finals = await _finals(streams)
-    texts = [_prompt_text(state, p) for p in prompts] if body.echo else None
+    texts = [protocol.prompt_text(state.llm, p) for p in prompts] if body.echo else None
     return protocol.completion_response(body, finals, name, texts)
 
 
@@ -351,7 +335,7 @@ async def _completion_chunks(state: ServerState, streams: list[RequestStream], p
                 continue
             text, start, end = new
             if body.echo and first:
-                text = _prompt_text(state, prompts[i]) + text
+                text = protocol.prompt_text(state.llm, prompts[i]) + text
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
             if completion.logprobs is not None:
                 choice["logprobs"] = protocol.completion_logprobs(completion.token_ids[start:end],

@@ -18,6 +18,7 @@ from jaxhybrid.api import LLM
 from jaxhybrid.engine import Prompt
 from jaxhybrid.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from jaxhybrid.sampling_params import SamplingParams
+from jaxhybrid.tokenizer import Tokenizer
 
 LOGPROB_FLOOR = -9999.0  # vLLM's clamp for -inf, so the JSON stays valid
 
@@ -36,7 +37,6 @@ def error_body(message: str, kind: str, status: int, param: str | None = None) -
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class _Request(BaseModel):
@@ -242,6 +242,27 @@ def finish_fields(completion: CompletionOutput) -> dict:
 
 def envelope(kind: str, response_id: str, model: str, created: int | None = None) -> dict:
     return {"id": response_id, "object": kind, "created": created or int(time.time()), "model": model}
+
+
+def require_tokenizer(llm: LLM, param: str) -> Tokenizer:
+    if llm.tokenizer is None:
+        raise BadRequest("this model runs without a tokenizer (skip_tokenizer_init): send token ids", param)
+    return llm.tokenizer
+
+
+def render_chat(llm: LLM, messages: list[dict], add_generation_prompt: bool, param: str = "messages") -> str:
+    """`messages` through the checkpoint's chat template; a bad message or template is a 400."""
+    try:
+        return require_tokenizer(llm, param).apply_chat_template(messages, add_generation_prompt)
+    except ValueError as error:
+        raise BadRequest(str(error), param) from error
+
+
+def prompt_text(llm: LLM, prompt: Prompt, param: str = "echo") -> str:
+    """A prompt's text for echo: as sent, or decoded from its token ids."""
+    if prompt.text is not None:
+        return prompt.text
+    return require_tokenizer(llm, param).decode(list(prompt.token_ids))
 
 
 def prompt_for(llm: LLM, prompt: str | list[int] | dict, params: SamplingParams) -> Prompt:
