@@ -52,7 +52,7 @@ def run(mode: str, batch: int, new_tokens: int) -> dict:
               max_num_batched_tokens=max(256, decode_bucket), max_model_len=256,
               token_buckets=tuple(sorted({decode_bucket, max(256, decode_bucket)})), row_buckets=(max(batch, 2),),
               enable_prefix_caching=False)
-    llm.engine.runner.precompile(progress=False)
+    llm.engine.precompile(progress=False)
     batch_prompts = prompts(batch, llm.get_tokenizer())
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(batch_prompts, params, use_tqdm=False)  # warm caches and allocator

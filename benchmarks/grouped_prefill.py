@@ -35,7 +35,7 @@ def make_llm(caching: bool, anchor: int, candidate: int, max_n: int) -> LLM:
               num_state_slots=2 * max_n + 16, max_num_seqs=max_n, max_num_batched_tokens=2048,
               max_model_len=anchor + candidate + 16, mamba_block_size=64, token_buckets=(256, 2048),
               row_buckets=tuple(sorted({4, max_n})))
-    llm.engine.runner.precompile(progress=False)
+    llm.engine.precompile(progress=False)
     return llm
 
 

@@ -68,7 +68,7 @@ def main() -> None:
                   max_model_len=ANCHOR + LONGEST + 16, num_blocks=64 * (ANCHOR + LONGEST + 16) // 16 + 512,
                   num_state_slots=160, mamba_block_size=16, token_buckets=(256, 2048), row_buckets=(16, 64))
         start = time.perf_counter()
-        llm.engine.runner.precompile()
+        llm.engine.precompile()
         compile_s = time.perf_counter() - start
         warm_anchor, warm = workload(vocab, 2, seed=99)
         ours(llm, warm_anchor, warm, True)

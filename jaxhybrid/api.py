@@ -77,7 +77,7 @@ class LLM:
                  block_size: int = 16, mamba_block_size: int = 64, max_logprobs: int = 20,
                  dtype: str = "float32", backend: str | None = None, token_buckets: tuple[int, ...] = (),
                  row_buckets: tuple[int, ...] = (), bucket_growth: int = 2, tensor_parallel_size: int = 1,
-                 precompile: bool = False, compilation_cache_dir: str | None = None):
+                 precompile: bool = False, compilation_cache_dir: str | None = None, async_scheduling: bool = True):
         from jaxhybrid.models.ops import ModelOps
 
         if compilation_cache_dir is not None:  # compiled steps persist across processes
@@ -120,11 +120,12 @@ class LLM:
             raise ValueError("tensor_parallel_size > 1 runs the reference (XLA) ops only: the Pallas kernels are not "
                              "yet wrapped in shard_map; pass backend='reference'")
         mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
-        self.engine = Engine(self.model, self.config, self.tokenizer, seed=seed, max_logprobs=max_logprobs, mesh=mesh)
+        self.engine = Engine(self.model, self.config, self.tokenizer, seed=seed, max_logprobs=max_logprobs, mesh=mesh,
+                             async_scheduling=async_scheduling)
         self._counter = 0
         if precompile:
             start = time.perf_counter()
-            count = self.engine.runner.precompile()
+            count = self.engine.precompile()
             log.info("compiled %d buckets in %.1f s", count, time.perf_counter() - start)
 
     def get_tokenizer(self) -> Tokenizer | None:

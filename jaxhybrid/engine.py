@@ -1,10 +1,14 @@
 """The engine: requests in, `RequestOutput`s out, one `step()` at a time (DESIGN "One engine step").
 
-A step is `schedule -> runner.step -> update`. Around it the host turns a request into scheduler
-requests (one per completion, `n` of them, each with its packed sampling record and checkpoint), and
-the step's tokens into outputs: incremental text, stop strings, logprobs and metrics. The scheduler
-preempts under memory pressure by itself (recompute); an abort frees everything at once, or, for a
-request whose step is in flight, when that step's update has run.
+A step is `schedule -> runner.dispatch -> update`. By default the engine runs one step ahead of the
+device (`async_scheduling`, scheduler/resolve.py): it schedules and dispatches step N+1 before it reads
+step N's tokens, so the host's work hides behind the device's; the serial loop is a debugging switch.
+Around it the host turns a request into scheduler requests (one per completion, `n` of them, each with
+its packed sampling record and checkpoint), and the step's tokens into outputs: incremental text, stop
+strings, logprobs and metrics. The scheduler preempts under memory pressure by itself (recompute); an
+abort frees everything at once, or, for a request whose step is in flight, when that step's update has
+run. (Steps run on the device in dispatch order, each on the pools the one before returned, so a block
+or slot freed while a step is in flight may go to a request of the next step.)
 
 Failures stay as small as they can: a request whose output cannot be processed (its detokenizer
 raises, say) ends alone, with finish_reason "error". A step that raises (schedule, the device, update)
@@ -15,6 +19,7 @@ started end with "error", and those still waiting are queued again.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -29,7 +34,7 @@ import scheduler
 from jaxhybrid.detokenize import IncrementalDetokenizer
 from jaxhybrid.model import Model
 from jaxhybrid.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
-from jaxhybrid.runner import Runner
+from jaxhybrid.runner import Runner, StepOutput
 from jaxhybrid.sampling import Logprobs
 from jaxhybrid.sampling_params import SamplingParams
 from jaxhybrid.tokenizer import Tokenizer
@@ -112,8 +117,11 @@ class Engine:
     """A model, its device pools and the scheduler state, serving requests step by step."""
 
     def __init__(self, model: Model, config: SchedulerConfig, tokenizer: Tokenizer | None = None, *, seed: int = 0,
-                 max_logprobs: int = 20, mesh: Mesh | None = None):
+                 max_logprobs: int = 20, mesh: Mesh | None = None, async_scheduling: bool = True):
         self.model, self.config, self.tokenizer = model, config, tokenizer
+        # one step ahead needs every step's positions known in advance: with drafts they wait on acceptance
+        self.async_scheduling = async_scheduling and not config.num_spec_tokens
+        self._in_flight: tuple[BatchPlan, StepOutput, scheduler.StepOutputs] | None = None
         self.runner = Runner(model, config, max_logprobs=max_logprobs, mesh=mesh)
         self.max_logprobs = self.runner.num_logprobs
         self.scheduler = scheduler.init_state(config)
@@ -123,6 +131,14 @@ class Engine:
         self._seeds = np.random.default_rng(seed)
         self.stats = EngineStats()
         self._logprob_sequences: set[str] = set()  # running sequences that report logprobs
+
+    def precompile(self, progress: bool = True) -> int:
+        """Compile every bucket (`Runner.precompile`); then freeze what start-up allocated, so that the
+        collections between steps walk only what serving allocates. Returns the number of buckets."""
+        count = self.runner.precompile(progress)
+        gc.collect()
+        gc.freeze()
+        return count
 
     # -- requests -------------------------------------------------------------------------------------------
 
@@ -167,7 +183,7 @@ class Engine:
         return self._snapshot(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or self.scheduler.has_work()
+        return bool(self._requests) or self.scheduler.has_work() or self._in_flight is not None
 
     def load(self) -> EngineLoad:
         state, config = self.scheduler, self.config
@@ -177,18 +193,52 @@ class Engine:
     # -- one step -------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of the requests that gained tokens or finished in it."""
-        if not self.scheduler.has_work():
-            return []
+        """Run one step; returns the outputs of the requests that gained tokens or finished in it (one step
+        ahead: the step before's, while this one runs)."""
         try:
-            self.scheduler, plan = scheduler.schedule(self.scheduler)
-            self._note_scheduled(plan)
-            result, logprobs = self.runner.step(plan)
+            if self.async_scheduling:
+                return self._step_ahead()
+            if not self.scheduler.has_work():
+                return []
+            plan = self._schedule()
+            out = self.runner.dispatch(plan)
+            result = self.runner.fetch(out)
             self.scheduler, outputs = scheduler.update(self.scheduler, plan, result)
-            reported = jax.device_get(logprobs) if self._wants_logprobs(plan) else None
+            return self._finish_step(plan, out, result, outputs)
         except Exception:
             log.exception("engine step %d failed; starting over with fresh pools", self.stats.steps)
             return self._start_over()
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Schedule and dispatch step N+1, then wait for N; N+1 runs while N's outputs are processed, N+1
+        is updated on placeholders and N+2 is scheduled (scheduler/resolve.py)."""
+        ahead = None
+        if self.scheduler.has_work():
+            plan = self._schedule()
+            ahead = (plan, self.runner.dispatch(plan))
+            gc.collect(0)  # while the device is busy: the cyclic collector stays off the critical path
+        request_outputs = []
+        if self._in_flight is not None:
+            (plan, out, placeholder_outputs), self._in_flight = self._in_flight, None
+            result = self.runner.fetch(out)
+            self.scheduler, outputs = scheduler.resolve(self.scheduler, placeholder_outputs, result)
+            request_outputs = self._finish_step(plan, out, result, outputs)
+        if ahead is not None:
+            plan, out = ahead
+            self.scheduler, placeholder_outputs = scheduler.update(self.scheduler, plan,
+                                                                   scheduler.placeholder_result(plan, 0))
+            self._in_flight = (plan, out, placeholder_outputs)
+        return request_outputs
+
+    def _schedule(self) -> BatchPlan:
+        self.scheduler, plan = scheduler.schedule(self.scheduler)
+        self._note_scheduled(plan)
+        return plan
+
+    def _finish_step(self, plan: BatchPlan, out: StepOutput, result: scheduler.StepResult,
+                     outputs: scheduler.StepOutputs) -> list[RequestOutput]:
+        """A step's outputs: tokens, text, stop strings and logprobs, request by request."""
+        reported = jax.device_get(out.logprobs) if self._wants_logprobs(plan) else None
         self._count(plan, result, outputs)
         touched = {}
         if reported is not None:
@@ -215,6 +265,7 @@ class Engine:
     def _start_over(self) -> list[RequestOutput]:
         """After a failed step: fresh pools and scheduler; started requests end with "error", the rest requeue."""
         self.stats.failed_steps += 1
+        self._in_flight = None
         self.runner.reset_state()
         self.scheduler = scheduler.init_state(self.config)
         failed = []

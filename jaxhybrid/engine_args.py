@@ -45,12 +45,15 @@ ENGINE_FLAGS: dict[str, dict] = {
                          help="compile every bucket before the first request"),
     "--compilation-cache-dir": dict(default=str(Path.home() / ".cache" / "jaxhybrid" / "xla"),
                                     help="compiled steps persist here across runs ('' turns it off)"),
+    "--async-scheduling": dict(action=argparse.BooleanOptionalAction, default=True,
+                               help="schedule one step ahead of the device (--no-: the serial loop, for debugging; "
+                                    "with MTP the engine runs serially)"),
     "--config": dict(default=None, help="YAML file of these flags (command-line flags win)"),
 }
 _LLM_ARGS = ("tokenizer", "skip_tokenizer_init", "enable_prefix_caching", "speculative_config", "max_num_seqs",
              "max_num_batched_tokens", "max_model_len", "seed", "gpu_memory_utilization", "num_blocks",
              "num_state_slots", "replayssm_window", "block_size", "mamba_block_size", "max_logprobs", "dtype",
-             "bucket_growth", "tensor_parallel_size")
+             "bucket_growth", "tensor_parallel_size", "async_scheduling")
 
 
 def _dest(flag: str) -> str:
@@ -99,11 +102,11 @@ def build_llm(args: argparse.Namespace):
     config = llm.config
     log.info("model %s loaded in %.1f s", args.model or "(embedded default)", loaded - start)
     log.info("cache mode %s; %d KV blocks of %d tokens; %d state slots (ring W=%d, MTP K=%d); max_num_seqs %d; "
-             "max_model_len %d", config.cache_mode, config.num_blocks - 1, config.block_size,
+             "max_model_len %d; %s scheduling", config.cache_mode, config.num_blocks - 1, config.block_size,
              config.num_state_slots - 1, config.ring_size, config.num_spec_tokens, config.max_num_seqs,
-             config.max_model_len)
+             config.max_model_len, "one-step-ahead" if llm.engine.async_scheduling else "serial")
     if args.precompile:
-        count = llm.engine.runner.precompile()
+        count = llm.engine.precompile()
         log.info("compiled %d buckets in %.1f s (token buckets %s, row buckets %s)", count,
                  time.perf_counter() - loaded, config.token_buckets, config.row_buckets)
     return llm

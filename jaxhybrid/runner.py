@@ -69,9 +69,10 @@ class Runner:
         shardings = {}
         if mesh is not None:  # tensor parallel: weights and pools sharded by heads, outputs replicated
             self.params = jax.device_put(model.params, param_shardings(model.params, mesh))
-            shardings = dict(out_shardings=(self._state_shardings(), NamedSharding(mesh, PartitionSpec())))
+            replicated = NamedSharding(mesh, PartitionSpec())
+            shardings = dict(out_shardings=(self._state_shardings(), replicated, replicated))
         self.reset_state()
-        self._step = jax.jit(self._step_fn, static_argnums=2, donate_argnums=1, **shardings)
+        self._step = jax.jit(self._step_fn, static_argnums=3, donate_argnums=(1, 2), **shardings)
 
     def _state_shardings(self) -> DeviceState:
         return state_shardings(jax.eval_shape(self._fresh_state), self.mesh)
@@ -89,13 +90,26 @@ class Runner:
             self.state = self._fresh_state()
         else:  # built in place on the mesh, never whole on one device
             self.state = jax.jit(self._fresh_state, out_shardings=self._state_shardings())()
+        # the token each row of the last step emitted: a plan's placeholder -(1 + r) reads entry r
+        self.last_tokens = jnp.zeros(max(self.config.row_buckets), jnp.int32)
+
+    def dispatch(self, plan: BatchPlan) -> StepOutput:
+        """Start `plan` on the device and the copy of its tokens to the host; returns at once."""
+        buffer, layout = pack_plan(plan)
+        self.state, self.last_tokens, out = self._step(self.params, self.state, self.last_tokens, layout, buffer)
+        for array in (out.sampled_token_ids, out.num_accepted, out.draft_token_ids):
+            array.copy_to_host_async()
+        return out
+
+    @staticmethod
+    def fetch(out: StepOutput) -> StepResult:
+        """The host's StepResult of a dispatched step (waits for it)."""
+        return StepResult(*jax.device_get((out.sampled_token_ids, out.num_accepted, out.draft_token_ids)))
 
     def step(self, plan: BatchPlan) -> tuple[StepResult, Logprobs]:
         """Run `plan`; returns the host's StepResult and the step's logprobs, still on device."""
-        buffer, layout = pack_plan(plan)
-        self.state, out = self._step(self.params, self.state, layout, buffer)
-        sampled, accepted, drafts = jax.device_get((out.sampled_token_ids, out.num_accepted, out.draft_token_ids))
-        return StepResult(sampled, accepted, drafts), out.logprobs
+        out = self.dispatch(plan)
+        return self.fetch(out), out.logprobs
 
     def compiled_buckets(self) -> int:
         """Executables compiled so far (one per plan layout)."""
@@ -109,9 +123,12 @@ class Runner:
             self.step(padding_plan(self.config, *shape))
         return len(shapes)
 
-    def _step_fn(self, params: Any, state: DeviceState, layout: PlanLayout,
-                 buffer: jax.Array) -> tuple[DeviceState, StepOutput]:
+    def _step_fn(self, params: Any, state: DeviceState, last_tokens: jax.Array, layout: PlanLayout,
+                 buffer: jax.Array) -> tuple[DeviceState, jax.Array, StepOutput]:
         plan = unpack_plan(buffer, layout, ROW_DTYPE.itemsize)
+        # tokens the host has not read yet (scheduled one step ahead) are the last step's (scheduler/resolve.py)
+        plan = plan._replace(token_ids=jnp.where(plan.token_ids < 0, last_tokens[jnp.maximum(-1 - plan.token_ids, 0)],
+                                                 plan.token_ids))
         module, variables = self.model.module, {"params": params}
         state = state._replace(token_history=_record_history(state.token_history, plan))
         hidden, state = module.apply(variables, plan.token_ids, plan, state)
@@ -129,7 +146,9 @@ class Runner:
         # XLA copies the whole history to keep both)
         history, _ = jax.lax.optimization_barrier((state.token_history, sampled))
         history = copy_pages(history, plan.publish_src, plan.publish_dst, plan.num_publishes)
-        return state._replace(token_history=history), StepOutput(sampled, accepted, drafts, reported)
+        emitted = sampled[jnp.arange(sampled.shape[0]), accepted]  # each row's last emitted token
+        last_tokens = jnp.zeros_like(last_tokens).at[:emitted.shape[0]].set(emitted)
+        return state._replace(token_history=history), last_tokens, StepOutput(sampled, accepted, drafts, reported)
 
 
 def plan_shapes(config: SchedulerConfig) -> list[tuple[int, int, int, int]]:

@@ -2,7 +2,8 @@
 
 One engine step: `schedule(state) -> (state, BatchPlan)`, the device runs the plan and returns a
 `StepResult`, then `update(state, plan, result) -> (state, StepOutputs)`; StepOutputs holds the new
-tokens of every row as arrays and yields per-request `RequestOutput` views when iterated.
+tokens of every row as arrays and yields per-request `RequestOutput` views when iterated. Run one step
+ahead, `update` takes `placeholder_result(plan)` right after dispatch and `resolve` the real tokens later.
 """
 
 from scheduler.checkpoints import CheckpointMarkerError, parse_checkpoint_marker
@@ -10,6 +11,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.lifecycle import abort_request, add_request, preempt_request
 from scheduler.plan import BatchPlan, RowKind, StepResult
 from scheduler.request import FinishReason, Request, RequestOutput, SamplingParams, StepOutputs
+from scheduler.resolve import placeholder_result, resolve
 from scheduler.schedule import schedule
 from scheduler.state import SchedulerState, init_state
 from scheduler.update import update
@@ -17,5 +19,5 @@ from scheduler.update import update
 __all__ = [
     "BatchPlan", "CheckpointMarkerError", "FinishReason", "Request", "RequestOutput", "RowKind",
     "SamplingParams", "SchedulerConfig", "SchedulerState", "StepOutputs", "StepResult", "abort_request", "add_request",
-    "init_state", "parse_checkpoint_marker", "preempt_request", "schedule", "update",
+    "init_state", "parse_checkpoint_marker", "placeholder_result", "preempt_request", "resolve", "schedule", "update",
 ]

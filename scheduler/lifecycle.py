@@ -42,7 +42,9 @@ class StateEdit:
         self._data, self._generation, self.cfg = data, data.generation, data.config
         self.rows, self.blocks, self.slots = data.rows, data.blocks, data.slots
         self.requests, self.row_of, self.logs, self.parked = data.requests, data.row_of, data.logs, data.parked_tokens
-        self._parts = (self.rows, self.blocks, self.slots, self.requests, self.row_of, self.logs, self.parked)
+        self.unresolved_ends = data.unresolved_ends
+        self._parts = (self.rows, self.blocks, self.slots, self.requests, self.row_of, self.logs, self.parked,
+                       self.unresolved_ends)
         for part in self._parts[:3]:  # the maps keep undo logs from their first write
             part.begin()
         self._log_marks: dict[str, tuple[TokenLog, tuple[int, int]]] = {}
@@ -198,16 +200,21 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
     if request_id not in state.requests:
         raise KeyError(f"abort_request: unknown request_id {request_id!r}")
     with StateEdit(state) as edit:
-        if request_id in edit.row_of and edit.in_flight is not None:
-            if request_id not in edit.aborting:
-                edit.aborting += (request_id,)
-            return edit.freeze()
-        if request_id in edit.row_of:
-            release_rows(edit, [request_id])
-        else:
-            edit.writable_waiting().remove(request_id)
-        forget(edit, request_id)
+        end_request(edit, request_id)
         return edit.freeze()
+
+
+def end_request(edit: StateEdit, request_id: str) -> None:
+    """Free a live request now, or, if it runs in the step in flight, when that step is updated."""
+    if request_id in edit.row_of and edit.in_flight is not None:
+        if request_id not in edit.aborting:
+            edit.aborting += (request_id,)
+        return
+    if request_id in edit.row_of:
+        release_rows(edit, [request_id])
+    else:
+        edit.writable_waiting().remove(request_id)
+    forget(edit, request_id)
 
 
 def preempt_request(state: SchedulerState, request_id: str) -> SchedulerState:

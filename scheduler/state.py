@@ -157,6 +157,20 @@ class TokenLog:
             parent = self.hashes[-1] if self.hashes else self.root
             self.hashes += chain_hashes(parent, self.slice(first, last), hash_unit)
 
+    def replace(self, position: int, token: int, hash_unit: int) -> None:
+        """Overwrite the token at `position` (a placeholder resolved, resolve.py) and re-chain the keys of
+        its unit and those after it in the log."""
+        i = bisect.bisect_right(self.ends, position)
+        chunk = self.chunks[i].copy()
+        chunk[position - (self.ends[i - 1] if i else 0)] = token
+        self.chunks[i] = frozen(chunk)
+        unit = position // hash_unit
+        if len(self.hashes) > unit:
+            del self.hashes[unit:]
+            parent = self.hashes[-1] if self.hashes else self.root
+            self.hashes += chain_hashes(parent, self.slice(unit * hash_unit, self.length // hash_unit * hash_unit),
+                                        hash_unit)
+
     def mark(self) -> tuple[int, int]:
         """Where the log ends now, for `truncate` (a transition that raises undoes its appends)."""
         return len(self.chunks), len(self.hashes)
@@ -246,6 +260,8 @@ class StateData:
         self.parked_tokens = UndoMap()       # request id -> committed tokens of a request without a row
         self.materializations: tuple[Materialize, ...] = ()
         self.aborting: tuple[str, ...] = ()  # running requests aborted while a step is in flight
+        self.unresolved_ends = UndoMap()     # request id -> stop ids of a request that reached max_len on a
+                                             # placeholder token: `resolve` tells "length" from "stop"
         self.in_flight: InFlight | None = None
         self.step = 0                        # steps scheduled so far; also the LRU clock
         self.num_preemptions = 0             # running requests preempted so far (a metric)

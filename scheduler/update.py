@@ -136,7 +136,7 @@ def _emit(edit: StateEdit, live: _Live, cols: np.ndarray, sampled: np.ndarray, c
     """Commit each row's emitted tokens, cut at max_len and after the first eos/stop token.
     `cols` holds the rows' columns from before the step."""
     before, max_len = cols[NUM_TOKENS], cols[MAX_LEN]
-    eos_hits = sampled == cols[EOS][:, None]
+    eos_hits = (sampled == cols[EOS][:, None]) & (sampled >= 0)  # EOS -1: none; tokens < 0: placeholders
     ending = before + counts >= max_len
     if eos_hits.any() or ending.any() or edit.rows.has_stop[live.rows].any():
         keep, codes = _cut(edit, live, before, max_len, sampled, counts, eos_hits)
@@ -197,7 +197,10 @@ def _finish_rows(edit: StateEdit, outputs: StepOutputs) -> None:
     finished = outputs.finished_ids
     if finished:
         release_rows(edit, finished)
-        for rid in finished:
+        for i in outputs.finish_codes.nonzero()[0].tolist():
+            rid = outputs.request_ids[i]
+            if outputs.num_new_tokens[i] and outputs.token_ids[i, 0] < 0:  # reached max_len on a placeholder
+                edit.unresolved_ends[rid] = edit.requests[rid].sampling_params.stop_ids
             forget(edit, rid)
 
 

@@ -1,8 +1,9 @@
 """Greedy output is token for token the argmax continuation of the full forward, whatever the engine does
 on the way: prefix caching on or off, MTP with K in {0, 1, 3} (random MTP weights: acceptance varies),
 ReplaySSM windows 1, 4 and 16, checkpoint markers present or absent, a consumer paired with its producer
-in one step or arriving later, small and large chunk budgets, a request alone or mixed with others, and
-preemptions forced by a small KV pool. After every workload each block and slot is free or cached.
+in one step or arriving later, small and large chunk budgets, a request alone or mixed with others,
+preemptions forced by a small KV pool, and the engine one step ahead of the device or serial. After every
+workload each block and slot is free or cached.
 
 Every engine setting runs every workload, one after another on the same engine (later workloads also hit
 the prefixes that earlier ones cached).
@@ -70,14 +71,21 @@ SETTINGS = [  # (cache mode, K, ring size W, chunk budget, KV blocks): each valu
 ]
 
 
+# the engine schedules one step ahead by default; with drafts (K > 0) it runs serially, so the settings
+# without drafts also run the serial loop (the debugging switch)
+MODES = [(*setting, True) for setting in SETTINGS] + [(*setting, False) for setting in SETTINGS if not setting[1]]
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text", "qwen3_5", "nemotron_h"])
-@pytest.mark.parametrize("cache_mode, k, ring_size, budget, num_blocks", SETTINGS)
-def test_greedy_output_equals_the_full_forward(family, cache_mode, k, ring_size, budget, num_blocks):
+@pytest.mark.parametrize("cache_mode, k, ring_size, budget, num_blocks, async_scheduling", MODES)
+def test_greedy_output_equals_the_full_forward(family, cache_mode, k, ring_size, budget, num_blocks,
+                                               async_scheduling):
     model = fixture_model(family)
     if k and not model.config.mtp_layers:
         k, ring_size = 0, max(ring_size, 1)  # nemotron_h has no MTP head: the same setting without drafts
     engine = engine_for(model, k=k, ring_size=ring_size, cache_mode=cache_mode, budget=budget,
-                        num_blocks=num_blocks)
+                        num_blocks=num_blocks, async_scheduling=async_scheduling)
+    assert engine.async_scheduling == (async_scheduling and not k)
     seen = _check_engine(engine, model)
     # the settings exercise what they claim to
     assert (seen["preemptions"] > 0) == (num_blocks < 100), seen

@@ -30,7 +30,7 @@ def test_a_random_workload_compiles_nothing_after_warmup_and_frees_everything():
     model = fixture_model("qwen3_next")
     engine = engine_for(model, k=2, ring_size=4, budget=64, num_blocks=20, num_state_slots=40,
                         token_buckets=(16, 64), logits_buckets=(16, 64))
-    num_shapes = engine.runner.precompile(progress=False)
+    num_shapes = engine.precompile(progress=False)
     assert engine.runner.compiled_buckets() == num_shapes == 3  # T 16 with L 16; T 64 with L 16 or 64
     compiled = _compile_counter()
     rng = np.random.default_rng(0)
@@ -106,13 +106,13 @@ def test_a_failed_step_fails_the_started_requests_and_requeues_the_waiting():
     for name, start in (("a", 1), ("b", 2), ("waiting", 3)):
         engine.add_request(name, Prompt(tuple(range(start, start + 20))), params)
     engine.step()  # a and b run; max_num_seqs keeps "waiting" waiting
-    step = engine.runner.step
+    step = engine.runner.dispatch
 
     def fail(plan):
-        engine.runner.step = step
+        engine.runner.dispatch = step
         raise RuntimeError("injected device failure")
 
-    engine.runner.step = fail
+    engine.runner.dispatch = fail
     failed = {o.request_id: o for o in engine.step()}
     assert sorted(failed) == ["a", "b"]
     assert all(o.finished and o.outputs[0].finish_reason == "error" for o in failed.values())

@@ -51,13 +51,13 @@ def serve(llm, monkeypatch):
 
 
 def test_a_stalled_step_makes_health_503_until_it_ends(serve, llm, monkeypatch):
-    release, step = threading.Event(), llm.engine.runner.step
+    release, step = threading.Event(), llm.engine.runner.dispatch
 
     def stalled(plan):
         release.wait(30)
         return step(plan)
 
-    monkeypatch.setattr(llm.engine.runner, "step", stalled)
+    monkeypatch.setattr(llm.engine.runner, "dispatch", stalled)
 
     async def body(client: httpx.AsyncClient) -> None:
         assert (await client.get("/health")).status_code == 200
@@ -74,7 +74,7 @@ def test_a_stalled_step_makes_health_503_until_it_ends(serve, llm, monkeypatch):
 
 
 def test_a_failed_step_is_a_500_and_the_server_keeps_serving(serve, llm, monkeypatch):
-    step, armed = llm.engine.runner.step, threading.Event()
+    step, armed = llm.engine.runner.dispatch, threading.Event()
 
     def failing(plan):
         if armed.is_set():
@@ -82,7 +82,7 @@ def test_a_failed_step_is_a_500_and_the_server_keeps_serving(serve, llm, monkeyp
             raise RuntimeError("injected device failure")
         return step(plan)
 
-    monkeypatch.setattr(llm.engine.runner, "step", failing)
+    monkeypatch.setattr(llm.engine.runner, "dispatch", failing)
     long = {"prompt": PROMPT, "max_tokens": 40, "ignore_eos": True}
 
     async def body(client: httpx.AsyncClient) -> None:

@@ -1,0 +1,77 @@
+"""One step ahead of the device (scheduler/resolve.py) on the embedded model: a request that ends by eos, a
+stop token, a stop string or max_tokens emits exactly what the serial loop emits (the end is noticed one
+step late, and the token computed past it never leaks out), and an abort while a step is in flight frees
+everything once that step has completed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxhybrid import LLM, SamplingParams
+from scheduler.invariants import check_drained
+from tests.jaxhybrid.test_llm import ANCHOR, CANDIDATES
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(num_blocks=128, num_state_slots=40, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+               mamba_block_size=16, token_buckets=(64,), row_buckets=(4,))
+
+
+def generate(llm, ahead: bool, prompts, params):
+    llm.engine.async_scheduling = ahead  # nothing is in flight between generate calls
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_every_way_of_ending_emits_what_the_serial_loop_emits(llm, monkeypatch):
+    prompts = [ANCHOR + c for c in CANDIDATES]
+    greedy = dict(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    free = [o.outputs[0] for o in generate(llm, False, prompts, SamplingParams(**greedy))]
+    eos = free[0].token_ids[5]  # the eos of this run: the first prompt meets it at its sixth token
+    monkeypatch.setattr(llm.model, "config", dataclasses.replace(llm.model.config, eos_token_id=(eos,)))
+    endings, expected = [], []
+    for prompt, out in zip(prompts, free, strict=True):
+        stop_token, stop_text = out.token_ids[3], out.text[len(out.text) // 2:len(out.text) // 2 + 3]
+        endings += [(prompt, SamplingParams(**{**greedy, "ignore_eos": False})),
+                    (prompt, SamplingParams(**greedy, stop_token_ids=[stop_token])),
+                    (prompt, SamplingParams(**greedy, stop=[stop_text])),
+                    (prompt, SamplingParams(**{**greedy, "max_tokens": 7}))]
+        cut = out.token_ids.index(eos) + 1 if eos in out.token_ids else NEW_TOKENS
+        expected += [out.token_ids[:cut], out.token_ids[:out.token_ids.index(stop_token) + 1], None,
+                     out.token_ids[:7]]
+    prompts, params = [p for p, _ in endings], [s for _, s in endings]
+    serial = [o.outputs[0] for o in generate(llm, False, prompts, params)]
+    ahead = [o.outputs[0] for o in generate(llm, True, prompts, params)]
+    assert [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in ahead] == [
+        (o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in serial]
+    for out, want, param in zip(ahead, expected, params, strict=True):
+        if want is not None:
+            assert out.token_ids == want
+        if param.stop:  # the text ends right before the stop string
+            assert out.finish_reason == "stop" and out.stop_reason == param.stop[0] and param.stop[0] not in out.text
+    assert ahead[0].finish_reason == "stop" and ahead[0].token_ids[-1] == eos and ahead[0].stop_reason is None
+    assert ahead[3].finish_reason == "length" and len(ahead[3].token_ids) == 7
+    assert not check_drained(llm.engine.scheduler)
+
+
+def test_an_abort_while_a_step_is_in_flight_frees_everything_once_it_completes(llm):
+    engine = llm.engine
+    engine.async_scheduling = True
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, candidate in enumerate(CANDIDATES[:3]):
+        engine.add_request(f"abort-{i}", llm.parse_prompt(ANCHOR + candidate), params)
+    seen = {}
+    for _ in range(8):  # prefills (64 tokens a step), then decode steps
+        for out in engine.step():
+            seen[out.request_id] = len(out.outputs[0].token_ids)
+    assert engine._in_flight is not None and len(seen) == 3 and min(seen.values()) > 0
+    aborted = [engine.abort(f"abort-{i}") for i in range(3)]
+    assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in aborted)
+    assert engine.has_unfinished_requests()  # the step in flight still runs them
+    assert engine.step() == []  # it completes: its tokens are dropped
+    assert not engine.has_unfinished_requests() and engine._in_flight is None
+    assert not check_drained(engine.scheduler) and engine.load()[:4] == (0, 0, 0.0, 0.0)
