@@ -185,13 +185,13 @@ def dense_to_rows(y: jax.Array, cu_seqlens: jax.Array, num_tokens: int) -> jax.A
 
 
 def append_ring(ring: jax.Array, new: jax.Array, ring_start, committed, lengths) -> jax.Array:
-    """Write new entries i < lengths[r] at ring index (ring_start + committed + i) % W, per row.
+    """Write new entries i < lengths[r] at ring index (ring_start + committed + i) % E, per row.
 
-    ring: [R, X, W, ...] (ring axis 2); new: [R, X, N <= W, ...] in logical order. Other entries are kept.
+    ring: [R, X, E, ...] (ring axis 2); new: [R, X, N <= E, ...] in logical order. Other entries are kept.
     """
     width = ring.shape[2]
     new = jnp.pad(new, [(0, 0), (0, 0), (0, width - new.shape[2])] + [(0, 0)] * (new.ndim - 3))
-    logical = (jnp.arange(width)[None, :] - ring_start[:, None] - committed[:, None]) % width  # [R, W]
+    logical = (jnp.arange(width)[None, :] - ring_start[:, None] - committed[:, None]) % width  # [R, E]
     expand = (slice(None), None, slice(None)) + (None,) * (ring.ndim - 3)
     index = jnp.broadcast_to(logical[expand], new.shape)
     moved = jnp.take_along_axis(new, index, axis=2)
@@ -200,7 +200,7 @@ def append_ring(ring: jax.Array, new: jax.Array, ring_start, committed, lengths)
 
 
 def append_dense_rows(rings, new_entries, slots, ring_start, committed, lengths) -> tuple:
-    """`append_ring` for each (ring pool [S, X, W, ...], row tokens [R, N <= W, X, ...]) pair, on the rows' slots."""
+    """`append_ring` for each (ring pool [S, X, E, ...], row tokens [R, N <= E, X, ...]) pair, on the rows' slots."""
     return tuple(
         scatter_slots(ring, slots, append_ring(ring[slots], jnp.moveaxis(new, 1, 2), ring_start, committed, lengths))
         for ring, new in zip(rings, new_entries, strict=True)
@@ -208,9 +208,9 @@ def append_dense_rows(rings, new_entries, slots, ring_start, committed, lengths)
 
 
 def append_tokens(ring: jax.Array, values: jax.Array, cu_seqlens, slots, ring_start, committed) -> jax.Array:
-    """Scatter each packed token's entry to ring index (ring_start + committed + i) % W of its row's slot.
+    """Scatter each packed token's entry to ring index (ring_start + committed + i) % E of its row's slot.
 
-    ring: [S, X, W, ...]; values: [T, X, ...], token i of row r. Padding tokens and the null slot drop.
+    ring: [S, X, E, ...]; values: [T, X, ...], token i of row r. Padding tokens and the null slot drop.
     Same result as `append_ring` on gathered pages, without touching the other entries.
     """
     num_slots, width = ring.shape[0], ring.shape[2]

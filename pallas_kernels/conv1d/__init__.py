@@ -1,10 +1,11 @@
 """Causal depthwise conv1d over packed varlen tokens and a window slot pool.
 
 Shapes: T packed tokens, R rows, D channels, Kc taps, S pool slots (slot 0 is the null slot: zeros,
-never written; padding rows aim there), W ReplaySSM ring entries.
+never written; padding rows aim there), E ReplaySSM ring entries per slot (E = W + 1 + k: the
+scheduler's window W and the 1 + k entries a verify row with k drafts appends, `scheduler.replay.ring_rows`).
 
 Slot page: window_pool [S, Kc-1, D], the window (the last Kc-1 pre-conv inputs, oldest first) at the
-slot's checkpoint state S0, and ring [S, 1, W, D], the pre-conv inputs after S0 in the mixer's ring
+slot's checkpoint state S0, and ring [S, 1, E, D], the pre-conv inputs after S0 in the mixer's ring
 order. Like the state, the window is replayed, never rolled back: the window at any committed position
 is S0's window followed by that many ring entries (kernels_models §1.9, §4.5).
 """
@@ -49,15 +50,15 @@ def conv1d_replay(x, weight, bias, cu_seqlens, window_pool, ring, slots, ring_st
     """ReplaySSM conv of decode/verify rows (1 + k tokens each), the conv half of `gdn_verify` / `ssd_verify`.
 
     The slot keeps the window at S0 (`window_pool [S, Kc-1, D]`) and a ring of the pre-conv inputs after it
-    (`ring [S, 1, W, D]`, indexed like the mixer's rings). Each row convolves its tokens from the window after
+    (`ring [S, 1, E, D]`, indexed like the mixer's rings). Each row convolves its tokens from the window after
     its `committed` live entries, appends its inputs at ring positions committed .. committed + T_r - 1 (mod
-    W, from ring_start) and, where `flush`, stores that window as the new S0 window. Rejecting drafts is a
+    E, from ring_start) and, where `flush`, stores that window as the new S0 window. Rejecting drafts is a
     tracker move, and the window at any committed position stays rebuildable (`conv1d_materialise`).
 
     Args:
       x, weight, bias, cu_seqlens, slots, activation: as in `conv1d_prefill`.
       window_pool, ring: the slot page, donated.  ring_start, committed: [R] i32.  flush: [R] bool.
-      backend: accepted for symmetry: a window gather and a conv over at most W tokens per row, which XLA
+      backend: accepted for symmetry: a window gather and a conv over at most E tokens per row, which XLA
         fuses on every platform.
 
     Returns:

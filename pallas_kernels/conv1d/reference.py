@@ -1,7 +1,7 @@
 """Pure-JAX causal depthwise conv1d over packed varlen tokens (kernels_models §1.3 (c), §2.2 step 2).
 
 Slot pool page: `window_pool[s] = [Kc-1, D]`, the window (oldest first) at the slot's S0, and a ring of the
-pre-conv inputs after it (`ring[s] = [1, W, D]`), from which the window at any committed position is
+pre-conv inputs after it (`ring[s] = [1, E, D]`), from which the window at any committed position is
 rebuilt (§1.9, §4.5 item 2): verify rows never overwrite a window that a later materialise needs.
 """
 
@@ -106,8 +106,8 @@ def conv1d_prefill(
 def replay_window(window_pool, ring, slots, ring_start, count):
     """[R, Kc-1, D]: the last Kc-1 of (window ++ the first `count` ring entries) of each row's slot.
 
-    window_pool: [S, Kc-1, D] the window at S0; ring: [S, 1, W, D] pre-conv inputs after S0, entry j at ring
-    index (ring_start + j) % W. The window after S0 plus `count` tokens, which a flush or a materialise keeps.
+    window_pool: [S, Kc-1, D] the window at S0; ring: [S, 1, E, D] pre-conv inputs after S0, entry j at ring
+    index (ring_start + j) % E. The window after S0 plus `count` tokens, which a flush or a materialise keeps.
     """
     width, entries = window_pool.shape[1], ring.shape[2]
     index = count[:, None] + jnp.arange(width)  # into window ++ entries

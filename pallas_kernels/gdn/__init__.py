@@ -2,14 +2,15 @@
 
 Shapes (FLA letters): T packed tokens, R rows, H qk heads, HV value heads (HV % H == 0; value head h
 reads qk head h // (HV // H)), K/V head dims, S pool slots (slot 0 is the null slot: all zeros, never
-written; padding rows aim there), W ReplaySSM ring entries, C chunk.
+written; padding rows aim there), E ReplaySSM ring entries per slot (E = W + 1 + k: the scheduler's
+window W and the 1 + k entries a verify row with k drafts appends, `scheduler.replay.ring_rows`), C chunk.
 
 Slot page (one row of each pool, all fp32):
   state_pool [S, HV, K, V]   checkpoint state S0, K-major
-  ring_k     [S, H, W, K]    l2-normalised keys k^ of recent tokens (per qk head, unscaled)
-  ring_u     [S, HV, W, V]   corrected updates u = beta (v - (e^g S)^T k^) (the delta of §1.3 (g))
-  ring_g     [S, HV, W]      log-decays g
-Ring entry j of a row lives at ring index (ring_start + j) % W; the first `committed` entries are live:
+  ring_k     [S, H, E, K]    l2-normalised keys k^ of recent tokens (per qk head, unscaled)
+  ring_u     [S, HV, E, V]   corrected updates u = beta (v - (e^g S)^T k^) (the delta of §1.3 (g))
+  ring_g     [S, HV, E]      log-decays g
+Ring entry j of a row lives at ring index (ring_start + j) % E; the first `committed` entries are live:
 the state after them is S0 advanced by each entry in turn (S <- e^g S + k^ (x) u). Trackers
 (`ring_start`, `committed`, `flush`) are owned by the scheduler and passed per row; the ops never move
 them (DESIGN "ReplaySSM and MTP", kernels_models §4.4).
@@ -73,14 +74,14 @@ def gdn_verify(
     q, k, v, g, beta, cu_seqlens, state_pool, ring_k, ring_u, ring_g, slots, ring_start, committed, flush,
     *, scale=None, use_qk_l2norm=True, max_query_len=None, backend=None,
 ):  # fmt: skip
-    """ReplaySSM verify/decode: each row has T_r = 1 + k tokens (1 for plain decode), T_r <= W.
+    """ReplaySSM verify/decode: each row has T_r = 1 + k tokens (1 for plain decode), T_r <= E.
 
     Outputs equal sequential decoding from (S0 advanced by the `committed` live entries). The state
     pool is written only for rows with `flush`: S0 <- S0 advanced by the committed entries. Every row
-    appends its T_r new entries (k^, u, g) at ring positions committed .. committed + T_r - 1 (mod W,
+    appends its T_r new entries (k^, u, g) at ring positions committed .. committed + T_r - 1 (mod E,
     from ring_start); entries past the accepted ones are garbage that later calls overwrite. The caller
     then commits: committed' = accepted if flush else committed + accepted; on flush
-    ring_start' = (ring_start + committed) % W. Needs committed + T_r <= W unless flushing.
+    ring_start' = (ring_start + committed) % E. Needs committed + T_r <= E unless flushing.
 
     Args:
       q, k, v, g, beta, cu_seqlens, slots: as in `gdn_prefill`.

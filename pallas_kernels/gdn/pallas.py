@@ -18,7 +18,7 @@ MAX_BLOCK_V = 32
 
 
 def _fold_ring(ring_k_ref, ring_u_ref, ring_g_ref, slot, i_k, i_h, cols, ring_start, count, state):
-    """Advance a [K, BV] state tile by ring entries (ring_start + j) % W, j < count."""
+    """Advance a [K, BV] state tile by ring entries (ring_start + j) % E, j < count."""
     width = ring_g_ref.shape[2]
 
     def fold(j, s):
@@ -40,9 +40,9 @@ def _gdn_replay_kernel(
     v_ref,  # [T, HV, V]
     g_ref,  # [T, HV] f32
     beta_ref,  # [T, HV] f32
-    ring_k_ref,  # [S, H, W, K] f32
-    ring_u_ref,  # [S, HV, W, V] f32
-    ring_g_ref,  # [S, HV, W] f32
+    ring_k_ref,  # [S, H, E, K] f32
+    ring_u_ref,  # [S, HV, E, V] f32
+    ring_g_ref,  # [S, HV, E] f32
     state_ref,  # [S, HV, K, V] f32
     o_ref,  # [T, HV, V] f32
     delta_ref,  # [T, HV, V] f32, the corrected updates u of the row's tokens
@@ -151,9 +151,9 @@ def _gdn_materialise_kernel(
     dst_ref,  # [M] i32
     start_ref,  # [M] i32
     count_ref,  # [M] i32
-    ring_k_ref,  # [S, H, W, K] f32
-    ring_u_ref,  # [S, HV, W, V] f32
-    ring_g_ref,  # [S, HV, W] f32
+    ring_k_ref,  # [S, H, E, K] f32
+    ring_u_ref,  # [S, HV, E, V] f32
+    ring_g_ref,  # [S, HV, E] f32
     state_ref,  # [S, HV, K, V] f32
     state_out_ref,  # [S, HV, K, V] f32, aliases state_ref
     *,

@@ -225,9 +225,10 @@ def gdn_prefill(
 
 
 def _decode_row(state, q, k, v, g, beta, length):
-    """Recurrent steps over the first `length` of a row's [W, ...] tokens (heads already expanded).
+    """Recurrent steps over the first `length` of a row's [Tq, ...] tokens (Tq: the step's most tokens
+    per row; heads already expanded).
 
-    Returns (o [W, HV, V], delta [W, HV, V], final state); entries past `length` are don't-care.
+    Returns (o [Tq, HV, V], delta [Tq, HV, V], final state); entries past `length` are don't-care.
     """
 
     def step(s, xs):
@@ -240,9 +241,9 @@ def _decode_row(state, q, k, v, g, beta, length):
 
 
 def _fold_ring(state, ring_k, ring_u, ring_g, ring_start, count):
-    """Advance state by ring entries (ring_start + j) % W, j < count, with the recurrence's own ops.
+    """Advance state by ring entries (ring_start + j) % E, j < count, with the recurrence's own ops.
 
-    state [HV, K, V]; ring_k [H, W, K]; ring_u [HV, W, V]; ring_g [HV, W].
+    state [HV, K, V]; ring_k [H, E, K]; ring_u [HV, E, V]; ring_g [HV, E].
     """
     width, num_heads = ring_g.shape[1], ring_g.shape[0]
 
@@ -251,12 +252,12 @@ def _fold_ring(state, ring_k, ring_u, ring_g, ring_start, count):
         k = repeat_heads(ring_k[:, i], num_heads, 0)
         return write(decay(s, ring_g[:, i]), k, ring_u[:, i])
 
-    # `count` steps, not W: under vmap the loop runs to the rows' largest count, each row stopping at its own
+    # `count` steps, not E: under vmap the loop runs to the rows' largest count, each row stopping at its own
     return jax.lax.fori_loop(0, count, fold, state)
 
 
 def _dense_inputs(q, k, v, g, beta, cu_seqlens, width, num_heads, scale, use_qk_l2norm):
-    """Packed tokens -> per-row [R, W, ...] f32; returns (q, k expanded, k per qk head, v, g, beta)."""
+    """Packed tokens -> per-row [R, Tq, ...] f32; returns (q, k expanded, k per qk head, v, g, beta)."""
     qn, kn = normalise_qk(q, k, scale, use_qk_l2norm)
     qd, kd = (rows_to_dense(x, cu_seqlens, width) for x in (qn, kn))
     rest = (rows_to_dense(x.astype(jnp.float32), cu_seqlens, width) for x in (v, g, beta))

@@ -2,14 +2,15 @@
 
 Shapes: T packed tokens, R rows, NH heads of dim P, G groups of B/C (head h reads group h // (NH // G)),
 N state size, S pool slots (slot 0 is the null slot: zeros, never written; padding rows aim there),
-W ReplaySSM ring entries, C chunk.
+E ReplaySSM ring entries per slot (E = W + 1 + k: the scheduler's window W and the 1 + k entries a
+verify row with k drafts appends, `scheduler.replay.ring_rows`), C chunk.
 
 Slot page (one row of each pool, all fp32):
   state_pool [S, NH, P, N]   checkpoint state S0
-  ring_x     [S, NH, W, P]   x of recent tokens
-  ring_dt    [S, NH, W]      processed dt (after softplus(dt + bias) and clamping)
-  ring_B     [S, G, W, N]    B per group
-Ring entry j of a row lives at ring index (ring_start + j) % W; the first `committed` entries are live:
+  ring_x     [S, NH, E, P]   x of recent tokens
+  ring_dt    [S, NH, E]      processed dt (after softplus(dt + bias) and clamping)
+  ring_B     [S, G, E, N]    B per group
+Ring entry j of a row lives at ring index (ring_start + j) % E; the first `committed` entries are live:
 the state after them is S0 advanced by each entry in turn (h <- e^{dt A} h + dt x (x) B). Trackers are
 owned by the scheduler and passed per row (kernels_models §4.3, FlashInfer `checkpointing_ssu`).
 """
@@ -63,13 +64,13 @@ def ssd_verify(
     x, dt, A, B, C, D, cu_seqlens, state_pool, ring_x, ring_dt, ring_B, slots, ring_start, committed, flush,
     *, max_query_len=None, backend=None,
 ):  # fmt: skip
-    """ReplaySSM verify/decode: each row has T_r = 1 + k tokens (1 for plain decode), T_r <= W.
+    """ReplaySSM verify/decode: each row has T_r = 1 + k tokens (1 for plain decode), T_r <= E.
 
     Outputs equal sequential decoding from (S0 advanced by the `committed` live entries). The state
     pool is written only for rows with `flush`: S0 <- S0 advanced by the committed entries. Every row
-    appends its T_r new entries (x, dt, B) at ring positions committed .. committed + T_r - 1 (mod W,
+    appends its T_r new entries (x, dt, B) at ring positions committed .. committed + T_r - 1 (mod E,
     from ring_start). The caller then commits: committed' = accepted if flush else committed + accepted;
-    on flush ring_start' = (ring_start + committed) % W. Needs committed + T_r <= W unless flushing.
+    on flush ring_start' = (ring_start + committed) % E. Needs committed + T_r <= E unless flushing.
 
     Args:
       x, dt, A, B, C, D, cu_seqlens, slots: as in `ssd_prefill`.

@@ -28,7 +28,7 @@ def _advance(state, x, dt, a, b):
 
 
 def _fold_ring(state, ring_x_ref, ring_dt_ref, ring_B_ref, *, slot, head, group, p0, block_p, a, start, count):
-    """Advance a state tile by ring entries (start + j) % W, j < count (the ReplaySSM replay)."""
+    """Advance a state tile by ring entries (start + j) % E, j < count (the ReplaySSM replay)."""
     width = ring_dt_ref.shape[2]
 
     def body(j, s):
@@ -72,9 +72,9 @@ def _ssd_replay_kernel(
     dt_ref,  # [T, NH] f32
     B_ref,  # [T, G, N]
     C_ref,  # [T, G, N]
-    ring_x_ref,  # [S, NH, W, P]
-    ring_dt_ref,  # [S, NH, W]
-    ring_B_ref,  # [S, G, W, N]
+    ring_x_ref,  # [S, NH, E, P]
+    ring_dt_ref,  # [S, NH, E]
+    ring_B_ref,  # [S, G, E, N]
     state_ref,  # [S, NH, P, N] f32, aliased to state_out_ref
     y_ref,  # [T, NH, P]
     state_out_ref,  # [S, NH, P, N] f32
@@ -121,9 +121,9 @@ def _ssd_materialise_kernel(
     ring_start_ref,  # [M] i32
     num_entries_ref,  # [M] i32
     A_ref,  # [NH] f32
-    ring_x_ref,  # [S, NH, W, P]
-    ring_dt_ref,  # [S, NH, W]
-    ring_B_ref,  # [S, G, W, N]
+    ring_x_ref,  # [S, NH, E, P]
+    ring_dt_ref,  # [S, NH, E]
+    ring_B_ref,  # [S, G, E, N]
     state_ref,  # [S, NH, P, N] f32, aliased to state_out_ref
     state_out_ref,  # [S, NH, P, N] f32
     *, heads_per_group, block_p,

@@ -174,7 +174,8 @@ def ssd_prefill(
 
 
 def _decode_row(state, x, dt, a, b, c, d, length):
-    """Recurrent steps over the first `length` of a row's [W, ...] tokens; returns (y [W, NH, P], final)."""
+    """Recurrent steps over the first `length` of a row's [Tq, ...] tokens (Tq: the step's most tokens
+    per row); returns (y [Tq, NH, P], final)."""
 
     def step(s, xs):
         t, x_t, dt_t, b_t, c_t = xs
@@ -186,9 +187,9 @@ def _decode_row(state, x, dt, a, b, c, d, length):
 
 
 def _fold_ring(state, ring_x, ring_dt, ring_b, a, ring_start, count):
-    """Advance state by ring entries (ring_start + j) % W, j < count, with the recurrence's own ops.
+    """Advance state by ring entries (ring_start + j) % E, j < count, with the recurrence's own ops.
 
-    state [NH, P, N]; ring_x [NH, W, P]; ring_dt [NH, W]; ring_b [G, W, N].
+    state [NH, P, N]; ring_x [NH, E, P]; ring_dt [NH, E]; ring_b [G, E, N].
     """
     num_heads, width = ring_dt.shape
 
@@ -197,12 +198,12 @@ def _fold_ring(state, ring_x, ring_dt, ring_b, a, ring_start, count):
         b = repeat_heads(ring_b[:, i], num_heads, 0)
         return advance(s, ring_x[:, i], ring_dt[:, i], a, b)
 
-    # `count` steps, not W: under vmap the loop runs to the rows' largest count, each row stopping at its own
+    # `count` steps, not E: under vmap the loop runs to the rows' largest count, each row stopping at its own
     return jax.lax.fori_loop(0, count, fold, state)
 
 
 def _dense_inputs(x, dt, B, C, cu_seqlens, width, num_heads):
-    """Packed tokens -> per-row [R, W, ...] f32: (x, dt, B expanded, C expanded, B per group)."""
+    """Packed tokens -> per-row [R, Tq, ...] f32: (x, dt, B expanded, C expanded, B per group)."""
     xd, dtd, bd, cd = (rows_to_dense(v.astype(jnp.float32), cu_seqlens, width) for v in (x, dt, B, C))
     return xd, dtd, repeat_heads(bd, num_heads, 2), repeat_heads(cd, num_heads, 2), bd
 
