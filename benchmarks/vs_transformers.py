@@ -47,7 +47,7 @@ def jobs(vocab: int) -> dict:
 def ours(directory: Path, work: dict) -> dict:
     llm = LLM(directory, skip_tokenizer_init=True, num_blocks=4096, num_state_slots=160, max_num_seqs=64,
               max_num_batched_tokens=1024, max_model_len=ANCHOR + CANDIDATE_LEN + 16, mamba_block_size=16,
-              token_buckets=(2, 16, 1024), row_buckets=(2, 16, 64))
+              token_buckets=(1, 16, 128, 1024), row_buckets=(2, 16, 64))  # XLA:CPU reads weights ~1.5x faster at M=1
     start = time.perf_counter()
     llm.engine.precompile(progress=False)
     compile_s = time.perf_counter() - start
