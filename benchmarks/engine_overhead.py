@@ -82,7 +82,7 @@ class StepClock:
             self._timed(scheduler, name, phase)
         self._timed(engine, "_finish_step", "outputs")
         runner, dispatch, fetch = engine.runner, engine.runner.dispatch, engine.runner.fetch
-        self.outs = []
+        self.outs, self.waiters = [], []
 
         def timed_dispatch(plan):
             start = time.perf_counter()
@@ -94,7 +94,9 @@ class StepClock:
             self._current["hidden"] = previous is not None and not previous.sampled_token_ids.is_ready()
             self._current["dispatched"] = now
             self.outs.append(out)
-            threading.Thread(target=self._completion, args=(out, self._current), daemon=True).start()
+            waiter = threading.Thread(target=self._completion, args=(out, self._current), daemon=True)
+            waiter.start()
+            self.waiters.append(waiter)
             return out
 
         def timed_fetch(out):
@@ -129,7 +131,7 @@ def drive(llm: LLM, clock: StepClock, arrivals: list[list[tuple]], ahead: bool) 
     tokens and the step records."""
     engine = llm.engine
     engine.async_scheduling = ahead
-    clock.steps, clock.outs = [], []
+    clock.steps, clock.outs, clock.waiters = [], [], []
     tokens, start, count = 0, time.perf_counter(), 0
     for step in range(100_000):
         for prompt, params in arrivals[step] if step < len(arrivals) else ():
@@ -139,9 +141,8 @@ def drive(llm: LLM, clock: StepClock, arrivals: list[list[tuple]], ahead: bool) 
             break
         tokens += sum(len(o.outputs[0].token_ids) for o in clock.step() if o.finished)
     seconds = time.perf_counter() - start
-    for thread in threading.enumerate():  # the completion waiters of the last steps
-        if thread is not threading.current_thread() and thread.daemon:
-            thread.join(5)
+    for waiter in clock.waiters:  # the completion times of the last steps
+        waiter.join(5)
     return {"seconds": seconds, "tokens": tokens, "steps": [dict(s) for s in clock.steps]}
 
 

@@ -97,6 +97,7 @@ class RequestOutput(NamedTuple):
 
 
 FINISH_REASONS = (None, FinishReason.STOP, FinishReason.LENGTH)  # StepOutputs.finish_codes -> reason
+STOP_CODE, LENGTH_CODE = 1, 2  # their indices: the finish codes `update` and `resolve` write
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -24,10 +24,8 @@ import numpy as np
 from scheduler.journal import frozen
 from scheduler.lifecycle import StateEdit, end_request
 from scheduler.plan import BatchPlan, StepResult
-from scheduler.request import StepOutputs
+from scheduler.request import STOP_CODE, StepOutputs
 from scheduler.state import SchedulerState, num_logged
-
-_STOP = 1  # StepOutputs.finish_codes: FINISH_REASONS index of FinishReason.STOP
 
 
 def placeholder_result(plan: BatchPlan, num_spec_tokens: int) -> StepResult:
@@ -57,7 +55,7 @@ def resolve(state: SchedulerState, outputs: StepOutputs, result: StepResult) -> 
         _write_tails(edit, rows[fast], placeholders[fast], tokens[fast])
         eos = edit.rows.eos[rows[fast]]
         hits = (tokens[fast] == eos) & (eos >= 0)
-        codes[fast] = np.where(hits, _STOP, 0)
+        codes[fast] = np.where(hits, STOP_CODE, 0)
         stopped = [outputs.request_ids[i] for i in fast.nonzero()[0][hits].tolist()]
         keep = fast | (codes != 0)
         for i in (~keep).nonzero()[0].tolist():  # the rest, one by one: log-resident tokens, extra stop ids
@@ -68,11 +66,11 @@ def resolve(state: SchedulerState, outputs: StepOutputs, result: StepResult) -> 
             if emitted[i]:
                 _write_token(edit, rid, int(placeholders[i]), int(tokens[i]))
                 if int(tokens[i]) in edit.requests[rid].sampling_params.stop_ids:
-                    codes[i] = _STOP
+                    codes[i] = STOP_CODE
                     stopped.append(rid)
         for i in (outputs.finish_codes != 0).nonzero()[0].tolist():  # ended in the step (max_len)
             stops = edit.unresolved_ends.pop(outputs.request_ids[i], frozenset())
-            codes[i] = _STOP if emitted[i] and int(tokens[i]) in stops else codes[i]
+            codes[i] = STOP_CODE if emitted[i] and int(tokens[i]) in stops else codes[i]
         for rid in stopped:
             end_request(edit, rid)
         token_ids = outputs.token_ids.copy()

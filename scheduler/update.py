@@ -25,7 +25,7 @@ from scheduler.journal import frozen
 from scheduler.lifecycle import StateEdit, forget, register_blocks, release_rows
 from scheduler.plan import BatchPlan, RowKind, StepResult, check_step_result
 from scheduler.replay import commit, crossed_boundary, materialize_count, ring_rows
-from scheduler.request import StepOutputs
+from scheduler.request import LENGTH_CODE, STOP_CODE, StepOutputs
 from scheduler.slots import SlotKind
 from scheduler.state import (
     CHECKPOINT,
@@ -40,8 +40,6 @@ from scheduler.state import (
     Materialize,
     SchedulerState,
 )
-
-_STOP, _LENGTH = 1, 2  # StepOutputs.finish_codes: indices into request.FINISH_REASONS
 
 
 class _Live(NamedTuple):
@@ -158,7 +156,7 @@ def _cut(edit: StateEdit, live: _Live, before: np.ndarray, max_len: np.ndarray, 
     first = hits.argmax(axis=1)
     stop = np.where(hits[np.arange(len(first)), first], first, -1)
     keep = np.where(stop >= 0, stop + 1, keep).astype(np.int32)
-    codes = np.where(stop >= 0, _STOP, np.where(before + keep >= max_len, _LENGTH, 0)).astype(np.int8)
+    codes = np.where(stop >= 0, STOP_CODE, np.where(before + keep >= max_len, LENGTH_CODE, 0)).astype(np.int8)
     return keep, codes
 
 
