@@ -2,8 +2,8 @@
 
 Loads, each run twice on the same engine (serial, then one step ahead), greedy with eos ignored so that
 both runs schedule the same plans step for step:
-  decode_b{16,64,256}  that many requests of 48-token prompts decoding 32 tokens each (MTP K = 0; with
-                       K = 3 on the embedded model, which has an MTP head: the engine runs those serially);
+  decode_b{16,64,256}  that many requests of 48-token prompts decoding 32 tokens each (MTP K = 0, and
+                       K = 3 on the embedded model, which has an MTP head);
   mixed                96 requests of 16..240-token prompts and 8..48 new tokens through 32 rows:
                        prefill chunks join decode rows as requests finish and others are admitted.
 Models: the embedded default model and a random 40M-parameter Qwen3-Next checkpoint (`--checkpoint`, or
@@ -19,7 +19,8 @@ work is hidden when, as its dispatch returns, the step before is still running (
 the host thread). Reported: p50/p99/max of each, host/device at p99, the hidden
 fraction, tokens/s of both runs, the ratio ahead/serial, and ahead against the device-only bound (the
 tokens over the summed device times). Target (issue 15): p99 host/device <= 0.5 where the device step is
-at least 5 ms, and one step ahead within 5% of the device-only bound there.
+at least 5 ms (over the steps whose device time is), and one step ahead within 5% of the device-only bound
+there (loads whose median device step is).
 
 Prints a table, writes benchmarks/results/engine_overhead.json and engine_overhead.png (a timeline of
 a few hundred steps of each mode, and host/device per load).
@@ -156,7 +157,7 @@ def dispatched(steps: list[dict]) -> list[dict]:
     return [s for s in steps if "dispatched" in s]  # a call that only collects the last step dispatches nothing
 
 
-def summarise(name: str, serial: dict, ahead: dict | None) -> dict:
+def summarise(name: str, serial: dict, ahead: dict) -> dict:
     """One load's row: device time from the serial run (dispatch to completion, nothing queued), host time
     of both runs; the ratios step for step (both runs schedule the same plans)."""
     device = np.array([s["done"] - s["dispatched"] for s in dispatched(serial["steps"])])
@@ -165,23 +166,29 @@ def summarise(name: str, serial: dict, ahead: dict | None) -> dict:
            "wall_serial": stats(np.diff([s["end"] for s in serial["steps"]])),
            "tokens_per_s_serial": serial["tokens"] / serial["seconds"],
            "device_bound_tokens_per_s": serial["tokens"] / device.sum()}
-    if ahead is None:  # MTP: the engine runs serially
-        return row
     steps = dispatched(ahead["steps"])
     host, host_cpu = np.array([s["host"] for s in steps]), np.array([s["host_cpu"] for s in steps])
     n = min(len(device), len(host))
+    long = device[:n] >= 5e-3  # the steps the target is about
     row.update(host_ahead=stats(host), host_cpu_ahead=stats(host_cpu),
                wall_ahead=stats(np.diff([s["end"] for s in ahead["steps"]])),
                host_ahead_phases_p50_ms={p: float(np.median([s.get(p, 0.0) for s in steps]) * 1e3) for p in PHASES},
                p99_host_over_device=float(np.percentile(host[:n] / device[:n], 99)),
                p99_host_cpu_over_device=float(np.percentile(host_cpu[:n] / device[:n], 99)),
+               long_steps=int(long.sum()),
+               p99_host_over_device_long=float(np.percentile(host[:n][long] / device[:n][long], 99)) if long.any()
+               else None,
+               p99_host_cpu_over_device_long=float(np.percentile(host_cpu[:n][long] / device[:n][long], 99))
+               if long.any() else None,
                hidden_fraction=float(np.mean([s["hidden"] for s in steps[1:]])),
                tokens_per_s_ahead=ahead["tokens"] / ahead["seconds"])
     row["ahead_over_serial"] = row["tokens_per_s_ahead"] / row["tokens_per_s_serial"]
     row["ahead_over_bound"] = row["tokens_per_s_ahead"] / row["device_bound_tokens_per_s"]
     row["target_applies"] = bool(row["device"]["p50_ms"] >= 5)
-    row["meets_target"] = bool(row["p99_host_over_device"] <= 0.5 and row["ahead_over_bound"] >= 0.95)
-    row["meets_target_cpu_time"] = bool(row["p99_host_cpu_over_device"] <= 0.5 and row["ahead_over_bound"] >= 0.95)
+    if long.any():
+        row["meets_target"] = bool(row["p99_host_over_device_long"] <= 0.5 and row["ahead_over_bound"] >= 0.95)
+        row["meets_target_cpu_time"] = bool(row["p99_host_cpu_over_device_long"] <= 0.5
+                                            and row["ahead_over_bound"] >= 0.95)
     return row
 
 
@@ -208,11 +215,11 @@ def run_model(model: str | None, k: int, names: list[str]) -> tuple[list[dict], 
     for name in tqdm(names, desc=f"{label} K={k}", unit="load"):
         drive(llm, clock, [work[name][0][:4]], False)  # warm caches and the allocator
         serial = drive(llm, clock, work[name], False)
-        ahead = drive(llm, clock, work[name], True) if not k else None  # MTP runs serially
+        ahead = drive(llm, clock, work[name], True)
         row = summarise(name, serial, ahead)
         row.update(model=label, k=k)
         rows.append(row)
-        timelines[f"{label} K={k} {name}"] = {"serial": serial["steps"], "ahead": ahead and ahead["steps"]}
+        timelines[f"{label} K={k} {name}"] = {"serial": serial["steps"], "ahead": ahead["steps"]}
     clock.close()
     return rows, timelines
 
@@ -226,18 +233,18 @@ def checkpoint(args: argparse.Namespace, tmp: str) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
+    """p99 h/d over every step, then over the steps of >= 5 ms (wall and CPU time): what the target is about."""
+    fmt = lambda value: f"{value:>8.2f}" if value is not None else f"{'-':>8}"
     print(f"{'model':<11}{'K':>2} {'load':<12}{'steps':>6}{'device p50':>11}{'host ser p50':>13}"
-          f"{'host ahead p50/p99':>20}{'p99 h/d':>8}{'cpu h/d':>8}{'hidden':>7}{'serial tok/s':>13}{'ahead tok/s':>12}"
-          f"{'ahead/ser':>10}{'ahead/bound':>12}")
+          f"{'host ahead p50/p99':>20}{'p99 h/d':>8}{'>=5ms':>8}{'cpu':>8}{'hidden':>7}{'serial tok/s':>13}"
+          f"{'ahead tok/s':>12}{'ahead/ser':>10}{'ahead/bound':>12}")
     for r in rows:
-        ahead = r.get("host_ahead")
+        ahead = r["host_ahead"]
         print(f"{r['model']:<11}{r['k']:>2} {r['load']:<12}{r['steps']:>6}{r['device']['p50_ms']:>9.1f}ms"
-              f"{r['host_serial']['p50_ms']:>11.2f}ms"
-              + (f"{ahead['p50_ms']:>10.2f}/{ahead['p99_ms']:.2f}ms{r['p99_host_over_device']:>8.2f}"
-                 f"{r['p99_host_cpu_over_device']:>8.2f}"
-                 f"{r['hidden_fraction']:>7.0%}{r['tokens_per_s_serial']:>13.0f}{r['tokens_per_s_ahead']:>12.0f}"
-                 f"{r['ahead_over_serial']:>10.3f}{r['ahead_over_bound']:>12.3f}" if ahead else
-                 f"{'(serial: MTP)':>20}{'':>15}{r['tokens_per_s_serial']:>13.0f}"))
+              f"{r['host_serial']['p50_ms']:>11.2f}ms{ahead['p50_ms']:>10.2f}/{ahead['p99_ms']:.2f}ms"
+              f"{r['p99_host_over_device']:>8.2f}{fmt(r['p99_host_over_device_long'])}"
+              f"{fmt(r['p99_host_cpu_over_device_long'])}{r['hidden_fraction']:>7.0%}{r['tokens_per_s_serial']:>13.0f}"
+              f"{r['tokens_per_s_ahead']:>12.0f}{r['ahead_over_serial']:>10.3f}{r['ahead_over_bound']:>12.3f}")
 
 
 def plot(rows: list[dict], timelines: dict, path: Path) -> None:
@@ -246,8 +253,7 @@ def plot(rows: list[dict], timelines: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     # a decode load whose device step is a few times the host's work shows the gaps serial leaves
-    ahead = [k for k in timelines if timelines[k]["ahead"]]
-    key = "embedded K=0 decode_b64" if "embedded K=0 decode_b64" in ahead else ahead[0]
+    key = "embedded K=0 decode_b64" if "embedded K=0 decode_b64" in timelines else next(iter(timelines))
     fig, axes = plt.subplots(3, 1, figsize=(12, 10))
     for ax, mode in zip(axes[:2], ("serial", "ahead"), strict=True):
         steps = dispatched(timelines[key][mode])[:300]
@@ -261,12 +267,11 @@ def plot(rows: list[dict], timelines: dict, path: Path) -> None:
         ax.set_yticks([0, 1], ["device", "host"])
         ax.set_xlabel("ms")
         ax.set_title(f"{key}: {mode} (first {len(steps)} steps)")
-    ahead_rows = [r for r in rows if "host_ahead" in r]
-    labels = [f"{r['model']}\n{r['load']}" for r in ahead_rows]
-    x = np.arange(len(ahead_rows))
-    axes[2].bar(x - 0.25, [r["device"]["p50_ms"] for r in ahead_rows], 0.25, label="device p50")
-    axes[2].bar(x, [r["host_ahead"]["p99_ms"] for r in ahead_rows], 0.25, label="host p99, wall (one step ahead)")
-    axes[2].bar(x + 0.25, [r["host_cpu_ahead"]["p99_ms"] for r in ahead_rows], 0.25, label="host p99, CPU time")
+    labels = [f"{r['model']} K={r['k']}\n{r['load']}" for r in rows]
+    x = np.arange(len(rows))
+    axes[2].bar(x - 0.25, [r["device"]["p50_ms"] for r in rows], 0.25, label="device p50")
+    axes[2].bar(x, [r["host_ahead"]["p99_ms"] for r in rows], 0.25, label="host p99, wall (one step ahead)")
+    axes[2].bar(x + 0.25, [r["host_cpu_ahead"]["p99_ms"] for r in rows], 0.25, label="host p99, CPU time")
     axes[2].set_xticks(x, labels, fontsize=7)
     axes[2].set_yscale("log")
     axes[2].set_ylabel("ms per step")

@@ -119,8 +119,7 @@ class Engine:
     def __init__(self, model: Model, config: SchedulerConfig, tokenizer: Tokenizer | None = None, *, seed: int = 0,
                  max_logprobs: int = 20, mesh: Mesh | None = None, async_scheduling: bool = True):
         self.model, self.config, self.tokenizer = model, config, tokenizer
-        # one step ahead needs every step's positions known in advance: with drafts they wait on acceptance
-        self.async_scheduling = async_scheduling and not config.num_spec_tokens
+        self.async_scheduling = async_scheduling
         self._in_flight: tuple[BatchPlan, StepOutput, scheduler.StepOutputs] | None = None
         self.runner = Runner(model, config, max_logprobs=max_logprobs, mesh=mesh)
         self.max_logprobs = self.runner.num_logprobs
@@ -225,8 +224,8 @@ class Engine:
             request_outputs = self._finish_step(plan, out, result, outputs)
         if ahead is not None:
             plan, out = ahead
-            self.scheduler, placeholder_outputs = scheduler.update(self.scheduler, plan,
-                                                                   scheduler.placeholder_result(plan, 0))
+            placeholders = scheduler.placeholder_result(plan, self.config.num_spec_tokens)
+            self.scheduler, placeholder_outputs = scheduler.update(self.scheduler, plan, placeholders)
             self._in_flight = (plan, out, placeholder_outputs)
         return request_outputs
 

@@ -46,8 +46,7 @@ ENGINE_FLAGS: dict[str, dict] = {
     "--compilation-cache-dir": dict(default=str(Path.home() / ".cache" / "jaxhybrid" / "xla"),
                                     help="compiled steps persist here across runs ('' turns it off)"),
     "--async-scheduling": dict(action=argparse.BooleanOptionalAction, default=True,
-                               help="schedule one step ahead of the device (--no-: the serial loop, for debugging; "
-                                    "with MTP the engine runs serially)"),
+                               help="schedule one step ahead of the device (--no-: the serial loop, for debugging)"),
     "--config": dict(default=None, help="YAML file of these flags (command-line flags win)"),
 }
 _LLM_ARGS = ("tokenizer", "skip_tokenizer_init", "enable_prefix_caching", "speculative_config", "max_num_seqs",

@@ -49,6 +49,13 @@ class StepOutput(NamedTuple):
                                   # prompt token), and the top-n; zeros in steps where no row asks
 
 
+class Carried(NamedTuple):
+    """What one step leaves on device for the next, whose plan may name it by placeholders (scheduler/resolve.py)."""
+
+    tokens: jax.Array    # [R_max * (1+K)] row r's last emitted token at r * (1+K), its drafts after it
+    accepted: jax.Array  # [R_max] row r's accepted drafts
+
+
 class Runner:
     """A model's params and device pools, sized by a `SchedulerConfig`, stepping its plans."""
 
@@ -90,13 +97,13 @@ class Runner:
             self.state = self._fresh_state()
         else:  # built in place on the mesh, never whole on one device
             self.state = jax.jit(self._fresh_state, out_shardings=self._state_shardings())()
-        # the token each row of the last step emitted: a plan's placeholder -(1 + r) reads entry r
-        self.last_tokens = jnp.zeros(max(self.config.row_buckets), jnp.int32)
+        rows, width = max(self.config.row_buckets), 1 + self.config.num_spec_tokens
+        self.carried = Carried(jnp.zeros(rows * width, jnp.int32), jnp.zeros(rows, jnp.int32))
 
     def dispatch(self, plan: BatchPlan) -> StepOutput:
         """Start `plan` on the device and the copy of its tokens to the host; returns at once."""
         buffer, layout = pack_plan(plan)
-        self.state, self.last_tokens, out = self._step(self.params, self.state, self.last_tokens, layout, buffer)
+        self.state, self.carried, out = self._step(self.params, self.state, self.carried, layout, buffer)
         for array in (out.sampled_token_ids, out.num_accepted, out.draft_token_ids):
             array.copy_to_host_async()
         return out
@@ -123,12 +130,10 @@ class Runner:
             self.step(padding_plan(self.config, *shape))
         return len(shapes)
 
-    def _step_fn(self, params: Any, state: DeviceState, last_tokens: jax.Array, layout: PlanLayout,
-                 buffer: jax.Array) -> tuple[DeviceState, jax.Array, StepOutput]:
-        plan = unpack_plan(buffer, layout, ROW_DTYPE.itemsize)
-        # tokens the host has not read yet (scheduled one step ahead) are the last step's (scheduler/resolve.py)
-        plan = plan._replace(token_ids=jnp.where(plan.token_ids < 0, last_tokens[jnp.maximum(-1 - plan.token_ids, 0)],
-                                                 plan.token_ids))
+    def _step_fn(self, params: Any, state: DeviceState, carried: Carried, layout: PlanLayout,
+                 buffer: jax.Array) -> tuple[DeviceState, Carried, StepOutput]:
+        plan = _with_carried(unpack_plan(buffer, layout, ROW_DTYPE.itemsize), carried, self.config.num_spec_tokens,
+                             self.config.block_size)
         module, variables = self.model.module, {"params": params}
         state = state._replace(token_history=_record_history(state.token_history, plan))
         hidden, state = module.apply(variables, plan.token_ids, plan, state)
@@ -147,8 +152,10 @@ class Runner:
         history, _ = jax.lax.optimization_barrier((state.token_history, sampled))
         history = copy_pages(history, plan.publish_src, plan.publish_dst, plan.num_publishes)
         emitted = sampled[jnp.arange(sampled.shape[0]), accepted]  # each row's last emitted token
-        last_tokens = jnp.zeros_like(last_tokens).at[:emitted.shape[0]].set(emitted)
-        return state._replace(token_history=history), last_tokens, StepOutput(sampled, accepted, drafts, reported)
+        tokens = jnp.concatenate([emitted[:, None], drafts], axis=1).reshape(-1)
+        carried = Carried(jnp.zeros_like(carried.tokens).at[:tokens.shape[0]].set(tokens),
+                          jnp.zeros_like(carried.accepted).at[:accepted.shape[0]].set(accepted))
+        return state._replace(token_history=history), carried, StepOutput(sampled, accepted, drafts, reported)
 
 
 def plan_shapes(config: SchedulerConfig) -> list[tuple[int, int, int, int]]:
@@ -184,6 +191,29 @@ def padding_plan(config: SchedulerConfig, tokens: int, rows: int, blocks: int, l
 def _row_of(offsets: jax.Array, index: jax.Array) -> jax.Array:
     """The row r with offsets[r] <= index < offsets[r + 1] ([R+1] cumulative offsets)."""
     return jnp.clip(jnp.searchsorted(offsets[1:], index, side="right"), 0, offsets.shape[0] - 2)
+
+
+def _with_carried(plan: DevicePlan, carried: Carried, k: int, block_size: int) -> DevicePlan:
+    """The plan with the tokens the host had not read when it scheduled it (one step ahead, scheduler/resolve.py):
+    placeholder -(1 + r * (1+K) + j) is row r's last emitted token (j = 0) or its draft j of the step before,
+    and a verify row starting with row r's placeholder moves on by the drafts row r accepted."""
+    raw = plan.token_ids
+    real = lambda tokens: jnp.where(tokens < 0, carried.tokens[jnp.maximum(-1 - tokens, 0)], tokens)
+    plan = plan._replace(token_ids=real(raw), draft_token_ids=real(plan.draft_token_ids))
+    if not k:
+        return plan
+    first = raw[jnp.minimum(plan.cu_seqlens[:-1], raw.shape[0] - 1)]
+    moved = (plan.row_kind == RowKind.VERIFY) & (first < 0)
+    shift = jnp.where(moved, carried.accepted[jnp.maximum(-1 - first, 0) // (1 + k)], 0)
+    tok = jnp.arange(raw.shape[0])
+    row = _row_of(plan.cu_seqlens, tok)
+    token_shift = jnp.where(tok < plan.cu_seqlens[-1], shift[row], 0)
+    positions = plan.positions + token_shift
+    block = plan.block_table[row, jnp.minimum(positions // block_size, plan.block_table.shape[1] - 1)]
+    return plan._replace(positions=positions, context_lens=plan.context_lens + shift,
+                         ring_committed=plan.ring_committed + shift,
+                         slot_mapping=jnp.where(token_shift > 0, block * block_size + positions % block_size,
+                                                plan.slot_mapping))
 
 
 def _record_history(history: jax.Array, plan: DevicePlan) -> jax.Array:

@@ -66,6 +66,8 @@ def admit_waiting(p: Pass) -> None:
 
 
 def _admit_one(p: Pass, rid: str) -> Verdict:
+    if p.edit.cfg.num_spec_tokens and _unresolved(p.edit, rid):
+        return Verdict.STOP  # resumes once `resolve` has placed its accepted drafts (a step later)
     plan = _plan_admission(p, rid)
     if plan is None:
         return Verdict.SKIP
@@ -84,6 +86,13 @@ def _admit_one(p: Pass, rid: str) -> Verdict:
     append_blocks(p.edit, row, -(-(start + n) // p.edit.cfg.block_size) - len(plan.hit.block_ids))
     emit_prefill(p, rid, row, start, n)
     return Verdict.ADMITTED
+
+
+def _unresolved(edit: StateEdit, rid: str) -> bool:
+    """A request preempted while its last step was unresolved: its last token is a placeholder, and with
+    drafts even its position is unknown (scheduler/resolve.py)."""
+    num_tokens = edit.num_tokens(rid)
+    return num_tokens > edit.requests[rid].num_prompt_tokens and edit.logs[rid].slice(num_tokens - 1, num_tokens)[0] < 0
 
 
 def _plan_admission(p: Pass, rid: str) -> Admission | None:

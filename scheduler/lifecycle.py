@@ -19,10 +19,12 @@ from scheduler.prefix_cache import KEY_BYTES, root_hash
 from scheduler.request import Request, is_int
 from scheduler.slots import NULL_SLOT
 from scheduler.state import (
+    COMMITTED,
     NUM_BLOCKS,
     NUM_COMPUTED,
     NUM_TOKENS,
     PUBLISHED,
+    RING_START,
     RUNNING_SLOT,
     SchedulerState,
     StateData,
@@ -247,10 +249,8 @@ def release_rows(edit: StateEdit, request_ids: list[str]) -> None:
     held = [table[row, :count][::-1] for row, count in zip(row_ids.tolist(), cols[NUM_BLOCKS].tolist(), strict=True)]
     edit.blocks.release(np.concatenate(held), distinct=len(held) == 1)  # requests may share prefix blocks
     gone = set(request_ids)
-    # a boundary crossed in a request's last step is still materialised: its running slot stays with the
-    # ask until the next step has read it
-    edit.materializations = tuple(m._replace(released=True) if m.request_id in gone else m
-                                  for m in edit.materializations)
+    if any(m.request_id in gone for m in edit.materializations):
+        _keep_materializations(edit, request_ids, cols)
     kept = {m.running_slot for m in edit.materializations if m.released}
     for slot in cols[RUNNING_SLOT].tolist():
         if slot != NULL_SLOT and slot not in kept:
@@ -326,6 +326,20 @@ def _chain_tail_keys(edit: StateEdit, logs: list[TokenLog], row_ids: np.ndarray,
             parent = blake2b(parent + data[i * stride + j * size:i * stride + (j + 1) * size],
                              digest_size=KEY_BYTES).digest()
             hashes.append(parent)
+
+
+def _keep_materializations(edit: StateEdit, request_ids: list[str], cols: np.ndarray) -> None:
+    """A boundary crossed in a request's last steps is still materialised: its running slot stays with the
+    ask until the next step has read it (asks whose ring entries are gone are dropped)."""
+    index = {rid: i for i, rid in enumerate(request_ids)}
+    asks = []
+    for m in edit.materializations:
+        if m.request_id in index and not m.released:
+            m = m.against(*cols[[NUM_COMPUTED, COMMITTED, RING_START], index[m.request_id]].tolist())
+            m = m and m._replace(released=True)
+        if m is not None:
+            asks.append(m)
+    edit.materializations = tuple(asks)
 
 
 def release_claims(edit: StateEdit, request_ids: set[str]) -> None:

@@ -26,7 +26,17 @@ from scheduler.plan import BatchPlan
 from scheduler.replay import flush_flags
 from scheduler.slots import SlotKind
 from scheduler.split import SplitInput, split_chunk
-from scheduler.state import COMMITTED, NUM_BLOCKS, NUM_COMPUTED, InFlight, SchedulerState
+from scheduler.state import (
+    COMMITTED,
+    LAST_TOKEN,
+    MAX_LEN,
+    NUM_BLOCKS,
+    NUM_COMPUTED,
+    RING_START,
+    RUNNING_SLOT,
+    InFlight,
+    SchedulerState,
+)
 
 
 def schedule(state: SchedulerState) -> tuple[SchedulerState, BatchPlan]:
@@ -61,7 +71,8 @@ def _schedule_decodes(p: Pass) -> DecodeBatch:
     while True:
         ids, row_ids = _decode_rows(p)
         cols = rows.ints.take(row_ids, axis=1)  # every column of the decode rows in one gather
-        need = np.maximum(-(-(cols[NUM_COMPUTED] + p.query_len) // size) - cols[NUM_BLOCKS], 0)
+        computed, committed = _with_unresolved_drafts(p, cols)
+        need = np.maximum(-(-(computed + p.query_len) // size) - cols[NUM_BLOCKS], 0)
         if int(need.sum()) <= p.edit.blocks.num_free:
             break
         preempt(p.edit, p.edit.running[-1])  # the newest running request gives its memory back
@@ -69,8 +80,21 @@ def _schedule_decodes(p: Pass) -> DecodeBatch:
     p.budget -= len(ids) * p.query_len
     p.logits_budget -= len(ids) * p.query_len
     p.decode_ids = ids
-    flush = flush_flags(cols[COMMITTED], p.query_len, p.edit.cfg.ring_size)
+    flush = flush_flags(committed, p.query_len, p.edit.cfg.ring_size)
     return DecodeBatch(row_ids, ids, cols, rows.drafts[row_ids], flush)
+
+
+def _with_unresolved_drafts(p: Pass, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Computed tokens and committed ring entries of decode rows, at most: a row whose last step is not
+    resolved yet (its last token a placeholder, scheduler/resolve.py) may have accepted up to K more drafts,
+    which the device adds to the plan's positions. Blocks and the flush rule are sized for all K; a running
+    request has computed fewer than max_len tokens."""
+    k = p.edit.cfg.num_spec_tokens
+    if not k:
+        return cols[NUM_COMPUTED], cols[COMMITTED]
+    unresolved = np.where(cols[LAST_TOKEN] < 0, k, 0)
+    computed = np.minimum(cols[NUM_COMPUTED] + unresolved, np.maximum(cols[MAX_LEN] - 1, cols[NUM_COMPUTED]))
+    return computed, cols[COMMITTED] + unresolved
 
 
 def _grow_block_tables(p: Pass, row_ids: np.ndarray, need: np.ndarray, held: np.ndarray) -> None:
@@ -100,12 +124,14 @@ def _issue_materializations(p: Pass) -> None:
     if not asks:
         return
     rows = [edit.row_of.get(m.request_id) for m in asks]
-    # the slot a running request reads from now (a preempted and readmitted one has another)
-    slots = edit.rows.running_slot[[0 if row is None else row for row in rows]].tolist()
+    # the slot a running request reads from now (a preempted and readmitted one has another), and its ring
+    # (an ask `resolve` made a step late reads past the step in between, which may have flushed it)
+    cols = edit.rows.ints[[RUNNING_SLOT, NUM_COMPUTED, COMMITTED, RING_START]][:, [row or 0 for row in rows]].tolist()
     cached, wanted = edit.slots.hash_to_slot, {}
-    for m, row, slot in zip(asks, rows, slots, strict=True):  # caching is best effort: skip what is cached
-        valid = m.released or (row is not None and slot == m.running_slot)
-        if valid and m.key not in cached and m.key not in wanted:
+    for m, row, slot, *trackers in zip(asks, rows, *cols, strict=True):  # best effort: skip what is cached
+        if not m.released:
+            m = m.against(*trackers) if row is not None and slot == m.running_slot else None
+        if m is not None and m.key not in cached and m.key not in wanted:
             wanted[m.key] = m
     chosen = list(wanted.values())[:edit.slots.num_available()]
     dsts = edit.slots.allocate_many(SlotKind.PENDING, len(chosen), [m.key for m in chosen])

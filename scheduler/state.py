@@ -29,6 +29,7 @@ from scheduler.checkpoints import Claim
 from scheduler.config import SchedulerConfig
 from scheduler.journal import UndoArray, UndoMap, frozen
 from scheduler.prefix_cache import ROOT_HASH, chain_hashes
+from scheduler.replay import materialize_count
 from scheduler.slots import SlotPool
 
 # per-row int32 columns, indexed by row id in [0, max_num_seqs)
@@ -227,14 +228,22 @@ class InFlight(NamedTuple):
 
 
 class Materialize(NamedTuple):
-    """Asked for by `update`, issued by the next `schedule`: publish the state at `boundary`."""
+    """Asked for by `update` (or, a step late, `resolve`), issued by the next `schedule`: publish the state
+    after `boundary` tokens, S0 of `running_slot` advanced by `count` ring entries from `ring_start`."""
 
     request_id: str
     running_slot: int
     key: bytes
+    boundary: int
     ring_start: int
     count: int
     released: bool = False  # the request is gone; its running slot is kept for this read alone
+
+    def against(self, computed: int, committed: int, ring_start: int) -> Materialize | None:
+        """This ask read from the row's trackers now, or None if its entries are gone (a flush since folded
+        the ring past the boundary)."""
+        count = materialize_count(self.boundary, computed, committed)
+        return self._replace(ring_start=ring_start, count=count) if 0 <= count <= committed else None
 
 
 class StaleStateError(RuntimeError):

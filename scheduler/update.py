@@ -104,7 +104,8 @@ def _update_decodes(edit: StateEdit, plan: BatchPlan, result: StepResult, live: 
         column[live.rows] = values  # 1-D scatters take numpy's fast path, a 2-D one does not
     rows.drafts[live.rows] = result.draft_token_ids[live.index]
     outputs = _emit(edit, live, cols, sampled, accepted)
-    _materialize_crossed_boundaries(edit, live, cols[NUM_COMPUTED], computed, cols[NUM_TOKENS] + outputs.num_new_tokens)
+    materialize_crossed_boundaries(edit, live.rids, live.rows, cols[NUM_COMPUTED], computed,
+                                   cols[NUM_TOKENS] + outputs.num_new_tokens)
     _finish_rows(edit, outputs)
     return outputs
 
@@ -148,11 +149,18 @@ def _emit(edit: StateEdit, live: _Live, cols: np.ndarray, sampled: np.ndarray, c
 def _cut(edit: StateEdit, live: _Live, before: np.ndarray, max_len: np.ndarray, sampled: np.ndarray,
          counts: np.ndarray, eos_hits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Kept token counts and finish codes when some row reaches max_len or samples a stop token."""
-    keep = np.minimum(counts, max_len - before)
-    hits = (np.arange(sampled.shape[1], dtype=np.int32) < keep[:, None]) & eos_hits
+    hits = eos_hits.copy()
     for j in edit.rows.has_stop[live.rows].nonzero()[0].tolist():  # extra stop ids: rare, per row
-        stop_ids = edit.requests[live.rids[j]].sampling_params.stop_ids
-        hits[j, :keep[j]] |= np.isin(sampled[j, :keep[j]], list(stop_ids))
+        hits[j] |= np.isin(sampled[j], list(edit.requests[live.rids[j]].sampling_params.stop_ids))
+    return cut_at_stops(hits, counts, before, max_len)
+
+
+def cut_at_stops(hits: np.ndarray, counts: np.ndarray, before: np.ndarray, max_len: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Of counts[i] new tokens after before[i], how many row i keeps (up to max_len[i] and through its first
+    stop token, hits[i, j] marking those) and its finish code."""
+    keep = np.minimum(counts, max_len - before)
+    hits = (np.arange(hits.shape[1], dtype=np.int32) < keep[:, None]) & hits
     first = hits.argmax(axis=1)
     stop = np.where(hits[np.arange(len(first)), first], first, -1)
     keep = np.where(stop >= 0, stop + 1, keep).astype(np.int32)
@@ -160,34 +168,34 @@ def _cut(edit: StateEdit, live: _Live, before: np.ndarray, max_len: np.ndarray, 
     return keep, codes
 
 
-def _materialize_crossed_boundaries(edit: StateEdit, live: _Live, before: np.ndarray, after: np.ndarray,
-                                    num_tokens: np.ndarray) -> None:
-    """In align mode, rows whose computed and committed tokens crossed a Mamba block boundary ask for
-    that boundary's state, under the key of the block before it (published now: the others wait for
-    `publish_full_blocks`). A row cut by a stop token may have computed past its last token: it ends
-    now, and release_rows publishes what it committed."""
+def materialize_crossed_boundaries(edit: StateEdit, request_ids: tuple[str, ...], row_ids: np.ndarray,
+                                   before: np.ndarray, after: np.ndarray, num_tokens: np.ndarray) -> None:
+    """In align mode, rows whose computed and committed tokens crossed a Mamba block boundary (going from
+    `before` to `after` computed tokens) ask for that boundary's state, under the key of the block before
+    it (published now: the others wait for `publish_full_blocks`). A row cut by a stop token may have
+    computed past its last token: it ends now, and release_rows publishes what it committed."""
     if not edit.cfg.align:
         return
     boundary = crossed_boundary(before, after, edit.cfg.log_unit)
     crossed = ((boundary > 0) & (boundary <= num_tokens)).nonzero()[0]
     if crossed.size:
-        register_blocks(edit, [live.rids[j] for j in crossed.tolist()], live.rows[crossed],
-                        boundary[crossed] // edit.cfg.hash_unit)
-        _ask_materializations(edit, live, crossed, boundary[crossed])
+        rids = [request_ids[j] for j in crossed.tolist()]
+        register_blocks(edit, rids, row_ids[crossed], boundary[crossed] // edit.cfg.hash_unit)
+        _ask_materializations(edit, rids, row_ids[crossed], boundary[crossed])
 
 
-def _ask_materializations(edit: StateEdit, live: _Live, crossed: np.ndarray, boundary: np.ndarray) -> None:
-    cols = edit.rows.ints.take(live.rows[crossed], axis=1)
+def _ask_materializations(edit: StateEdit, request_ids: list[str], row_ids: np.ndarray, boundary: np.ndarray) -> None:
+    cols = edit.rows.ints.take(row_ids, axis=1)
     count = materialize_count(boundary, cols[NUM_COMPUTED], cols[COMMITTED])
     cached, unit, asks = edit.slots.hash_to_slot, edit.cfg.hash_unit, list(edit.materializations)
-    for j, position, slot, ring_start, entries, marked in zip(
-            crossed.tolist(), boundary.tolist(), cols[RUNNING_SLOT].tolist(), cols[RING_START].tolist(),
+    for rid, position, slot, ring_start, entries, marked in zip(
+            request_ids, boundary.tolist(), cols[RUNNING_SLOT].tolist(), cols[RING_START].tolist(),
             count.tolist(), cols[CHECKPOINT].tolist(), strict=True):
         if marked:
             continue  # marked requests cache only their checkpoint
-        key = edit.logs[live.rids[j]].hashes[position // unit - 1]
+        key = edit.logs[rid].hashes[position // unit - 1]
         if key not in cached and key not in edit.claims:
-            asks.append(Materialize(live.rids[j], slot, key, ring_start, entries))
+            asks.append(Materialize(rid, slot, key, position, ring_start, entries))
     edit.materializations = tuple(asks)
 
 

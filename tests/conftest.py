@@ -1,8 +1,19 @@
 """Test-session settings."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 from hypothesis import settings
+
+# Engines with equal configs compile equal steps (the greedy matrix runs each setting serially and one step
+# ahead): a session-wide persistent cache, empty at the start, compiles each once. Subprocesses inherit it.
+_CACHE = tempfile.mkdtemp(prefix="jaxhybrid-test-compiles-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+for _name, _value in (("JAX_COMPILATION_CACHE_DIR", _CACHE), ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"),
+                      ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")):
+    os.environ.setdefault(_name, _value)
 
 # Two cores on CI: one XLA compute thread per process keeps compile and run times predictable.
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")

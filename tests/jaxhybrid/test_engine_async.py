@@ -1,7 +1,7 @@
-"""One step ahead of the device (scheduler/resolve.py) on the embedded model: a request that ends by eos, a
-stop token, a stop string or max_tokens emits exactly what the serial loop emits (the end is noticed one
-step late, and the token computed past it never leaks out), and an abort while a step is in flight frees
-everything once that step has completed."""
+"""One step ahead of the device (scheduler/resolve.py) on the embedded model, with and without MTP drafts: a
+request that ends by eos, a stop token, a stop string or max_tokens emits exactly what the serial loop emits
+(the end is noticed one step late, and the tokens computed past it never leak out), and an abort while a
+step is in flight frees everything once that step has completed."""
 
 from __future__ import annotations
 
@@ -16,10 +16,14 @@ from tests.jaxhybrid.test_llm import ANCHOR, CANDIDATES
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def llm():
+@pytest.fixture(scope="module", params=[0, 3], ids=["K=0", "K=3"])
+def llm(request):
+    """The embedded model without drafts, and with its MTP head drafting 3 (a stop may fall inside the run of
+    drafts a step accepted, which the host learns a step late)."""
+    k = request.param
     return LLM(num_blocks=128, num_state_slots=40, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
-               mamba_block_size=16, token_buckets=(64,), row_buckets=(4,))
+               mamba_block_size=16, token_buckets=(64,), row_buckets=(4,),
+               speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None)
 
 
 def generate(llm, ahead: bool, prompts, params):
@@ -56,6 +60,7 @@ def test_every_way_of_ending_emits_what_the_serial_loop_emits(llm, monkeypatch):
     assert ahead[0].finish_reason == "stop" and ahead[0].token_ids[-1] == eos and ahead[0].stop_reason is None
     assert ahead[3].finish_reason == "length" and len(ahead[3].token_ids) == 7
     assert not check_drained(llm.engine.scheduler)
+    assert (llm.engine.stats.accepted_tokens > 0) == bool(llm.engine.config.num_spec_tokens)
 
 
 def test_an_abort_while_a_step_is_in_flight_frees_everything_once_it_completes(llm):

@@ -23,10 +23,11 @@ from scheduler import (
     schedule,
     update,
 )
-from scheduler.fake_device import FakeDevice
+from scheduler.fake_device import FP_ROOT, FakeDevice, fold
 from scheduler.invariants import check_drained, check_invariants
 from scheduler.plan import BatchPlan
 from scheduler.replay import ring_rows
+from scheduler.slots import SlotKind
 from tests.scheduler.helpers import make_config
 
 EOS, VOCAB, MAX_STEPS = 2, 50, 400
@@ -39,29 +40,56 @@ def token_at(request_id: str, position: int) -> int:
     return EOS if value % 17 == 0 else 3 + value % VOCAB
 
 
-def device_result(plan: BatchPlan) -> StepResult:
+def draft_at(request_id: str, position: int) -> int:
+    """The drafter's guess for `position`: right two times in three."""
+    token = token_at(request_id, position)
+    return token if hash((request_id, position)) % 3 else 3 + (token + 1) % VOCAB
+
+
+def device_result(plan: BatchPlan, k: int) -> StepResult:
+    """Greedy verification against `token_at`: a verify row accepts its drafts while they are right."""
     rows = plan.row_bucket
-    sampled = np.zeros((rows, 1), np.int32)
+    sampled, drafts = np.zeros((rows, 1 + k), np.int32), np.zeros((rows, k), np.int32)
+    accepted = np.zeros(rows, np.int32)
     for r in range(plan.num_rows):
-        if plan.row_kind[r] != RowKind.PADDING:
-            sampled[r, 0] = token_at(plan.request_ids[r], int(plan.context_lens[r] + plan.query_lens[r]))
-    return StepResult(sampled, np.zeros(rows, np.int32), np.zeros((rows, 0), np.int32))
+        rid, context = plan.request_ids[r], int(plan.context_lens[r])
+        if plan.row_kind[r] == RowKind.VERIFY:  # tokens at context .. context + k: the last one, then the drafts
+            while accepted[r] < k and plan.draft_token_ids[r, accepted[r]] == token_at(rid, context + 1 + accepted[r]):
+                accepted[r] += 1
+            sampled[r, :accepted[r] + 1] = [token_at(rid, context + 1 + j) for j in range(accepted[r] + 1)]
+            last = context + 1 + accepted[r]
+        else:
+            last = context + int(plan.query_lens[r])
+            sampled[r, 0] = token_at(rid, last)
+        drafts[r] = [draft_at(rid, last + 1 + j) for j in range(k)]
+    return StepResult(sampled, accepted, drafts)
 
 
 def with_tokens(plan: BatchPlan, previous: StepResult | None) -> BatchPlan:
-    """The plan as the device sees it: placeholder -(1 + r) is the token row r emitted in the step before."""
-    tokens = plan.token_ids
-    if (tokens < 0).any():
-        tokens = np.where(tokens < 0, previous.sampled_token_ids[np.maximum(-1 - tokens, 0), 0], tokens)
-    return plan._replace(token_ids=tokens)
+    """The plan as the device sees it (what the runner's jitted step does first): placeholder P(r, 0) is the
+    last token row r emitted in the step before, P(r, j) its draft j, and a verify row that starts with
+    P(r, 0) moves on by the drafts row r accepted."""
+    if previous is None or (plan.token_ids >= 0).all():
+        return plan
+    width = previous.sampled_token_ids.shape[1]
+    rows = np.arange(len(previous.num_accepted))
+    carried = np.concatenate([previous.sampled_token_ids[rows, previous.num_accepted][:, None],
+                              previous.draft_token_ids], axis=1).reshape(-1)
+    real = lambda tokens: np.where(tokens < 0, carried[np.maximum(-1 - tokens, 0)], tokens)
+    first = plan.token_ids[np.minimum(plan.cu_seqlens[:-1], plan.token_bucket - 1)]
+    moved = (plan.row_kind == RowKind.VERIFY) & (first < 0)
+    shift = np.where(moved, previous.num_accepted[np.where(moved, (-1 - first) // width, 0)], 0).astype(np.int32)
+    return plan._replace(token_ids=real(plan.token_ids), draft_token_ids=real(plan.draft_token_ids),
+                         context_lens=plan.context_lens + shift, ring_committed=plan.ring_committed + shift)
 
 
 class Run:
     """One workload driven serially or one step ahead; `streams` collects each request's tokens and end."""
 
     def __init__(self, cfg, requests, aborts):
-        self.cfg, self.state = cfg, init_state(cfg)
-        self.device = FakeDevice(cfg.num_state_slots, ring_rows(cfg.ring_size, 0))
+        self.cfg, self.state, self.k = cfg, init_state(cfg), cfg.num_spec_tokens
+        self.device = FakeDevice(cfg.num_state_slots, ring_rows(cfg.ring_size, self.k))
+        self.accepted, self.prefixes, self.cached_checked = 0, {}, 0
         self.pending, self.aborts = list(requests), aborts  # aborts: request id -> after how many tokens
         self.streams: dict[str, list] = {}
         self.steps = 0
@@ -82,13 +110,30 @@ class Run:
             if out.finished:
                 self.streams[out.request_id].append(out.finish_reason.value)
         assert not check_invariants(self.state), check_invariants(self.state)
+        self.check_cached_states()
+
+    def check_cached_states(self):
+        """Every READY cached state is the state after the tokens its key names: materialisations included,
+        whether a request ever hits them or not."""
+        unit, state = self.cfg.hash_unit, self.state
+        for rid in state.requests:
+            tokens = state.token_ids(rid)
+            for i, key in enumerate(state.logs[rid].hashes[:len(tokens) // unit]):
+                self.prefixes.setdefault(key, tokens[:(i + 1) * unit])
+        for key, slot in state.slots.hash_to_slot.items():
+            # a key hashed and released within one transition is checked from its next hit on
+            if state.slots.kind[slot] == SlotKind.CACHED and key in self.prefixes:
+                assert self.device.slots[slot].s0 == fold((0, FP_ROOT), self.prefixes[key]), (key, slot)
+                self.cached_checked += 1
 
     def serial(self):
         while (self.pending or self.state.has_work()) and self.steps < MAX_STEPS:
             self.arrive()
             self.state, plan = schedule(self.state)
             self.device.run(self.state, plan)
-            self.state, outputs = update(self.state, plan, device_result(plan))
+            result = device_result(plan, self.k)
+            self.accepted += int(result.num_accepted.sum())
+            self.state, outputs = update(self.state, plan, result)
             self.steps += 1
             self.record(outputs)
         return self
@@ -108,9 +153,11 @@ class Run:
             if plan is not None:
                 device_plan = with_tokens(plan, last)
                 self.device.run(self.state, device_plan)  # after resolve: the logs hold the real tokens
-                last = device_result(device_plan)
-                self.state, pending = update(self.state, plan, placeholder_result(plan, 0))
+                last = device_result(device_plan, self.k)
+                self.accepted += int(last.num_accepted.sum())
+                self.state, pending = update(self.state, plan, placeholder_result(plan, self.k))
                 assert not check_invariants(self.state), check_invariants(self.state)
+                self.check_cached_states()
             self.steps += 1
         return self
 
@@ -129,12 +176,14 @@ def workload(seed: int, num: int):
     return requests, aborts
 
 
-@settings(max_examples=16, deadline=None)
-@example(seed=1, budget=48, num_blocks=10)  # a request preempted and readmitted with its placeholder unresolved
-@given(seed=st.integers(0, 2**16), budget=st.sampled_from([16, 48, 256]), num_blocks=st.sampled_from([10, 200]))
-def test_one_step_ahead_emits_what_the_serial_loop_emits(seed, budget, num_blocks):
+@settings(max_examples=12, deadline=None)
+@example(seed=1, budget=48, num_blocks=10, k=0)  # a request preempted and readmitted with its placeholder unresolved
+@example(seed=1, budget=48, num_blocks=10, k=3)  # ... and with drafts: it waits a step for its accepted count
+@given(seed=st.integers(0, 2**16), budget=st.sampled_from([16, 48, 256]), num_blocks=st.sampled_from([10, 200]),
+       k=st.sampled_from([0, 1, 3]))
+def test_one_step_ahead_emits_what_the_serial_loop_emits(seed, budget, num_blocks, k):
     cfg = make_config(max_num_batched_tokens=budget, num_blocks=num_blocks, max_num_seqs=6, max_model_len=128,
-                      num_state_slots=24)
+                      num_state_slots=24, num_spec_tokens=k, ring_size=4 + k)
     requests, aborts = workload(seed, 12)
     serial = Run(cfg, requests, aborts).serial()
     overlapped = Run(cfg, requests, aborts).overlapped()
@@ -146,10 +195,12 @@ def test_one_step_ahead_emits_what_the_serial_loop_emits(seed, budget, num_block
             continue
         # an abort reaches the request one step later in its life: by then it may have ended by itself
         tokens = [[t for t in run.streams[rid] if isinstance(t, int)] for run in (serial, overlapped)]
-        assert tokens[1][:len(tokens[0])] == tokens[0] and len(tokens[1]) <= len(tokens[0]) + 1, rid
+        assert tokens[1][:len(tokens[0])] == tokens[0] and len(tokens[1]) <= len(tokens[0]) + 1 + k, rid
     for run in (serial, overlapped):
         assert not run.device.errors, run.device.errors[:3]
         assert not check_drained(run.state), check_drained(run.state)
+        assert run.cached_checked > 0
+    assert (overlapped.accepted > 0) == (k > 0 and serial.accepted > 0)
 
 
 def test_a_stop_token_ends_the_request_and_the_step_in_flight_emits_nothing_more():
@@ -166,6 +217,30 @@ def test_a_stop_token_ends_the_request_and_the_step_in_flight_emits_nothing_more
     assert [(o.request_id, o.new_token_ids, o.finish_reason.value) for o in outputs] == [("a", (EOS,), "stop")]
     assert "a" in state.aborting  # released by the update of the step that still runs it
     state, later = update(state, second, placeholder_result(second, 0))
+    assert len(later) == 0 and not check_drained(state)
+
+
+def test_accepted_drafts_are_added_a_step_late_and_end_the_request_at_max_tokens():
+    """K = 2: the host counts no accepted draft; `resolve` adds them, cut at max_tokens, while the next step
+    (scheduled as if they were all accepted) is in flight; that step's update then emits nothing."""
+    cfg = make_config(num_spec_tokens=2, ring_size=4)
+    state = add_request(init_state(cfg), Request("a", (3, 4, 5, 6, 7), SamplingParams(4)))
+    state, prefill = schedule(state)
+    state, first = update(state, prefill, placeholder_result(prefill, 2))
+    state, verify = schedule(state)
+    assert verify.token_ids[:3].tolist() == [-1, -2, -3] and verify.positions[:3].tolist() == [5, 6, 7]
+    rows = prefill.row_bucket
+    state, out = resolve(state, first, StepResult(np.full((rows, 3), 10, np.int32), np.zeros(rows, np.int32),
+                                                  np.tile(np.array([11, 12], np.int32), (rows, 1))))
+    assert [(o.new_token_ids, o.finish_reason) for o in out] == [((10,), None)]
+    state, second = update(state, verify, placeholder_result(verify, 2))
+    state, third = schedule(state)  # positions as if nothing was accepted; blocks for all K
+    assert third.positions[:3].tolist() == [6, 7, 8] and state.rows.num_blocks[state.row_of["a"]] * 16 >= 6 + 2 + 3
+    sampled = np.tile(np.array([11, 12, 13], np.int32), (rows, 1))
+    state, out = resolve(state, second, StepResult(sampled, np.full(rows, 2, np.int32), np.zeros((rows, 2), np.int32)))
+    assert [(o.new_token_ids, o.finish_reason.value) for o in out] == [((11, 12, 13), "length")]
+    assert state.token_ids("a") == [3, 4, 5, 6, 7, 10, 11, 12, 13] and "a" in state.aborting
+    state, later = update(state, third, placeholder_result(third, 2))
     assert len(later) == 0 and not check_drained(state)
 
 
@@ -187,12 +262,10 @@ def test_a_placeholder_in_a_full_log_block_is_resolved_and_rehashed():
     assert state.logs["a"].hashes == expected.hashes
 
 
-def test_placeholders_need_k_zero_and_a_result_that_has_their_rows():
+def test_a_placeholder_needs_a_result_that_has_its_row():
     cfg = make_config()
     state = add_request(init_state(cfg), Request("a", (5, 6, 7), SamplingParams(4)))
     state, plan = schedule(state)
-    with pytest.raises(ValueError, match="num_spec_tokens"):
-        placeholder_result(plan, 2)
     state, pending = update(state, plan, placeholder_result(plan, 0))
     with pytest.raises(ValueError, match="placeholders name rows"):
         resolve(state, pending, StepResult(np.zeros((0, 1), np.int32), np.zeros(0, np.int32),
