@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -248,8 +249,6 @@ def print_table(rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], timelines: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     # a decode load whose device step is a few times the host's work shows the gaps serial leaves
@@ -281,22 +280,32 @@ def plot(rows: list[dict], timelines: dict, path: Path) -> None:
 
 
 def main() -> None:
+    import matplotlib  # before the engines map their memory: a late import can fail to map its libraries
+    matplotlib.use("Agg")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", help="a random 40M-parameter checkpoint (else written with --hf-python)")
     parser.add_argument("--hf-python", help="a Python with torch and transformers, to write the checkpoint")
     parser.add_argument("--loads", nargs="+", default=["decode_b16", "decode_b64", "decode_b256", "mixed"])
     parser.add_argument("--skip-40m", action="store_true")
+    parser.add_argument("--one", nargs=3, metavar=("MODEL", "K", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one:  # one (model, K) in this process; the driver below runs each in its own
+        model, k, out = args.one
+        rows, timelines = run_model(model or None, int(k), args.loads)
+        Path(out).write_text(json.dumps({"rows": rows, "timelines": timelines}))
+        return
     if not (args.checkpoint or args.hf_python or args.skip_40m):
         parser.error("give --checkpoint or --hf-python (or --skip-40m)")
     rows, timelines = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [(None, 0), (None, 3)] + ([] if args.skip_40m else [(checkpoint(args, tmp), 0)])
-        for model, k in runs:
-            more_rows, more_timelines = run_model(model, k, args.loads if not k else [
-                n for n in args.loads if n.startswith("decode")])
-            rows += more_rows
-            timelines.update(more_timelines)
+        runs = [("", 0), ("", 3)] + ([] if args.skip_40m else [(checkpoint(args, tmp), 0)])
+        for model, k in runs:  # a process each: one process compiling every engine runs out of memory maps
+            loads = args.loads if not k else [n for n in args.loads if n.startswith("decode")]
+            out = Path(tmp) / "run.json"
+            subprocess.run([sys.executable, __file__, "--one", model, str(k), str(out), "--loads", *loads], check=True)
+            run = json.loads(out.read_text())
+            rows += run["rows"]
+            timelines.update(run["timelines"])
     print_table(rows)
     RESULTS.mkdir(exist_ok=True)
     meta = {"jax": jax.__version__, "backend": jax.default_backend(), "machine": platform.machine(),

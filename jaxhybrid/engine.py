@@ -26,7 +26,6 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -34,7 +33,7 @@ import scheduler
 from jaxhybrid.detokenize import IncrementalDetokenizer
 from jaxhybrid.model import Model
 from jaxhybrid.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
-from jaxhybrid.runner import Runner, StepOutput
+from jaxhybrid.runner import Runner, StepOutput, to_host
 from jaxhybrid.sampling import Logprobs
 from jaxhybrid.sampling_params import SamplingParams
 from jaxhybrid.tokenizer import Tokenizer
@@ -237,7 +236,7 @@ class Engine:
     def _finish_step(self, plan: BatchPlan, out: StepOutput, result: scheduler.StepResult,
                      outputs: scheduler.StepOutputs) -> list[RequestOutput]:
         """A step's outputs: tokens, text, stop strings and logprobs, request by request."""
-        reported = jax.device_get(out.logprobs) if self._wants_logprobs(plan) else None
+        reported = to_host(out.logprobs) if self._wants_logprobs(plan) else None
         self._count(plan, result, outputs)
         touched = {}
         if reported is not None:

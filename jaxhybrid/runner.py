@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
+from jaxhybrid.distributed.multihost import Message, PlanChannel, is_leader
 from jaxhybrid.distributed.tensor_parallel import param_shardings, state_shardings
 from jaxhybrid.model import Model
 from jaxhybrid.models.hybrid import HybridLM
@@ -73,12 +74,16 @@ class Runner:
         self.model, self.config, self.mesh = model, config, mesh
         self.num_logprobs = min(max_logprobs, model.config.vocab_size)
         self.params = model.params
+        # multi-host: every process runs every step; the leader sends the others its plans (multihost.py)
+        self.channel = PlanChannel() if jax.process_count() > 1 else None
+        self._layouts: dict[tuple[int, int, int, int], PlanLayout] = {}
         shardings = {}
         if mesh is not None:  # tensor parallel: weights and pools sharded by heads, outputs replicated
-            self.params = jax.device_put(model.params, param_shardings(model.params, mesh))
+            params = model.params if self.channel is None else jax.tree.map(np.asarray, model.params)  # from the host
+            self.params = jax.device_put(params, param_shardings(model.params, mesh))
             replicated = NamedSharding(mesh, PartitionSpec())
             shardings = dict(out_shardings=(self._state_shardings(), replicated, replicated))
-        self.reset_state()
+        self._fresh_pools()
         self._step = jax.jit(self._step_fn, static_argnums=3, donate_argnums=(1, 2), **shardings)
 
     def _state_shardings(self) -> DeviceState:
@@ -92,17 +97,29 @@ class Runner:
             history_len=config.max_model_len + config.num_spec_tokens, dtype=self.model.dtype)
 
     def reset_state(self) -> None:
-        """Fresh, all-zero pools (at start, and after a failed step may have consumed the donated ones)."""
+        """Fresh, all-zero pools, after a failed step may have consumed the donated ones (followers too)."""
+        if self.channel is not None:
+            self.channel.send(Message.RESET)
+        self._fresh_pools()
+
+    def _fresh_pools(self) -> None:
+        rows, width = max(self.config.row_buckets), 1 + self.config.num_spec_tokens
+        carried = Carried(np.zeros(rows * width, np.int32), np.zeros(rows, np.int32))
         if self.mesh is None:
-            self.state = self._fresh_state()
+            self.state, self.carried = self._fresh_state(), jax.device_put(carried)
         else:  # built in place on the mesh, never whole on one device
             self.state = jax.jit(self._fresh_state, out_shardings=self._state_shardings())()
-        rows, width = max(self.config.row_buckets), 1 + self.config.num_spec_tokens
-        self.carried = Carried(jnp.zeros(rows * width, jnp.int32), jnp.zeros(rows, jnp.int32))
+            self.carried = jax.device_put(carried, NamedSharding(self.mesh, PartitionSpec()))
 
     def dispatch(self, plan: BatchPlan) -> StepOutput:
         """Start `plan` on the device and the copy of its tokens to the host; returns at once."""
         buffer, layout = pack_plan(plan)
+        if self.channel is not None:  # the other processes run the step too: they get the plan first
+            if not is_leader():
+                raise RuntimeError("in a multi-host job only process 0 dispatches; the others call follow()")
+            bucket = (plan.token_bucket, plan.row_bucket, plan.block_table_bucket, plan.logits_bucket)
+            assert layout == self._layout_of(bucket), "a plan's layout must follow from its bucket"
+            self.channel.send(Message.STEP, bucket, buffer)
         self.state, self.carried, out = self._step(self.params, self.state, self.carried, layout, buffer)
         for array in (out.sampled_token_ids, out.num_accepted, out.draft_token_ids):
             array.copy_to_host_async()
@@ -111,7 +128,27 @@ class Runner:
     @staticmethod
     def fetch(out: StepOutput) -> StepResult:
         """The host's StepResult of a dispatched step (waits for it)."""
-        return StepResult(*jax.device_get((out.sampled_token_ids, out.num_accepted, out.draft_token_ids)))
+        return StepResult(*to_host((out.sampled_token_ids, out.num_accepted, out.draft_token_ids)))
+
+    def follow(self) -> int:
+        """Run the leader's steps until it stops (multi-host, every process but the leader); returns how many."""
+        if self.channel is None or is_leader():
+            raise RuntimeError("follow() is for the processes other than process 0 of a multi-host job")
+        steps = 0
+        while True:
+            message, layout, buffer = self.channel.receive(self._layout_of)
+            if message is Message.STOP:
+                return steps
+            if message is Message.RESET:
+                self._fresh_pools()
+                continue
+            self.state, self.carried, _ = self._step(self.params, self.state, self.carried, layout, buffer)
+            steps += 1
+
+    def _layout_of(self, bucket: tuple[int, int, int, int]) -> PlanLayout:
+        if bucket not in self._layouts:
+            self._layouts[bucket] = pack_plan(padding_plan(self.config, *bucket))[1]
+        return self._layouts[bucket]
 
     def step(self, plan: BatchPlan) -> tuple[StepResult, Logprobs]:
         """Run `plan`; returns the host's StepResult and the step's logprobs, still on device."""
@@ -126,6 +163,8 @@ class Runner:
         """Compile the step for every bucket a plan of this config can have (running an all-padding plan,
         which changes no real state); returns how many shapes there are."""
         shapes = plan_shapes(self.config)
+        if self.channel is not None and not is_leader():
+            return len(shapes)  # a follower compiles as it follows the leader's precompile
         for shape in tqdm(shapes, desc="compile", unit="bucket", disable=not progress):
             self.step(padding_plan(self.config, *shape))
         return len(shapes)
@@ -156,6 +195,12 @@ class Runner:
         carried = Carried(jnp.zeros_like(carried.tokens).at[:tokens.shape[0]].set(tokens),
                           jnp.zeros_like(carried.accepted).at[:accepted.shape[0]].set(accepted))
         return state._replace(token_history=history), carried, StepOutput(sampled, accepted, drafts, reported)
+
+
+def to_host(tree: Any) -> Any:
+    """Host copies of a step's outputs, which are replicated: this process's own copy (under multi-host the
+    others' are not addressable)."""
+    return jax.tree.map(lambda array: np.asarray(array.addressable_data(0)), tree)
 
 
 def plan_shapes(config: SchedulerConfig) -> list[tuple[int, int, int, int]]:

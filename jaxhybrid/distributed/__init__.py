@@ -1,1 +1,1 @@
-"""Beyond one device: tensor parallelism over a JAX mesh (`tensor_parallel`)."""
+"""Beyond one device: tensor parallelism over a JAX mesh (`tensor_parallel`), across hosts (`multihost`)."""

@@ -17,10 +17,18 @@ def spec(array: jax.Array) -> list | None:
     return list(array.sharding.spec) if hasattr(array.sharding, "spec") else None
 
 
+def make_llm(tp: int) -> LLM:
+    return LLM(tensor_parallel_size=tp, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96,
+               num_blocks=64, num_state_slots=16, token_buckets=(8, 32), row_buckets=(4,),
+               speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+
+
 def run(tp: int) -> dict:
-    llm = LLM(tensor_parallel_size=tp, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96,
-              num_blocks=64, num_state_slots=16, token_buckets=(8, 32), row_buckets=(4,),
-              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    return generate(make_llm(tp))
+
+
+def generate(llm: LLM) -> dict:
+    """Greedy tokens, logprobs and prompt logprobs of PROMPTS, and how the pools and weights are sharded."""
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=1, prompt_logprobs=1, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     state = llm.engine.runner.state
@@ -34,6 +42,7 @@ def run(tp: int) -> dict:
                             for o in outputs],
         "state_spec": spec(recurrent.state), "kv_spec": spec(kv.k),
         "state_devices": len(recurrent.state.sharding.device_set),
+        "state_local_devices": len(recurrent.state.addressable_shards),
         "param_spec": spec(llm.engine.runner.params["layers_0"]["mlp"]["up_proj"]["kernel"]),
     }
 

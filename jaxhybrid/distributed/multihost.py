@@ -1,0 +1,82 @@
+"""Multi-host: one process per host, one engine over every host's devices.
+
+Every process runs the same program: `initialize(...)` first, then the same
+`LLM(..., tensor_parallel_size=jax.device_count(), backend="reference")`, whose weights and pools are
+sharded over all hosts' devices (`tensor_parallel`); each step is one SPMD program that every process
+must run, in the same order. Process 0, the leader, runs the engine: it schedules, and right before it
+dispatches a step it broadcasts the step's bucket and packed plan (`PlanChannel`); every other process
+calls `follow(llm)`, which receives each plan and runs the same jitted step on its own shards until the
+leader calls `shutdown(llm)`. The step's outputs are replicated, so the leader reads them from its own
+devices; a follower never reads a result.
+
+    from jaxhybrid.distributed import multihost
+    multihost.initialize("10.0.0.1:9876", num_processes=2, process_id=RANK)  # before any device work
+    llm = LLM(MODEL, tensor_parallel_size=jax.device_count(), backend="reference")
+    if jax.process_index() == 0:
+        outputs = llm.generate(prompts, params)
+        multihost.shutdown(llm)
+    else:
+        multihost.follow(llm)
+
+Under SLURM or Open MPI `initialize()` needs no arguments (JAX reads them from the environment).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxhybrid.plan_transfer import PlanLayout
+
+
+class Message(enum.IntEnum):
+    STEP = 0   # a plan follows
+    RESET = 1  # fresh pools: the leader started over after a failed step
+    STOP = 2
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> None:
+    """Join the job; call it before anything touches a device. CPU devices talk through gloo."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+
+
+def is_leader() -> bool:
+    return jax.process_index() == 0
+
+
+class PlanChannel:
+    """The leader's messages to every other process: a fixed header (message, bucket), then for a step the
+    packed plan, whose length the bucket's layout gives (every process derives the same layout)."""
+
+    HEADER = 5  # message, T, R, B, L
+
+    def send(self, message: Message, bucket: tuple[int, int, int, int] = (0, 0, 0, 0),
+             buffer: np.ndarray | None = None) -> None:
+        multihost_utils.broadcast_one_to_all(np.array([message, *bucket], np.int32))
+        if buffer is not None:
+            multihost_utils.broadcast_one_to_all(buffer)
+
+    def receive(self, layout_of) -> tuple[Message, PlanLayout | None, np.ndarray | None]:
+        """(message, layout, packed plan); `layout_of(bucket)` gives a bucket's layout."""
+        header = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(self.HEADER, np.int32)))
+        message = Message(int(header[0]))
+        if message is not Message.STEP:
+            return message, None, None
+        layout = layout_of(tuple(int(x) for x in header[1:]))
+        buffer = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(layout.size, np.int32)))
+        return message, layout, buffer
+
+
+def follow(llm) -> int:
+    """Run the leader's steps until it shuts down (every process but the leader); returns the steps run."""
+    return llm.engine.runner.follow()
+
+
+def shutdown(llm) -> None:
+    """The leader's last word: every follower returns from `follow`."""
+    llm.engine.runner.channel.send(Message.STOP)
