@@ -74,26 +74,34 @@ class DevicePlan(NamedTuple):
     row_data: jax.Array
 
 
-def _words(plan: BatchPlan) -> list[tuple[str, np.ndarray]]:
-    """Every device field as int32 words: arrays widened, bools as 0/1, row_data's bytes padded to words."""
-    data = plan.row_data
-    padded = np.zeros((data.shape[0], -(-data.shape[1] // 4) * 4), np.uint8)
-    padded[:, :data.shape[1]] = data
-    return ([(name, np.array(getattr(plan, name), np.int32)) for name in _COUNTS]
-            + [(name, getattr(plan, name).astype(np.int32)) for name in _ARRAYS]
-            + [("row_data", padded.view(np.int32))])
-
-
 def pack_plan(plan: BatchPlan) -> tuple[np.ndarray, PlanLayout]:
     """One int32 buffer holding every device field of `plan`, and its layout."""
-    fields, parts, offset = [], [], 0
-    for name, words in _words(plan):
-        dtype = str(getattr(plan, name).dtype) if name not in _COUNTS else "int32"
-        fields.append((name, offset, words.shape, dtype))
-        parts.append(words.reshape(-1))
-        offset += words.size
-    layout = PlanLayout(tuple(fields), offset)
-    return np.concatenate(parts), layout
+    arrays = [getattr(plan, name) for name in _ARRAYS]
+    key = (*((array.shape, array.dtype) for array in arrays), plan.row_data.shape)
+    layout = _LAYOUTS.get(key) or _LAYOUTS.setdefault(key, _layout(arrays, plan.row_data.shape))
+    buffer = np.zeros(layout.size, np.int32)
+    buffer[:len(_COUNTS)] = [getattr(plan, name) for name in _COUNTS]
+    for (_, offset, _, _), array in zip(layout.fields[len(_COUNTS):], arrays):
+        buffer[offset:offset + array.size] = array.reshape(-1)  # widened to int32 on the way
+    _, offset, (rows, words), _ = layout.fields[-1]
+    if words:  # each row's bytes, padded to whole words
+        buffer[offset:offset + rows * words].view(np.uint8).reshape(rows, -1)[:, :plan.row_data.shape[1]] = plan.row_data
+    return buffer, layout
+
+
+_LAYOUTS: dict[tuple, PlanLayout] = {}  # a plan's layout by its fields' shapes and dtypes: one per bucket
+
+
+def _layout(arrays: list[np.ndarray], row_data_shape: tuple[int, int]) -> PlanLayout:
+    """Counts first (a word each), then every array as int32 words, then row_data's bytes padded to words."""
+    fields, offset = [], 0
+    shapes = [(name, (), "int32") for name in _COUNTS] + [
+        (name, array.shape, str(array.dtype)) for name, array in zip(_ARRAYS, arrays, strict=True)]
+    shapes.append(("row_data", (row_data_shape[0], -(-row_data_shape[1] // 4)), "uint8"))
+    for name, shape, dtype in shapes:
+        fields.append((name, offset, shape, dtype))
+        offset += int(np.prod(shape, dtype=np.int64))
+    return PlanLayout(tuple(fields), offset)
 
 
 def unpack_plan(buffer: jax.Array, layout: PlanLayout, row_data_bytes: int) -> DevicePlan:

@@ -1,6 +1,7 @@
 """Two local processes under `jax.distributed` (multihost.py): process 0 schedules and broadcasts its plans,
 process 1 follows, the engine runs tensor parallel over both processes' devices, and the output equals one
-process's (tp_worker.py's TP = 1 run, the same maths with the heads' partial sums added in another order)."""
+process's (tp_worker.py's TP = 1 run, shared with the tensor parallel test; the same maths with the heads'
+partial sums added in another order)."""
 
 import json
 import os
@@ -11,8 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.jaxhybrid.distributed.test_tensor_parallel import LOGPROB_ATOL
-from tests.jaxhybrid.distributed.tp_worker import run
+from tests.jaxhybrid.distributed.test_tensor_parallel import LOGPROB_ATOL, tp_runs
 from tests.tolerances import assert_close
 
 ROOT = Path(__file__).parents[3]
@@ -38,7 +38,7 @@ def test_two_processes_give_the_single_process_output():
         assert p.returncode == 0, err[-3000:]
     leader, follower = (json.loads(out.splitlines()[-1]) for out, _ in done)
     assert follower["steps"] == leader["steps"] > 0  # every step ran on both processes
-    one = run(1)
+    one = tp_runs()["1"]
     assert leader["tokens"] == one["tokens"]
     for key in ("logprobs", "prompt_logprobs"):
         assert_close(np.concatenate(leader[key]), np.concatenate(one[key]), LOGPROB_ATOL, key)

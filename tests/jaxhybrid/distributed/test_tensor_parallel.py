@@ -1,6 +1,7 @@
 """Tensor parallelism on 4 host devices (a subprocess: the device count is fixed when JAX starts): TP = 2
 and 4 give TP = 1's greedy tokens and logprobs, with the weights and pools really sharded."""
 
+import functools
 import json
 import os
 import subprocess
@@ -15,13 +16,19 @@ from tests.tolerances import assert_close
 LOGPROB_ATOL = 1e-4
 
 
-def test_tp_2_and_4_equal_one_device():
+@functools.cache
+def tp_runs() -> dict:
+    """tp_worker.py's reports at TP = 1, 2 and 4 (one subprocess, shared with test_multihost.py)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     worker = Path(__file__).with_name("tp_worker.py")
     done = subprocess.run([sys.executable, str(worker), "1", "2", "4"], env=env, capture_output=True, text=True,
                           timeout=280, cwd=Path(__file__).parents[3])
     assert done.returncode == 0, done.stderr[-3000:]
-    runs = json.loads(done.stdout.splitlines()[-1])
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_tp_2_and_4_equal_one_device():
+    runs = tp_runs()
     one = runs["1"]
     assert one["state_devices"] == 1
     for tp in ("2", "4"):

@@ -23,10 +23,6 @@ def make_llm(tp: int) -> LLM:
                speculative_config={"method": "mtp", "num_speculative_tokens": 2})
 
 
-def run(tp: int) -> dict:
-    return generate(make_llm(tp))
-
-
 def generate(llm: LLM) -> dict:
     """Greedy tokens, logprobs and prompt logprobs of PROMPTS, and how the pools and weights are sharded."""
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=1, prompt_logprobs=1, ignore_eos=True)
@@ -49,4 +45,4 @@ def generate(llm: LLM) -> dict:
 
 if __name__ == "__main__":
     assert len(jax.devices()) == 4, jax.devices()
-    print(json.dumps({tp: run(tp) for tp in map(int, sys.argv[1:])}))
+    print(json.dumps({tp: generate(make_llm(tp)) for tp in map(int, sys.argv[1:])}))
