@@ -5,11 +5,11 @@ tokens, greedy, eos ignored so every request decodes the same length):
   no_mtp          K = 0: one token per row per step, the default window (1 on CPU: plain decoding);
   replay_w16      MTP K = 3, ReplaySSM window W = 16: a verify row appends 1 + K ring entries and folds
                   them into S0 only every ~16 tokens (the default);
-  replay_w4       MTP K = 3, W = 1 + K = 4: the smallest window, which folds (writes S0) at every step,
-                  as a design that snapshots the state each step must.
-A snapshot-every-position mode (1 + K full states written per verify step) is not built; its state memory
-per request is reported from its definition, next to the measured modes' (`jaxhybrid.memory.slot_bytes`).
-The baseline, measured in the same run, is no_mtp at the same batch: speedups are ratios to it.
+  replay_w4       MTP K = 3, W = 1 + K = 4: the smallest window, which folds (writes S0) at every step;
+  snapshots       MTP K = 3 without ReplaySSM (`replayssm_window=0`): a verify row writes the whole state
+                  after each of its 1 + K positions and the next step starts from the accepted one.
+State memory per request is each mode's slot page (`jaxhybrid.memory.slot_bytes`). The baseline, measured
+in the same run, is no_mtp at the same batch: speedups are ratios to it.
 Compilation is excluded (every bucket is compiled before the timed run).
 
 Prints a table, writes benchmarks/results/decode.json and decode.png.
@@ -25,13 +25,12 @@ from pathlib import Path
 
 import jax
 
-from jaxhybrid import LLM, SamplingParams, load_config
+from jaxhybrid import LLM, SamplingParams
 from jaxhybrid.memory import slot_bytes
 from jaxhybrid.tiny.corpus import HELD_OUT_MODULES, stdlib_dir
-from jaxhybrid.weights import DEFAULT_MODEL_DIR
 
 RESULTS = Path(__file__).parent / "results"
-MODES = {"no_mtp": (0, None), "replay_w16": (3, 16), "replay_w4": (3, 4)}  # None: the engine's default W
+MODES = {"no_mtp": (0, None), "replay_w16": (3, 16), "replay_w4": (3, 4), "snapshots": (3, 0)}  # None: default W
 
 
 def prompts(count: int, tokenizer, length: int = 48) -> list[list[int]]:
@@ -72,13 +71,6 @@ def run(mode: str, batch: int, new_tokens: int) -> dict:
             "kv_bytes_per_token": cfg.kv_bytes_per_token(4)}
 
 
-def snapshot_state_bytes(llm_config, k: int) -> int:
-    """A snapshot design keeps 1 + K states (and conv windows) per request and no ring: (1 + K) pages of a
-    ring-less slot (`slot_bytes` with W = 0 and K = 0 still counts one ring entry, so this over-counts by
-    1 + K ring entries)."""
-    return (1 + k) * slot_bytes(llm_config, 0, 0, dtype_bytes=4)
-
-
 def plot(results: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -111,11 +103,9 @@ def main() -> None:
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         print(f"{r['mode']:<12}{r['batch']:>6}{r['tokens_per_s']:>10.1f}{r['speedup']:>10.2f}{r['steps']:>7}"
               f"{r['acceptance']:>8.2f}{r['state_bytes_per_request']:>13}")
-    snapshot = snapshot_state_bytes(load_config(DEFAULT_MODEL_DIR), 3)
-    print(f"snapshot-every-position (K=3, not built): {snapshot} state B/req")
     RESULTS.mkdir(exist_ok=True)
     meta = {"backend": jax.default_backend(), "machine": platform.processor() or platform.machine(),
-            "new_tokens": args.new_tokens, "snapshot_state_bytes_per_request_k3": snapshot}
+            "new_tokens": args.new_tokens}
     (RESULTS / "decode.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     plot(results, RESULTS / "decode.png")
 

@@ -61,8 +61,9 @@ class LLM:
     Arguments follow vLLM's where the concept exists. Beyond them: `num_blocks` / `num_state_slots` size the
     pools explicitly (else from `gpu_memory_utilization`), `replayssm_window` is W (default 16 with the
     Pallas kernels; on the reference path, where folding an entry costs a pass over the state, the
-    smallest window, 1 + K), `mamba_block_size` the grid of cached recurrent states, `backend` the
-    kernels' ("reference", "pallas", "interpret"),
+    smallest window, 1 + K; 0 runs the snapshot-every-position baseline instead of ReplaySSM: ring entries
+    are whole states, as many as a verify row has tokens), `mamba_block_size` the grid of cached recurrent
+    states, `backend` the kernels' ("reference", "pallas", "interpret"),
     `token_buckets` / `row_buckets` the step shapes (default: ladders growing by `bucket_growth` up to
     `max_num_batched_tokens` / `max_num_seqs`), `tensor_parallel_size` shards weights and pools by heads
     over that many devices (`jaxhybrid.distributed.tensor_parallel`), `precompile` compiles every shape at start-up and
@@ -95,7 +96,7 @@ class LLM:
         max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
         if replayssm_window is None:  # the reference ops fold a ring entry with a whole pass over the state
             replayssm_window = 16 if resolve_backend(backend) == "pallas" else 1
-        ring_size = max(replayssm_window, 1 + k)
+        ring_size = replayssm_window and max(replayssm_window, 1 + k)  # 0: the snapshot baseline
         if num_blocks is None or num_state_slots is None:
             sizes = size_pools(cfg, device_memory_budget(gpu_memory_utilization, self.model.params),
                                block_size=block_size, ring_size=ring_size, num_spec_tokens=k,
@@ -130,6 +131,10 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix state and checkpoint (between jobs; no request may be running)."""
+        self.engine.reset_prefix_cache()
 
     def parse_prompt(self, prompt: PromptInput) -> Prompt:
         """Text, token ids, `{"prompt": text}`, `{"prompt_token_ids": ids}` (optionally with

@@ -180,6 +180,12 @@ class Engine:
                 self._end(self._sequences[sequence_id], "abort", None)
         return self._snapshot(request)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix state and checkpoint (vLLM's `reset_prefix_cache`); an idle engine only."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("reset_prefix_cache needs an idle engine: requests are still running")
+        self.scheduler = scheduler.init_state(self.config)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or self.scheduler.has_work() or self._in_flight is not None
 

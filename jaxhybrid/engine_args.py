@@ -28,7 +28,8 @@ ENGINE_FLAGS: dict[str, dict] = {
     "--speculative-config": dict(type=json.loads, default=None,
                                  help='e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\''),
     "--replayssm-window": dict(type=int, default=None,
-                               help="W, the ReplaySSM ring (default: 16 with Pallas kernels, 1 + K on CPU)"),
+                               help="W, the ReplaySSM ring (default: 16 with Pallas kernels, 1 + K on CPU); 0: "
+                                    "no ReplaySSM, verify snapshots the state at every position (the baseline)"),
     "--seed": dict(type=int, default=0),
     "--gpu-memory-utilization": dict(type=float, default=0.9),
     "--num-blocks": dict(type=int, default=None),
@@ -100,9 +101,10 @@ def build_llm(args: argparse.Namespace):
     loaded = time.perf_counter()
     config = llm.config
     log.info("model %s loaded in %.1f s", args.model or "(embedded default)", loaded - start)
-    log.info("cache mode %s; %d KV blocks of %d tokens; %d state slots (ring W=%d, MTP K=%d); max_num_seqs %d; "
+    ring = f"ReplaySSM W={config.ring_size}" if config.ring_size else "snapshots at every position"
+    log.info("cache mode %s; %d KV blocks of %d tokens; %d state slots (%s, MTP K=%d); max_num_seqs %d; "
              "max_model_len %d; %s scheduling", config.cache_mode, config.num_blocks - 1, config.block_size,
-             config.num_state_slots - 1, config.ring_size, config.num_spec_tokens, config.max_num_seqs,
+             config.num_state_slots - 1, ring, config.num_spec_tokens, config.max_num_seqs,
              config.max_model_len, "one-step-ahead" if llm.engine.async_scheduling else "serial")
     if args.precompile:
         count = llm.engine.precompile()

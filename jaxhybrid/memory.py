@@ -2,8 +2,8 @@
 
 A state slot is one page of every recurrent layer: the fp32 checkpoint state S0, the conv window at S0,
 and the ReplaySSM rings of W + 1 + K entries (GDN: normalised key, update and log-decay per token;
-Mamba2: x, processed dt and B; both: the pre-conv inputs), plus the slot's token history (int32 per
-position, for sampling penalties). A KV block holds `block_size` tokens of every
+Mamba2: x, processed dt and B; both: the pre-conv inputs; with W = 0 whole states), plus the slot's
+token history (int32 per position, for sampling penalties). A KV block holds `block_size` tokens of every
 attention layer, the MTP layers included. The state pool gets a slot per running request and per
 checkpoint it may reserve (so admission never waits on slots that cannot free), plus its share of the
 budget for cached prefix states; the KV pool gets the rest. `max_num_seqs` is capped so that the
@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from jaxhybrid.config import GDN, MAMBA2, ModelConfig
+from scheduler.replay import ring_rows
 
 
 class PoolSizes(NamedTuple):
@@ -33,20 +34,21 @@ class PoolSizes(NamedTuple):
 def slot_bytes(cfg: ModelConfig, ring_size: int, num_spec_tokens: int, dtype_bytes: int = 2,
                history_len: int = 0) -> int:
     """Bytes of one state slot over all recurrent layers (activations in `dtype_bytes`, states in fp32) and
-    its token history of `history_len` positions."""
-    entries = ring_size + 1 + num_spec_tokens
+    its token history of `history_len` positions. W = `ring_size` = 0 is the snapshot baseline: its ring
+    entries are whole states."""
+    entries = ring_rows(ring_size, num_spec_tokens)
     columns = cfg.conv_kernel - 1 + entries  # the window and the ring of pre-conv inputs
     per_kind = {}
     if cfg.gdn:
         g = cfg.gdn
         state = 4 * g.num_v_heads * g.head_k_dim * g.head_v_dim
         ring = 4 * entries * (g.num_k_heads * g.head_k_dim + g.num_v_heads * g.head_v_dim + g.num_v_heads)
-        per_kind[GDN] = state + ring + dtype_bytes * columns * g.conv_dim
+        per_kind[GDN] = state + (ring_size and ring or entries * state) + dtype_bytes * columns * g.conv_dim
     if cfg.mamba2:
         m = cfg.mamba2
         state = 4 * m.num_heads * m.head_dim * m.state_size
         ring = 4 * entries * (m.num_heads * m.head_dim + m.num_heads + m.n_groups * m.state_size)
-        per_kind[MAMBA2] = state + ring + dtype_bytes * columns * m.conv_dim
+        per_kind[MAMBA2] = state + (ring_size and ring or entries * state) + dtype_bytes * columns * m.conv_dim
     return 4 * history_len + sum(per_kind[kind] for layer in cfg.layers for kind in layer if kind in per_kind)
 
 

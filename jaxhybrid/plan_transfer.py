@@ -81,11 +81,12 @@ def pack_plan(plan: BatchPlan) -> tuple[np.ndarray, PlanLayout]:
     layout = _LAYOUTS.get(key) or _LAYOUTS.setdefault(key, _layout(arrays, plan.row_data.shape))
     buffer = np.zeros(layout.size, np.int32)
     buffer[:len(_COUNTS)] = [getattr(plan, name) for name in _COUNTS]
-    for (_, offset, _, _), array in zip(layout.fields[len(_COUNTS):], arrays):
+    for (_, offset, _, _), array in zip(layout.fields[len(_COUNTS):-1], arrays, strict=True):
         buffer[offset:offset + array.size] = array.reshape(-1)  # widened to int32 on the way
     _, offset, (rows, words), _ = layout.fields[-1]
     if words:  # each row's bytes, padded to whole words
-        buffer[offset:offset + rows * words].view(np.uint8).reshape(rows, -1)[:, :plan.row_data.shape[1]] = plan.row_data
+        row_bytes = buffer[offset:offset + rows * words].view(np.uint8).reshape(rows, -1)
+        row_bytes[:, :plan.row_data.shape[1]] = plan.row_data
     return buffer, layout
 
 

@@ -94,7 +94,8 @@ class Runner:
         return init_device_state(
             self.model.config, num_blocks=config.num_blocks, block_size=config.block_size,
             num_slots=config.num_state_slots, ring_entries=ring_rows(config.ring_size, config.num_spec_tokens),
-            history_len=config.max_model_len + config.num_spec_tokens, dtype=self.model.dtype)
+            history_len=config.max_model_len + config.num_spec_tokens, dtype=self.model.dtype,
+            snapshots=config.ring_size == 0)
 
     def reset_state(self) -> None:
         """Fresh, all-zero pools, after a failed step may have consumed the donated ones (followers too)."""

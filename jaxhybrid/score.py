@@ -12,22 +12,26 @@ Two line formats, told apart by their keys:
     tokenized separately (as lm-eval-harness does for context and continuation).
 
 A bad line becomes an error line naming the problem and the job goes on. Lines are read and run a window
-at a time (bounded memory), each output line is written whole and flushed, and `--resume` keeps the
-complete lines of an earlier run of the same job (a torn last line is cut) and carries on after them. Every
-line's output depends only on the line: ids come from the line number and seeds from `--seed` and the
-line number, so a resumed job writes the same bytes as an uninterrupted one.
+at a time (bounded memory; windows aligned to line numbers, each from an empty prefix cache), each output
+line is written whole and flushed, and `--resume` keeps the complete windows of an earlier run of the same
+job (a torn last line is cut) and carries on after them. A line's output depends only on its window: ids
+come from the line number and seeds from `--seed` and the line number, so a resumed job, or one spread over
+Ray Data actors (`--ray --num-replicas R`, `jaxhybrid.distributed.ray_data`), writes the same bytes as an
+uninterrupted one.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import logging
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,6 +179,13 @@ class JobSummary:
     prefix_cache_hit_rate: float = 0.0  # prompt tokens served from the cache or a checkpoint, of all looked up
     checkpoint_hit_rate: float = 0.0    # requests with a checkpoint that started from it, of all with one
 
+    @classmethod
+    def of(cls, counters: Counter, seconds: float) -> JobSummary:
+        """From `ScoreJob.counters`, summed over windows and replicas."""
+        return cls(counters["lines"], counters["errors"], counters["prompt_tokens"], counters["generated_tokens"],
+                   seconds, counters["cached_tokens"] / max(counters["prefix_cache_queries"], 1),
+                   counters["checkpoint_hits"] / max(counters["checkpoint_queries"], 1))
+
 
 class ScoreJob:
     """Runs input lines through one `LLM`, a window at a time, and yields output lines in input order."""
@@ -185,9 +196,20 @@ class ScoreJob:
         self.reuse, self.default_top_logprobs = reuse, default_top_logprobs
         self.summary = JobSummary()
 
-    def run(self, lines: Iterator[tuple[int, str]], window: int) -> Iterator[str]:
+    def run(self, lines: Iterator[tuple[int, str]], window: int) -> Iterator[tuple[list[str], Counter]]:
+        """Per window of `window` (line number, text) pairs: its output lines and what it counted."""
         while chunk := list(itertools.islice(lines, window)):
-            yield from self._run_window(chunk)
+            before = self.counters()
+            texts = list(self._run_window(chunk))
+            yield texts, self.counters() - before
+
+    def counters(self) -> Counter:
+        """Lines, errors and tokens so far, and the engine's cache lookups: what windows and replicas add up."""
+        stats, summary = self.llm.engine.stats, self.summary
+        return Counter(lines=summary.lines, errors=summary.errors, prompt_tokens=summary.prompt_tokens,
+                       generated_tokens=summary.generated_tokens, cached_tokens=stats.cached_tokens,
+                       prefix_cache_queries=stats.prefix_cache_queries, checkpoint_hits=stats.checkpoint_hits,
+                       checkpoint_queries=stats.checkpoint_queries)
 
     @staticmethod
     def _load(index: int, raw: str) -> dict:
@@ -214,6 +236,9 @@ class ScoreJob:
 
     def _run_window(self, chunk: list[tuple[int, str]]) -> Iterator[str]:
         engine, results, pending = self.llm.engine, {}, {}
+        # A cache hit and a recomputation differ in the last bits: from an empty cache, a line's output
+        # depends on its window alone, wherever and whenever the window runs.
+        engine.reset_prefix_cache()
         for index, raw in chunk:
             line: dict = {}
             try:
@@ -262,24 +287,21 @@ class ScoreJob:
             return {"id": f"jaxhybrid-{index}", "custom_id": line["custom_id"], "response": None, "error": detail}
         return {"id": line.get("id"), "line": index + 1, "error": detail}
 
-    def finish_summary(self, seconds: float) -> JobSummary:
-        stats, summary = self.llm.engine.stats, self.summary
-        summary.seconds = seconds
-        summary.prefix_cache_hit_rate = stats.cached_tokens / max(stats.prefix_cache_queries, 1)
-        summary.checkpoint_hit_rate = stats.checkpoint_hits / max(stats.checkpoint_queries, 1)
-        return summary
 
 
-def resume_point(output: Path) -> int:
-    """Complete lines an earlier run wrote to `output`; a torn last line is cut off the file."""
+def resume_point(output: Path, window: int) -> int:
+    """Lines of an earlier run of the job to keep: its complete lines, down to a whole number of windows (a
+    line's floating-point results depend on the lines it ran with). The rest is cut off the file."""
     if not output.exists():
         return 0
     data = output.read_bytes()
-    complete = data[:data.rfind(b"\n") + 1]
-    if len(complete) != len(data):
-        with output.open("r+b") as f:
-            f.truncate(len(complete))
-    return complete.count(b"\n")
+    keep = data.count(b"\n") // window * window
+    end = 0
+    for _ in range(keep):
+        end = data.index(b"\n", end) + 1
+    with output.open("r+b") as f:
+        f.truncate(end)
+    return keep
 
 
 def _input_lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -297,6 +319,9 @@ _SCORE_FLAGS: dict[str, dict] = {
     "--checkpoint-reuse": dict(action=argparse.BooleanOptionalAction, default=True,
                                help="scoring lines: compute each prompt once (--no-checkpoint-reuse: per candidate)"),
     "--served-model-name": dict(default=None, help="the `model` field of OpenAI batch responses"),
+    "--ray": dict(action="store_true", help="data parallel: windows spread over Ray Data actors, one engine each"),
+    "--num-replicas": dict(type=int, default=1, help="with --ray: engines (actors; one GPU each where GPUs exist)"),
+    "--ray-address": dict(default=None, help="with --ray: the cluster to join (default: RAY_ADDRESS, else local)"),
 }
 
 
@@ -308,21 +333,31 @@ def main(argv: list[str] | None = None) -> JobSummary:
     source, output = Path(args.input), Path(args.output)
     if not source.exists():
         parser.error(f"--input {source} does not exist")
-    done = resume_point(output) if args.resume else 0
-    llm = build_llm(args)
-    job = ScoreJob(llm, model_name=args.served_model_name or str(args.model or "jaxhybrid-default"),
-                   created=int(source.stat().st_mtime), seed=args.seed, reuse=args.checkpoint_reuse,
-                   default_top_logprobs=args.top_logprobs)
+    if args.window < 1 or args.num_replicas < 1:
+        parser.error("--window and --num-replicas must be >= 1")
+    done = resume_point(output, args.window) if args.resume else 0
+    job_options = dict(model_name=args.served_model_name or str(args.model or "jaxhybrid-default"),
+                       created=int(source.stat().st_mtime), seed=args.seed, reuse=args.checkpoint_reuse,
+                       default_top_logprobs=args.top_logprobs)
     lines = itertools.islice(_input_lines(source), done, None)
-    start = time.perf_counter()
+    if args.ray:
+        from jaxhybrid.distributed.ray_data import score_windows
+
+        windows = score_windows(lines, args.window, num_replicas=args.num_replicas, address=args.ray_address,
+                                make_llm=functools.partial(build_llm, args), job_options=job_options)
+    else:
+        windows = ScoreJob(build_llm(args), **job_options).run(lines, args.window)
+    start, counters = time.perf_counter(), Counter()
     with output.open("a" if args.resume else "w") as out, tqdm(desc="score", unit="line", initial=done) as bar:
-        for text in job.run(lines, args.window):
-            out.write(text)  # one whole line per write; a kill leaves at most a torn last line
-            out.flush()
-            bar.update(1)
-            bar.set_postfix_str(f"{job.summary.prompt_tokens / (time.perf_counter() - start):.0f} prompt tok/s")
+        for texts, counted in windows:
+            for text in texts:
+                out.write(text)  # one whole line per write; a kill leaves at most a torn last line
+                out.flush()
+            counters += counted
+            bar.update(len(texts))
+            bar.set_postfix_str(f"{counters['prompt_tokens'] / (time.perf_counter() - start):.0f} prompt tok/s")
         os.fsync(out.fileno())
-    summary = job.finish_summary(time.perf_counter() - start)
+    summary = JobSummary.of(counters, time.perf_counter() - start)
     print(json.dumps({"summary": dataclasses.asdict(summary), "resumed_after": done}), file=sys.stderr)
     return summary
 

@@ -1,5 +1,6 @@
 """Index maths shared by every op: packed varlen tokens (`cu_seqlens`), chunk tables, slot pools, rings."""
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -156,6 +157,26 @@ def store_prefill_states(pool, cu_seqlens, slots, final, checkpoint_lens, checkp
 def copy_slots(pool: jax.Array, src_slots: jax.Array, dst_slots: jax.Array) -> jax.Array:
     """pool[dst] = pool[src] for each pair; pairs aimed at the null slot 0 are skipped."""
     return scatter_slots(pool, dst_slots, pool[src_slots])
+
+
+def snapshot_at(state_pool: jax.Array, snapshots: jax.Array, slots: jax.Array, ring_start: jax.Array,
+                count: jax.Array) -> jax.Array:
+    """[R, H, ...] f32 state of each slot after its first `count` entries, with snapshots for entries:
+    S0 when count == 0, else the snapshot at ring index (ring_start + count - 1) % E.
+
+    state_pool: [S, H, ...]; snapshots: [S, H, E, ...] the full state after each ring entry.
+    """
+    entry = (ring_start + count - 1) % snapshots.shape[2]
+    taken = snapshots[slots[:, None], jnp.arange(snapshots.shape[1])[None, :], entry[:, None]]
+    live = (count > 0).reshape((-1,) + (1,) * (taken.ndim - 1))
+    return jnp.where(live, taken, state_pool[slots]).astype(jnp.float32)
+
+
+@functools.partial(jax.jit, donate_argnames="state_pool")
+def snapshot_materialise(state_pool, snapshots, src_slots, dst_slots, ring_start, num_entries) -> jax.Array:
+    """state_pool[dst] = the state of src after num_entries entries (`snapshot_at`): a whole-state copy,
+    so XLA on every backend. dst 0 = skip; src and snapshots untouched."""
+    return scatter_slots(state_pool, dst_slots, snapshot_at(state_pool, snapshots, src_slots, ring_start, num_entries))
 
 
 def resolve_backend(backend: str | None, has_pallas: bool = True) -> str:

@@ -30,7 +30,8 @@ class SchedulerConfig:
         eagle_block_drop: back a hit (and the last cacheable boundary) off by one Mamba block, as
             vLLM's EAGLE/MTP path does; `None` means "on when k > 0".
         cache_mode: "none" (no prefix caching) or "align" (states cached at block boundaries).
-        ring_size: ReplaySSM window `W`; a verify row flushes when `committed + T > W`.
+        ring_size: ReplaySSM window `W`; a verify row flushes when `committed + T > W`. 0: no window,
+            every verify row flushes (the engine's snapshot-every-position baseline).
         token_buckets / row_buckets: allowed padded sizes of a BatchPlan; `()` picks powers of two.
         block_table_buckets: allowed widths of a BatchPlan's block table (the most KV blocks of any
             row in the step, padded); `()` picks powers of two from 8, capped at the most blocks one
@@ -114,7 +115,7 @@ def _require(ok: bool, name: str, message: str) -> None:
 
 def _validate_sizes(cfg: SchedulerConfig) -> None:
     for name in ("block_size", "mamba_block_size", "max_num_batched_tokens", "max_num_seqs",
-                 "max_model_len", "ring_size"):
+                 "max_model_len"):
         _require(getattr(cfg, name) >= 1, name, f"must be >= 1, got {getattr(cfg, name)}")
     _require(cfg.mamba_block_size % cfg.block_size == 0, "mamba_block_size",
              f"{cfg.mamba_block_size} is not a multiple of block_size {cfg.block_size}")
@@ -129,8 +130,8 @@ def _validate_sizes(cfg: SchedulerConfig) -> None:
     _require(cfg.num_state_slots >= min_slots, "num_state_slots",
              f"needs at least {min_slots} in cache_mode {cfg.cache_mode!r} (null, running"
              f"{', checkpoint, prefix hit' if cfg.align else ''}), got {cfg.num_state_slots}")
-    _require(cfg.ring_size >= 1 + cfg.num_spec_tokens, "ring_size",
-             f"{cfg.ring_size} cannot hold one verify row of {1 + cfg.num_spec_tokens} tokens")
+    _require(cfg.ring_size == 0 or cfg.ring_size >= 1 + cfg.num_spec_tokens, "ring_size",
+             f"{cfg.ring_size} cannot hold one verify row of {1 + cfg.num_spec_tokens} tokens (0: no window)")
     _require(cfg.vocab_size is None or cfg.vocab_size >= 1, "vocab_size", f"must be >= 1, got {cfg.vocab_size}")
     _require(1 + cfg.num_spec_tokens <= cfg.max_num_logits <= cfg.max_num_batched_tokens, "max_num_logits",
              f"{cfg.max_num_logits} must hold one verify row of {1 + cfg.num_spec_tokens} logits and at most "

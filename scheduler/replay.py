@@ -17,7 +17,8 @@ import numpy as np
 
 def ring_rows(ring_size: int, num_spec_tokens: int) -> int:
     """Physical ring entries per slot: a flushing verify step reads W committed entries while writing
-    T = 1 + k new ones after them (FlashInfer's R = W + 1 + k)."""
+    T = 1 + k new ones after them (FlashInfer's R = W + 1 + k). With W = 0 every step flushes and reads
+    only the entries the step before wrote, before it overwrites them: 1 + k."""
     return ring_size + 1 + num_spec_tokens
 
 

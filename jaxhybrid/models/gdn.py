@@ -9,10 +9,10 @@ import jax.numpy as jnp
 from jaxhybrid.config import GDNConfig
 from jaxhybrid.models.layers import GatedRMSNorm
 from jaxhybrid.models.ops import DEFAULT_OPS, ModelOps
-from jaxhybrid.models.pools import RecurrentPool
+from jaxhybrid.models.pools import RecurrentPool, has_snapshots
 from jaxhybrid.models.recurrent import Conv, MixerCore, recurrent_layer
 from jaxhybrid.plan_transfer import DevicePlan
-from pallas_kernels.gdn import gdn_materialise, gdn_verify
+from pallas_kernels.gdn import gdn_materialise, gdn_verify, gdn_verify_snapshots
 
 
 class GatedDeltaNet(nn.Module):
@@ -47,8 +47,9 @@ class GatedDeltaNet(nn.Module):
             return q, k, v, g, beta
 
         def verify(mixed, cu, state, rings, slots, ring_start, committed, flush, max_query_len):
-            out, state, *rings = gdn_verify(*heads(mixed), cu, state, *rings, slots, ring_start, committed, flush,
-                                            max_query_len=max_query_len, backend=backend)
+            op = gdn_verify_snapshots if has_snapshots(rings) else gdn_verify
+            out, state, *rings = op(*heads(mixed), cu, state, *rings, slots, ring_start, committed, flush,
+                                    max_query_len=max_query_len, backend=backend)
             return out, state, tuple(rings)
 
         core = MixerCore(

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 from jaxhybrid.config import Mamba2Config
 from jaxhybrid.models.layers import GatedRMSNorm
 from jaxhybrid.models.ops import DEFAULT_OPS, ModelOps
-from jaxhybrid.models.pools import RecurrentPool
+from jaxhybrid.models.pools import RecurrentPool, has_snapshots
 from jaxhybrid.models.recurrent import Conv, MixerCore, recurrent_layer
 from jaxhybrid.plan_transfer import DevicePlan
-from pallas_kernels.mamba2 import ssd_materialise, ssd_prefill, ssd_verify
+from pallas_kernels.mamba2 import ssd_materialise, ssd_prefill, ssd_verify, ssd_verify_snapshots
 
 
 class Mamba2Mixer(nn.Module):
@@ -46,8 +46,9 @@ class Mamba2Mixer(nn.Module):
             return xs, dt, a, b, c, d
 
         def verify(mixed, cu, state, rings, slots, ring_start, committed, flush, max_query_len):
-            out, state, *rings = ssd_verify(*inputs(mixed), cu, state, *rings, slots, ring_start, committed, flush,
-                                            max_query_len=max_query_len, backend=backend)
+            op = ssd_verify_snapshots if has_snapshots(rings) else ssd_verify
+            out, state, *rings = op(*inputs(mixed), cu, state, *rings, slots, ring_start, committed, flush,
+                                    max_query_len=max_query_len, backend=backend)
             return out, state, tuple(rings)
 
         core = MixerCore(

@@ -27,7 +27,9 @@ class RecurrentPool(NamedTuple):
 
     window: jax.Array             # [S, Kc-1, conv_dim] the conv window at S0, oldest first
     state: jax.Array              # [S, HV, K, V] (GDN) | [S, NH, P, N] (Mamba2) f32 S0
-    rings: tuple[jax.Array, ...]  # GDN (k^, u, g) | Mamba2 (x, dt, B), see pallas_kernels.gdn / .mamba2
+    # GDN (k^, u, g) | Mamba2 (x, dt, B), see pallas_kernels.gdn / .mamba2; with W = 0 (snapshots,): the
+    # whole state after each entry, [S, heads, E, ...]
+    rings: tuple[jax.Array, ...]
     conv_ring: jax.Array          # [S, 1, W, conv_dim] pre-conv inputs after S0
 
 
@@ -68,8 +70,13 @@ def _kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtyp
     return KVPool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def _recurrent_pool(cfg: ModelConfig, kind: str, num_slots: int, ring_entries: int,
-                    dtype: jnp.dtype) -> RecurrentPool:
+def has_snapshots(rings: tuple[jax.Array, ...]) -> bool:
+    """The snapshot-every-position baseline's pages keep one ring, of whole states."""
+    return len(rings) == 1
+
+
+def _recurrent_pool(cfg: ModelConfig, kind: str, num_slots: int, ring_entries: int, dtype: jnp.dtype,
+                    snapshots: bool) -> RecurrentPool:
     s, w = num_slots, ring_entries
     if kind == GDN:
         g = cfg.gdn
@@ -81,15 +88,18 @@ def _recurrent_pool(cfg: ModelConfig, kind: str, num_slots: int, ring_entries: i
         state = (s, m.num_heads, m.head_dim, m.state_size)
         rings = ((s, m.num_heads, w, m.head_dim), (s, m.num_heads, w), (s, m.n_groups, w, m.state_size))
         mixer = m
+    if snapshots:
+        rings = ((s, state[1], w, *state[2:]),)
     return RecurrentPool(jnp.zeros((s, mixer.conv_kernel - 1, mixer.conv_dim), dtype),
                          jnp.zeros(state, jnp.float32), tuple(jnp.zeros(shape, jnp.float32) for shape in rings),
                          jnp.zeros((s, 1, w, mixer.conv_dim), dtype))
 
 
 def init_device_state(cfg: ModelConfig, *, num_blocks: int, block_size: int, num_slots: int, ring_entries: int,
-                      history_len: int = 1, dtype: jnp.dtype = jnp.float32) -> DeviceState:
+                      history_len: int = 1, dtype: jnp.dtype = jnp.float32, snapshots: bool = False) -> DeviceState:
     """Zero pools: `num_blocks` KV blocks and `num_slots` state slots (nulls included), rings of
-    `ring_entries` = W + 1 + K entries, token histories of `history_len` positions."""
+    `ring_entries` = W + 1 + K entries (whole states with `snapshots`), token histories of `history_len`
+    positions."""
     layers = []
     for kinds in cfg.layers:
         stateful = [k for k in kinds if k not in (MLP, MOE)]
@@ -98,6 +108,6 @@ def init_device_state(cfg: ModelConfig, *, num_blocks: int, block_size: int, num
         elif stateful[0] == ATTENTION:
             layers.append(_kv_pool(cfg, num_blocks, block_size, dtype))
         else:
-            layers.append(_recurrent_pool(cfg, stateful[0], num_slots, ring_entries, dtype))
+            layers.append(_recurrent_pool(cfg, stateful[0], num_slots, ring_entries, dtype, snapshots))
     mtp = tuple(_kv_pool(cfg, num_blocks, block_size, dtype) for _ in cfg.mtp_layers)
     return DeviceState(tuple(layers), mtp, jnp.zeros((num_slots, history_len), jnp.int32))

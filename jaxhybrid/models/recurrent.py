@@ -14,8 +14,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.models.pools import RecurrentPool, copy_pages, for_each_entry
+from jaxhybrid.models.pools import RecurrentPool, copy_pages, for_each_entry, has_snapshots
 from jaxhybrid.plan_transfer import DevicePlan
+from pallas_kernels.common import snapshot_materialise
 from pallas_kernels.conv1d import conv1d_materialise, conv1d_prefill, conv1d_replay
 from pallas_kernels.grouped_prefill import grouped_prefill
 from scheduler.plan import RowKind
@@ -29,7 +30,7 @@ class MixerCore(NamedTuple):
     # (conv_out, cu_seqlens, state_pool, rings, slots, ring_start, committed, flush, max_query_len)
     #   -> (out, state_pool, rings); max_query_len (static) bounds every row's tokens
     verify: Callable
-    # (state_pool, rings, src, dst, ring_start, count) -> state_pool
+    # (state_pool, rings, src, dst, ring_start, count) -> state_pool; snapshots need no family op
     materialise: Callable
     out: jax.ShapeDtypeStruct  # the outputs' [T, ...] shape and dtype
 
@@ -64,8 +65,9 @@ def recurrent_layer(conv_in: jax.Array, conv: Conv, core: MixerCore, plan: Devic
 
 def _materialise(core: MixerCore, plan: DevicePlan, pool: RecurrentPool) -> RecurrentPool:
     def one(pool: RecurrentPool, *entry) -> RecurrentPool:
-        return pool._replace(state=core.materialise(pool.state, pool.rings, *entry),
-                             window=conv1d_materialise(pool.window, pool.conv_ring, *entry))
+        state = (snapshot_materialise(pool.state, *pool.rings, *entry) if has_snapshots(pool.rings)
+                 else core.materialise(pool.state, pool.rings, *entry))
+        return pool._replace(state=state, window=conv1d_materialise(pool.window, pool.conv_ring, *entry))
 
     return for_each_entry(plan.num_materializations, one, pool, plan.materialize_src, plan.materialize_dst,
                           plan.materialize_ring_start, plan.materialize_count)

@@ -20,7 +20,10 @@ from pallas_kernels.common import resolve_backend
 from pallas_kernels.gdn import pallas, pallas_prefill, reference
 from pallas_kernels.gdn.reference import gdn_chunked, gdn_recurrent
 
-__all__ = ["gdn_chunked", "gdn_decode", "gdn_materialise", "gdn_prefill", "gdn_recurrent", "gdn_verify"]
+__all__ = [
+    "gdn_chunked", "gdn_decode", "gdn_materialise", "gdn_prefill", "gdn_recurrent", "gdn_verify",
+    "gdn_verify_snapshots",
+]
 
 
 def gdn_prefill(
@@ -99,6 +102,30 @@ def gdn_verify(
     if backend == "reference":
         return reference.gdn_verify(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, max_query_len=max_query_len)
     return pallas.gdn_verify(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=backend == "interpret")
+
+
+def gdn_verify_snapshots(
+    q, k, v, g, beta, cu_seqlens, state_pool, snapshots, slots, ring_start, committed, flush,
+    *, scale=None, use_qk_l2norm=True, max_query_len=None, backend=None,
+):  # fmt: skip
+    """`gdn_verify` for the snapshot-every-position baseline: ring entry j is the full state after it.
+
+    The same trackers and results as `gdn_verify` with `snapshots` [S, HV, E, K, V] f32 in place of the
+    rings: the live state (S0 advanced by `committed` entries) is read whole from the snapshot at
+    (ring_start + committed - 1) % E, or S0 when nothing is committed; a flush writes it to S0; the
+    state after each of the row's T_r tokens is stored at ring positions committed .. committed + T_r - 1
+    (mod E, from ring_start). Materialising is `pallas_kernels.common.snapshot_materialise`.
+
+    Returns:
+      o: [T, HV, V] in v.dtype, state_pool, snapshots.
+    """
+    args = (q, k, v, g, beta, cu_seqlens, state_pool, snapshots, slots, ring_start, committed, flush)
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return reference.gdn_verify_snapshots(*args, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                              max_query_len=max_query_len)
+    return pallas.gdn_verify_snapshots(*args, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                       interpret=backend == "interpret")
 
 
 def gdn_materialise(state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ring_start, num_entries, *, backend=None):

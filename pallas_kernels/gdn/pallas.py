@@ -29,6 +29,16 @@ def _fold_ring(ring_k_ref, ring_u_ref, ring_g_ref, slot, i_k, i_h, cols, ring_st
     return jax.lax.fori_loop(0, count, fold, state)
 
 
+def _token(t, s, q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, i_k, i_h, cols):
+    """Token t on a [K, BV] state tile, its read-out stored to o_ref; returns (state, delta u)."""
+    k, q = k_ref[t, i_k], q_ref[t, i_k]
+    s = jnp.exp(g_ref[t, i_h]) * s  # decay before the read (§1.3 (g))
+    delta = beta_ref[t, i_h] * (v_ref[t, i_h, cols].astype(jnp.float32) - jnp.sum(s * k[:, None], axis=0))
+    s = s + k[:, None] * delta[None, :]
+    o_ref[t, i_h, cols] = jnp.sum(s * q[:, None], axis=0)
+    return s, delta
+
+
 def _gdn_replay_kernel(
     cu_ref,  # [R+1] i32
     slots_ref,  # [R] i32
@@ -65,11 +75,7 @@ def _gdn_replay_kernel(
         state_out_ref[slot, i_h, :, cols] = state
 
     def step(t, s):
-        k, q = k_ref[t, i_k], q_ref[t, i_k]
-        s = jnp.exp(g_ref[t, i_h]) * s  # decay before the read (§1.3 (g))
-        delta = beta_ref[t, i_h] * (v_ref[t, i_h, cols].astype(jnp.float32) - jnp.sum(s * k[:, None], axis=0))
-        s = s + k[:, None] * delta[None, :]
-        o_ref[t, i_h, cols] = jnp.sum(s * q[:, None], axis=0)
+        s, delta = _token(t, s, q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, i_k, i_h, cols)
         delta_ref[t, i_h, cols] = delta
         return s
 
@@ -125,6 +131,80 @@ def gdn_verify(
         for ring, new in ((ring_k, kn), (ring_u, delta), (ring_g, g))
     )
     return (zero_padding(o, cu_seqlens, v.dtype), state_pool, *rings)
+
+
+def _gdn_snapshot_kernel(
+    cu_ref,  # [R+1] i32
+    slots_ref,  # [R] i32
+    start_ref,  # [R] i32 ring_start
+    committed_ref,  # [R] i32
+    flush_ref,  # [R] i32
+    q_ref,  # [T, H, K] f32, normalised and scaled
+    k_ref,  # [T, H, K] f32, normalised
+    v_ref,  # [T, HV, V]
+    g_ref,  # [T, HV] f32
+    beta_ref,  # [T, HV] f32
+    snapshots_ref,  # [S, HV, E, K, V] f32, aliased to snapshots_out_ref
+    state_ref,  # [S, HV, K, V] f32, aliased to state_out_ref
+    o_ref,  # [T, HV, V] f32
+    snapshots_out_ref,  # [S, HV, E, K, V] f32
+    state_out_ref,  # [S, HV, K, V] f32
+    *,
+    group: int,
+    block_v: int,
+):
+    """The snapshot baseline: the live state is read whole, and the state after every token is stored."""
+    i_r, i_h, i_v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i_k, cols = i_h // group, pl.ds(i_v * block_v, block_v)
+    slot, committed, width = slots_ref[i_r], committed_ref[i_r], snapshots_ref.shape[2]
+    first, new = cu_ref[i_r], start_ref[i_r] + committed  # ring index of the row's first new entry
+    live = snapshots_ref[slot, i_h, (new + width - 1) % width, :, cols]
+    state = jnp.where(committed > 0, live, state_ref[slot, i_h, :, cols])
+
+    @pl.when((flush_ref[i_r] != 0) & (slot > 0))
+    def _():
+        state_out_ref[slot, i_h, :, cols] = state
+
+    def step(t, s):
+        s, _ = _token(t, s, q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, i_k, i_h, cols)
+
+        @pl.when(slot > 0)
+        def _():
+            snapshots_out_ref[slot, i_h, (new + t - first) % width, :, cols] = s
+
+        return s
+
+    jax.lax.fori_loop(first, cu_ref[i_r + 1], step, state)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret"), donate_argnames=("state_pool", "snapshots")
+)
+def gdn_verify_snapshots(
+    q, k, v, g, beta, cu_seqlens, state_pool, snapshots, slots, ring_start, committed, flush,
+    *, scale=None, use_qk_l2norm=True, interpret=False,
+):  # fmt: skip
+    """Pallas snapshot verify/decode; contract in `pallas_kernels.gdn.gdn_verify_snapshots`."""
+    check_rows(cu_seqlens, slots, "slots")
+    qn, kn = normalise_qk(q, k, scale, use_qk_l2norm)
+    num_tokens, num_heads, head_v = v.shape
+    block_v = min(head_v, MAX_BLOCK_V)
+    operands = dict(
+        cu_seqlens=cu_seqlens, slots=slots, ring_start=ring_start, committed=committed,
+        flush=flush.astype(jnp.int32), q=qn, k=kn, v=v, g=g.astype(jnp.float32), beta=beta.astype(jnp.float32),
+        snapshots=snapshots, state=state_pool,
+    )  # fmt: skip
+    kernel = functools.partial(_gdn_snapshot_kernel, group=num_heads // q.shape[1], block_v=block_v)
+    o_shape = jax.ShapeDtypeStruct((num_tokens, num_heads, head_v), jnp.float32)
+    o, snapshots, state_pool = pl.pallas_call(
+        kernel,
+        out_shape=(o_shape, *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in (snapshots, state_pool))),
+        grid=(cu_seqlens.shape[0] - 1, num_heads, head_v // block_v),
+        input_output_aliases={len(operands) - 2: 1, len(operands) - 1: 2},
+        interpret=interpret,
+        name=f"gdn_snapshots_{block_v=}",
+    )(*operands.values())
+    return zero_padding(o, cu_seqlens, v.dtype), state_pool, snapshots
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret"), donate_argnames="state_pool")

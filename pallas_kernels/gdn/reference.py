@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from pallas_kernels.common import (
     HIGHEST,
     append_dense_rows,
+    append_tokens,
     check_rows,
     checkpoint_counts,
     chunk_table,
@@ -22,6 +23,7 @@ from pallas_kernels.common import (
     rows_to_dense,
     scatter_chunks,
     scatter_slots,
+    snapshot_at,
     store_prefill_states,
     token_rows,
 )
@@ -224,20 +226,22 @@ def gdn_prefill(
     return o.astype(v.dtype), state_pool
 
 
-def _decode_row(state, q, k, v, g, beta, length):
+def _decode_row(state, q, k, v, g, beta, length, keep_states=False):
     """Recurrent steps over the first `length` of a row's [Tq, ...] tokens (Tq: the step's most tokens
     per row; heads already expanded).
 
-    Returns (o [Tq, HV, V], delta [Tq, HV, V], final state); entries past `length` are don't-care.
+    Returns (o [Tq, HV, V], delta [Tq, HV, V], final state, with `keep_states` the state after each
+    token [Tq, HV, K, V] else None); entries past `length` are don't-care.
     """
 
     def step(s, xs):
         t, *token = xs
         new, o, delta = recurrent_step(s, *token)
-        return jnp.where(t < length, new, s), (o, delta)
+        new = jnp.where(t < length, new, s)
+        return new, (o, delta, new if keep_states else None)
 
-    final, (o, delta) = jax.lax.scan(step, state, (jnp.arange(q.shape[0]), q, k, v, g, beta))
-    return o, delta, final
+    final, (o, delta, states) = jax.lax.scan(step, state, (jnp.arange(q.shape[0]), q, k, v, g, beta))
+    return o, delta, final, states
 
 
 def _fold_ring(state, ring_k, ring_u, ring_g, ring_start, count):
@@ -271,7 +275,7 @@ def gdn_decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, *, scale=None, u
     qd, kd, _, vd, gd, bd = _dense_inputs(q, k, v, g, beta, cu_seqlens, 1, state_pool.shape[1], scale, use_qk_l2norm)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     # The same pinned ops as a ReplaySSM fold (`decay`, `write`), so W = 1 replay is bit-identical.
-    o, _, state = jax.vmap(_decode_row)(state_pool[slots].astype(jnp.float32), qd, kd, vd, gd, bd, lengths)
+    o, _, state, _ = jax.vmap(_decode_row)(state_pool[slots].astype(jnp.float32), qd, kd, vd, gd, bd, lengths)
     return dense_to_rows(o, cu_seqlens, q.shape[0]).astype(v.dtype), scatter_slots(state_pool, slots, state)
 
 
@@ -292,11 +296,32 @@ def gdn_verify(
     rk, ru, rg = ring_k[slots], ring_u[slots], ring_g[slots]
     state0 = state_pool[slots].astype(jnp.float32)
     checkpoint = jax.vmap(_fold_ring)(state0, rk, ru, rg, ring_start, committed)
-    o, delta, _ = jax.vmap(_decode_row)(checkpoint, qd, kd, vd, gd, bd, lengths)
+    o, delta, _, _ = jax.vmap(_decode_row)(checkpoint, qd, kd, vd, gd, bd, lengths)
     # Only a flush writes the state: S0 <- S0 advanced by the committed entries.
     state_pool = scatter_slots(state_pool, jnp.where(flush, slots, 0), checkpoint)
     rings = append_dense_rows((ring_k, ring_u, ring_g), (k_heads, delta, gd), slots, ring_start, committed, lengths)
     return dense_to_rows(o, cu_seqlens, q.shape[0]).astype(v.dtype), state_pool, *rings
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "use_qk_l2norm", "max_query_len"), donate_argnames=("state_pool", "snapshots")
+)
+def gdn_verify_snapshots(
+    q, k, v, g, beta, cu_seqlens, state_pool, snapshots, slots, ring_start, committed, flush,
+    *, scale=None, use_qk_l2norm=True, max_query_len=None,
+):  # fmt: skip
+    """Verify/decode keeping the state after every position; see `pallas_kernels.gdn.gdn_verify_snapshots`."""
+    check_rows(cu_seqlens, slots, "slots")
+    width, num_heads = max_query_len or snapshots.shape[2], state_pool.shape[1]
+    qd, kd, _, vd, gd, bd = _dense_inputs(q, k, v, g, beta, cu_seqlens, width, num_heads, scale, use_qk_l2norm)
+    checkpoint = snapshot_at(state_pool, snapshots, slots, ring_start, committed)
+    o, _, _, states = jax.vmap(functools.partial(_decode_row, keep_states=True))(
+        checkpoint, qd, kd, vd, gd, bd, cu_seqlens[1:] - cu_seqlens[:-1]
+    )
+    state_pool = scatter_slots(state_pool, jnp.where(flush, slots, 0), checkpoint)
+    states = dense_to_rows(states, cu_seqlens, q.shape[0])
+    snapshots = append_tokens(snapshots, states, cu_seqlens, slots, ring_start, committed)
+    return dense_to_rows(o, cu_seqlens, q.shape[0]).astype(v.dtype), state_pool, snapshots
 
 
 @functools.partial(jax.jit, donate_argnames="state_pool")

@@ -19,7 +19,10 @@ from pallas_kernels.common import resolve_backend
 from pallas_kernels.mamba2 import pallas, pallas_prefill, reference
 from pallas_kernels.mamba2.reference import ssd_chunked, ssd_recurrent
 
-__all__ = ["ssd_chunked", "ssd_decode", "ssd_materialise", "ssd_prefill", "ssd_recurrent", "ssd_verify"]
+__all__ = [
+    "ssd_chunked", "ssd_decode", "ssd_materialise", "ssd_prefill", "ssd_recurrent", "ssd_verify",
+    "ssd_verify_snapshots",
+]
 
 
 def ssd_prefill(
@@ -86,6 +89,26 @@ def ssd_verify(
     if backend == "reference":
         return reference.ssd_verify(*args, max_query_len=max_query_len)
     return pallas.ssd_verify(*args, interpret=backend == "interpret")
+
+
+def ssd_verify_snapshots(
+    x, dt, A, B, C, D, cu_seqlens, state_pool, snapshots, slots, ring_start, committed, flush,
+    *, max_query_len=None, backend=None,
+):  # fmt: skip
+    """`ssd_verify` for the snapshot-every-position baseline: ring entry j is the full state after it.
+
+    The same trackers and results as `ssd_verify` with `snapshots` [S, NH, E, P, N] f32 in place of the
+    rings (contract: `pallas_kernels.gdn.gdn_verify_snapshots`). Materialising is
+    `pallas_kernels.common.snapshot_materialise`.
+
+    Returns:
+      y: [T, NH, P] in x.dtype, state_pool, snapshots.
+    """
+    args = (x, dt, A, B, C, D, cu_seqlens, state_pool, snapshots, slots, ring_start, committed, flush)
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return reference.ssd_verify_snapshots(*args, max_query_len=max_query_len)
+    return pallas.ssd_verify_snapshots(*args, interpret=backend == "interpret")
 
 
 def ssd_materialise(

@@ -40,8 +40,11 @@ def _fold_ring(state, ring_x_ref, ring_dt_ref, ring_B_ref, *, slot, head, group,
     return jax.lax.fori_loop(0, count, body, state)
 
 
-def _decode_tokens(state, start, length, x_ref, dt_ref, B_ref, C_ref, y_ref, *, head, group, p0, block_p, a, d):
-    """Recurrent steps over tokens [start, start + length) writing y_t = h_t C_t + D x_t; returns the state."""
+def _decode_tokens(
+    state, start, length, x_ref, dt_ref, B_ref, C_ref, y_ref, *, head, group, p0, block_p, a, d, store=None
+):  # fmt: skip
+    """Recurrent steps over tokens [start, start + length) writing y_t = h_t C_t + D x_t; returns the state.
+    `store(t, state)`, when given, sees the state after the row's token t."""
 
     def token(t, s):
         x = x_ref[start + t, head, pl.ds(p0, block_p)].astype(_f32)
@@ -49,6 +52,8 @@ def _decode_tokens(state, start, length, x_ref, dt_ref, B_ref, C_ref, y_ref, *, 
         s = _advance(s, x, dt_ref[start + t, head].astype(_f32), a, b)
         y = jnp.sum(s * c[None, :], axis=1) + d * x
         y_ref[start + t, head, pl.ds(p0, block_p)] = y.astype(y_ref.dtype)
+        if store is not None:
+            store(t, s)
         return s
 
     return jax.lax.fori_loop(0, length, token, state)
@@ -113,6 +118,54 @@ def _ssd_replay_kernel(
             @pl.when(slot > 0)
             def _():
                 state_out_ref[tile] = state.astype(state_out_ref.dtype)
+
+
+def _ssd_snapshot_kernel(
+    cu_seqlens_ref,  # [R+1] i32
+    slots_ref,  # [R] i32
+    ring_start_ref,  # [R] i32
+    committed_ref,  # [R] i32
+    flush_ref,  # [R] i32, 0/1
+    A_ref,  # [NH] f32
+    D_ref,  # [NH] f32
+    x_ref,  # [T, NH, P]
+    dt_ref,  # [T, NH] f32
+    B_ref,  # [T, G, N]
+    C_ref,  # [T, G, N]
+    snapshots_ref,  # [S, NH, E, P, N] f32, aliased to snapshots_out_ref
+    state_ref,  # [S, NH, P, N] f32, aliased to state_out_ref
+    y_ref,  # [T, NH, P]
+    snapshots_out_ref,  # [S, NH, E, P, N] f32
+    state_out_ref,  # [S, NH, P, N] f32
+    *, heads_per_group, block_p,
+):  # fmt: skip
+    """The snapshot baseline: the live state is read whole, and the state after every token is stored."""
+    i_row = pl.program_id(0)
+    head, group, p0 = program_tile(heads_per_group, block_p)
+    slot, start, committed = slots_ref[i_row], cu_seqlens_ref[i_row], committed_ref[i_row]
+    length, width = cu_seqlens_ref[i_row + 1] - start, snapshots_ref.shape[2]
+    new = ring_start_ref[i_row] + committed  # ring index of the row's first new entry
+    rows = pl.ds(p0, block_p)
+    write_back = (flush_ref[i_row] != 0) & (slot > 0)
+
+    @pl.when((length > 0) | write_back)
+    def _():
+        live = snapshots_ref[slot, head, (new + width - 1) % width, rows, :]
+        checkpoint = jnp.where(committed > 0, live, state_ref[slot, head, rows, :]).astype(_f32)
+
+        @pl.when(write_back)
+        def _():
+            state_out_ref[slot, head, rows, :] = checkpoint.astype(state_out_ref.dtype)
+
+        def store(t, state):
+            @pl.when(slot > 0)
+            def _():
+                snapshots_out_ref[slot, head, (new + t) % width, rows, :] = state.astype(snapshots_out_ref.dtype)
+
+        _decode_tokens(
+            checkpoint, start, length, x_ref, dt_ref, B_ref, C_ref, y_ref,
+            head=head, group=group, p0=p0, block_p=block_p, a=A_ref[head], d=D_ref[head], store=store,
+        )  # fmt: skip
 
 
 def _ssd_materialise_kernel(
@@ -223,6 +276,29 @@ def ssd_verify(
         for ring, new in ((ring_x, x), (ring_dt, dt), (ring_B, B))
     )
     return (y, state_pool, *rings)
+
+
+@functools.partial(jax.jit, static_argnames=("block_p", "interpret"), donate_argnames=("state_pool", "snapshots"))
+def ssd_verify_snapshots(
+    x, dt, A, B, C, D, cu_seqlens, state_pool, snapshots, slots, ring_start, committed, flush,
+    *, block_p=16, interpret=False,
+):  # fmt: skip
+    """Same contract as `reference.ssd_verify_snapshots`; one program per (row, head, block_p rows of P)."""
+    check_rows(cu_seqlens, slots, "slots")
+    block_p = check_tiles(state_pool, block_p)
+    trackers = int32(cu_seqlens, slots, ring_start, committed, flush)
+    operands = [*trackers, A.astype(_f32), D.astype(_f32), x, dt, B, C, snapshots, state_pool]
+    kernel = functools.partial(_ssd_snapshot_kernel, heads_per_group=x.shape[1] // B.shape[1], block_p=block_p)
+    y, snapshots, state_pool = pl.pallas_call(
+        kernel,
+        out_shape=tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in (x, snapshots, state_pool)),
+        grid=(slots.shape[0], state_pool.shape[1], state_pool.shape[2] // block_p),
+        input_output_aliases={len(operands) - 2: 1, len(operands) - 1: 2},
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        name=f"ssd_snapshots_{block_p=}",
+    )(*operands)
+    return zero_padding(y, cu_seqlens, x.dtype), state_pool, snapshots
 
 
 @functools.partial(jax.jit, static_argnames=("block_p", "interpret"), donate_argnames="state_pool")

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from pallas_kernels.common import (
     HIGHEST,
     append_dense_rows,
+    append_tokens,
     check_rows,
     checkpoint_counts,
     chunk_table,
@@ -22,6 +23,7 @@ from pallas_kernels.common import (
     rows_to_dense,
     scatter_chunks,
     scatter_slots,
+    snapshot_at,
     store_prefill_states,
     token_rows,
     zero_padding,
@@ -173,17 +175,19 @@ def ssd_prefill(
     return zero_padding(y + d[:, None] * xf, cu_seqlens, x.dtype), state_pool
 
 
-def _decode_row(state, x, dt, a, b, c, d, length):
+def _decode_row(state, x, dt, a, b, c, d, length, keep_states=False):
     """Recurrent steps over the first `length` of a row's [Tq, ...] tokens (Tq: the step's most tokens
-    per row); returns (y [Tq, NH, P], final)."""
+    per row); returns (y [Tq, NH, P], final, with `keep_states` the state after each token
+    [Tq, NH, P, N] else None)."""
 
     def step(s, xs):
         t, x_t, dt_t, b_t, c_t = xs
         new, y = recurrent_step(s, x_t, dt_t, a, b_t, c_t, d)
-        return jnp.where(t < length, new, s), y
+        new = jnp.where(t < length, new, s)
+        return new, (y, new if keep_states else None)
 
-    final, y = jax.lax.scan(step, state, (jnp.arange(x.shape[0]), x, dt, b, c))
-    return y, final
+    final, (y, states) = jax.lax.scan(step, state, (jnp.arange(x.shape[0]), x, dt, b, c))
+    return y, final, states
 
 
 def _fold_ring(state, ring_x, ring_dt, ring_b, a, ring_start, count):
@@ -217,7 +221,7 @@ def ssd_decode(x, dt, A, B, C, D, cu_seqlens, state_pool, slots):
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     # The same pinned ops as a ReplaySSM fold (`advance`), so W = 1 replay is bit-identical.
     decode = jax.vmap(_decode_row, (0, 0, 0, None, 0, 0, None, 0))
-    y, state = decode(state_pool[slots].astype(jnp.float32), xd, dtd, a, bd, cd, d, lengths)
+    y, state, _ = decode(state_pool[slots].astype(jnp.float32), xd, dtd, a, bd, cd, d, lengths)
     return dense_to_rows(y, cu_seqlens, x.shape[0]).astype(x.dtype), scatter_slots(state_pool, slots, state)
 
 
@@ -234,11 +238,28 @@ def ssd_verify(x, dt, A, B, C, D, cu_seqlens, state_pool, ring_x, ring_dt, ring_
     rx, rdt, rb = ring_x[slots], ring_dt[slots], ring_B[slots]
     fold = jax.vmap(_fold_ring, (0, 0, 0, 0, None, 0, 0))
     checkpoint = fold(state_pool[slots].astype(jnp.float32), rx, rdt, rb, a, ring_start, committed)
-    y, _ = jax.vmap(_decode_row, (0, 0, 0, None, 0, 0, None, 0))(checkpoint, xd, dtd, a, bd, cd, d, lengths)
+    y, _, _ = jax.vmap(_decode_row, (0, 0, 0, None, 0, 0, None, 0))(checkpoint, xd, dtd, a, bd, cd, d, lengths)
     # Only a flush writes the state: S0 <- S0 advanced by the committed entries.
     state_pool = scatter_slots(state_pool, jnp.where(flush, slots, 0), checkpoint)
     rings = append_dense_rows((ring_x, ring_dt, ring_B), (xd, dtd, b_groups), slots, ring_start, committed, lengths)
     return dense_to_rows(y, cu_seqlens, x.shape[0]).astype(x.dtype), state_pool, *rings
+
+
+@functools.partial(jax.jit, static_argnames="max_query_len", donate_argnames=("state_pool", "snapshots"))
+def ssd_verify_snapshots(x, dt, A, B, C, D, cu_seqlens, state_pool, snapshots, slots, ring_start, committed, flush,
+                         *, max_query_len=None):
+    """Verify/decode keeping the state after every position; see `pallas_kernels.mamba2.ssd_verify_snapshots`."""
+    check_rows(cu_seqlens, slots, "slots")
+    width, num_heads = max_query_len or snapshots.shape[2], state_pool.shape[1]
+    xd, dtd, bd, cd, _ = _dense_inputs(x, dt, B, C, cu_seqlens, width, num_heads)
+    a, d = _f32(A, D)
+    checkpoint = snapshot_at(state_pool, snapshots, slots, ring_start, committed)
+    decode = jax.vmap(functools.partial(_decode_row, keep_states=True), (0, 0, 0, None, 0, 0, None, 0))
+    y, _, states = decode(checkpoint, xd, dtd, a, bd, cd, d, cu_seqlens[1:] - cu_seqlens[:-1])
+    state_pool = scatter_slots(state_pool, jnp.where(flush, slots, 0), checkpoint)
+    states = dense_to_rows(states, cu_seqlens, x.shape[0])
+    snapshots = append_tokens(snapshots, states, cu_seqlens, slots, ring_start, committed)
+    return dense_to_rows(y, cu_seqlens, x.shape[0]).astype(x.dtype), state_pool, snapshots
 
 
 @functools.partial(jax.jit, donate_argnames="state_pool")

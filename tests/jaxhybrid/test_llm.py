@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxhybrid import LLM, SamplingParams
+from jaxhybrid.models.pools import RecurrentPool, has_snapshots
 from jaxhybrid.tokenizer import CHECKPOINT_MARKER
 from scheduler import CheckpointMarkerError
 from tests.hf_fixtures import HF_FIXTURES
@@ -40,6 +41,20 @@ def test_greedy_text_prompts_with_and_without_markers_equal_the_full_forward(llm
         assert output.outputs[0].text == tokenizer.decode(output.outputs[0].token_ids)
     assert outputs[1].num_cached_tokens > 0  # a consumer starts from the anchor's checkpoint
     assert llm.engine.stats.accepted_tokens > llm.engine.stats.draft_tokens / 3  # the trained MTP head drafts well
+
+
+def test_the_snapshot_baseline_generates_what_replayssm_generates(llm):
+    """replayssm_window = 0: verify keeps the whole state after every position instead of a replay ring."""
+    snapshots = LLM(replayssm_window=0, speculative_config={"method": "mtp", "num_speculative_tokens": 3},
+                    num_blocks=256, num_state_slots=48, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                    mamba_block_size=16, token_buckets=(64,), row_buckets=(8,))
+    pool = next(layer for layer in snapshots.engine.runner.state.layers if isinstance(layer, RecurrentPool))
+    assert has_snapshots(pool.rings) and pool.rings[0].shape[2] == 1 + 3  # one whole state per verify position
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [ANCHOR + CHECKPOINT_MARKER + c for c in CANDIDATES[:2]] + [ANCHOR + c for c in CANDIDATES[2:]]
+    expected = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert [out.outputs[0].token_ids for out in snapshots.generate(prompts, params, use_tqdm=False)] == expected
+    assert snapshots.engine.stats.accepted_tokens > 0
 
 
 def test_stop_strings_cut_the_text(llm):

@@ -7,19 +7,20 @@ import pytest
 from jaxhybrid.memory import size_pools, slot_bytes
 from jaxhybrid.models.pools import RecurrentPool, init_device_state
 from scheduler import SchedulerConfig
+from scheduler.replay import ring_rows
 from tests.hf_fixtures import fixture_model
 
 
 def _page_nbytes(cfg, ring_size: int, k: int, history_len: int) -> int:
     """One slot of every slot pool the engine allocates (activations in a 2-byte dtype)."""
-    state = init_device_state(cfg, num_blocks=2, block_size=16, num_slots=1, ring_entries=ring_size + 1 + k,
-                              history_len=history_len, dtype=jnp.float16)
+    state = init_device_state(cfg, num_blocks=2, block_size=16, num_slots=1, ring_entries=ring_rows(ring_size, k),
+                              history_len=history_len, dtype=jnp.float16, snapshots=ring_size == 0)
     pools = [pool for pool in state.layers if isinstance(pool, RecurrentPool)] + [state.token_history]
     return sum(leaf.nbytes for leaf in jax.tree.leaves(pools))
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "qwen3_5_text"])
-@pytest.mark.parametrize("ring_size, k", [(1, 0), (16, 3)])
+@pytest.mark.parametrize("ring_size, k", [(1, 0), (16, 3), (0, 3)])
 def test_a_slot_counts_state_ring_and_window(family, ring_size, k):
     cfg = fixture_model(family).config
     assert slot_bytes(cfg, ring_size, k, history_len=100) == _page_nbytes(cfg, ring_size, k, history_len=100)

@@ -43,7 +43,7 @@ def assert_logprobs_close(llm: LLM, actual, tokens: list[int], start: int) -> No
 def run_lines(llm: LLM, lines: list, reuse: bool = True) -> list[dict]:
     job = ScoreJob(llm, model_name="m", reuse=reuse)
     raw = [line if isinstance(line, str) else json.dumps(line) for line in lines]
-    return [json.loads(text) for text in job.run(iter(enumerate(raw)), window=3)]
+    return [json.loads(text) for texts, _ in job.run(iter(enumerate(raw)), window=3) for text in texts]
 
 
 @pytest.mark.parametrize("reuse", [True, False])
@@ -115,20 +115,47 @@ def test_bad_lines_become_error_lines_and_the_job_goes_on(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_a_killed_job_resumes_to_the_same_bytes(tmp_path):
-    lines = [{"id": f"s{i}", "prompt": PROMPT, "candidates": CANDIDATES[i % 3:]} for i in range(4)]
+def job_flags(directory) -> list[str]:
+    """A job of scoring lines (prompts sharing prefixes, so windows hit each other's cached states) and sampled
+    completions, with windows of 3 lines: the CLI flags that run it."""
+    lines = [{"id": f"s{i}", "prompt": PROMPT + "x" * i, "candidates": CANDIDATES[i % 3:]} for i in range(6)]
     lines += [{"custom_id": f"g{i}", "method": "POST", "url": "/v1/completions",
                "body": {"prompt": f"def f{i}(x):", "max_tokens": 4, "temperature": 1.0}} for i in range(4)]
-    source = tmp_path / "in.jsonl"
+    source = directory / "in.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    flags = ["--input", str(source), "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len",
-             "192", "--num-blocks", "96", "--num-state-slots", "24", "--token-buckets", "16", "64", "--row-buckets",
-             "4", "--no-precompile", "--compilation-cache-dir", "", "--window", "3", "--seed", "5"]
-    whole = tmp_path / "whole.jsonl"
+    return ["--input", str(source), "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len",
+            "192", "--num-blocks", "96", "--num-state-slots", "24", "--token-buckets", "16", "64", "--row-buckets",
+            "4", "--no-precompile", "--compilation-cache-dir", "", "--window", "3", "--seed", "5"]
+
+
+@pytest.fixture(scope="module")
+def whole_job(tmp_path_factory) -> tuple[list[str], bytes]:
+    """The job's flags and the output file of an uninterrupted one-process run."""
+    directory = tmp_path_factory.mktemp("job")
+    flags, whole = job_flags(directory), directory / "whole.jsonl"
     summary = main([*flags, "--output", str(whole)])
-    assert summary.lines == 8 and summary.errors == 0
+    assert summary.lines == 10 and summary.errors == 0 and summary.checkpoint_hit_rate > 0
+    return flags, whole.read_bytes()
+
+
+def test_a_killed_job_resumes_to_the_same_bytes(whole_job, tmp_path):
+    flags, whole = whole_job
     killed = tmp_path / "killed.jsonl"
-    kept = whole.read_bytes().splitlines(keepends=True)
-    killed.write_bytes(b"".join(kept[:3]) + kept[3][:17])  # three whole lines and a torn one
+    kept = whole.splitlines(keepends=True)
+    killed.write_bytes(b"".join(kept[:4]) + kept[4][:17])  # four whole lines (one window and one more), a torn one
     main([*flags, "--output", str(killed), "--resume"])
-    assert killed.read_bytes() == whole.read_bytes()
+    assert killed.read_bytes() == whole
+
+
+def test_ray_data_replicas_write_the_same_bytes(whole_job, tmp_path):
+    """`--ray --num-replicas 2`: windows spread over two actors, each with its own engine."""
+    import ray
+
+    flags, whole = whole_job
+    output = tmp_path / "ray.jsonl"
+    try:
+        summary = main([*flags, "--output", str(output), "--ray", "--num-replicas", "2"])
+    finally:
+        ray.shutdown()
+    assert output.read_bytes() == whole
+    assert summary.lines == 10 and summary.errors == 0 and summary.checkpoint_hit_rate > 0
