@@ -107,7 +107,7 @@ def test_sampling_matches_the_exact_distribution_with_and_without_mtp(k):
     resampled residuals), so a lossy verifier would skew them. Fixed seeds: the test is deterministic;
     the threshold (p < 1e-3) is what a correct sampler fails once in a thousand seeds."""
     model = default_model()  # its trained MTP head drafts tokens the target often accepts
-    engine = engine_for(model, k=k, ring_size=4, budget=64, max_num_seqs=32, num_blocks=400)
+    engine = engine_for(model, k=k, ring_size=4, budget=256, max_num_seqs=64, num_blocks=400)
     prompt = tuple(default_tokenizer().encode("import os\n\n\ndef read_config(path):\n    with open("))
     exact = _exact_distribution(model, prompt, top_k=2, length=3)
     engine.add_request("r", Prompt(prompt), SamplingParams(n=400, temperature=1.0, top_k=2, max_tokens=3, seed=7,

@@ -19,7 +19,7 @@ def spec(array: jax.Array) -> list | None:
 
 def make_llm(tp: int) -> LLM:
     return LLM(tensor_parallel_size=tp, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96,
-               num_blocks=64, num_state_slots=16, token_buckets=(8, 32), row_buckets=(4,),
+               num_blocks=64, num_state_slots=16, token_buckets=(32,), row_buckets=(4,),
                speculative_config={"method": "mtp", "num_speculative_tokens": 2})
 
 
