@@ -134,26 +134,14 @@ def gdn_verify(
 
 
 def _gdn_snapshot_kernel(
-    cu_ref,  # [R+1] i32
-    slots_ref,  # [R] i32
-    start_ref,  # [R] i32 ring_start
-    committed_ref,  # [R] i32
-    flush_ref,  # [R] i32
-    q_ref,  # [T, H, K] f32, normalised and scaled
-    k_ref,  # [T, H, K] f32, normalised
-    v_ref,  # [T, HV, V]
-    g_ref,  # [T, HV] f32
-    beta_ref,  # [T, HV] f32
-    snapshots_ref,  # [S, HV, E, K, V] f32, aliased to snapshots_out_ref
-    state_ref,  # [S, HV, K, V] f32, aliased to state_out_ref
-    o_ref,  # [T, HV, V] f32
-    snapshots_out_ref,  # [S, HV, E, K, V] f32
-    state_out_ref,  # [S, HV, K, V] f32
-    *,
-    group: int,
-    block_v: int,
-):
-    """The snapshot baseline: the live state is read whole, and the state after every token is stored."""
+    cu_ref, slots_ref, start_ref, committed_ref, flush_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
+    snapshots_ref, state_ref, o_ref, snapshots_out_ref, state_out_ref, *, group: int, block_v: int,
+):  # fmt: skip
+    """The snapshot baseline: the live state is read whole, and the state after every token is stored.
+
+    Operands as `_gdn_replay_kernel`'s, with snapshots [S, HV, E, K, V] f32 (aliased to snapshots_out_ref) in
+    place of the rings and no delta output.
+    """
     i_r, i_h, i_v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     i_k, cols = i_h // group, pl.ds(i_v * block_v, block_v)
     slot, committed, width = slots_ref[i_r], committed_ref[i_r], snapshots_ref.shape[2]

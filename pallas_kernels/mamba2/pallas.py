@@ -121,25 +121,14 @@ def _ssd_replay_kernel(
 
 
 def _ssd_snapshot_kernel(
-    cu_seqlens_ref,  # [R+1] i32
-    slots_ref,  # [R] i32
-    ring_start_ref,  # [R] i32
-    committed_ref,  # [R] i32
-    flush_ref,  # [R] i32, 0/1
-    A_ref,  # [NH] f32
-    D_ref,  # [NH] f32
-    x_ref,  # [T, NH, P]
-    dt_ref,  # [T, NH] f32
-    B_ref,  # [T, G, N]
-    C_ref,  # [T, G, N]
-    snapshots_ref,  # [S, NH, E, P, N] f32, aliased to snapshots_out_ref
-    state_ref,  # [S, NH, P, N] f32, aliased to state_out_ref
-    y_ref,  # [T, NH, P]
-    snapshots_out_ref,  # [S, NH, E, P, N] f32
-    state_out_ref,  # [S, NH, P, N] f32
-    *, heads_per_group, block_p,
+    cu_seqlens_ref, slots_ref, ring_start_ref, committed_ref, flush_ref, A_ref, D_ref, x_ref, dt_ref, B_ref, C_ref,
+    snapshots_ref, state_ref, y_ref, snapshots_out_ref, state_out_ref, *, heads_per_group, block_p,
 ):  # fmt: skip
-    """The snapshot baseline: the live state is read whole, and the state after every token is stored."""
+    """The snapshot baseline: the live state is read whole, and the state after every token is stored.
+
+    Operands as `_ssd_replay_kernel`'s, with snapshots [S, NH, E, P, N] f32 (aliased to snapshots_out_ref) in
+    place of the rings.
+    """
     i_row = pl.program_id(0)
     head, group, p0 = program_tile(heads_per_group, block_p)
     slot, start, committed = slots_ref[i_row], cu_seqlens_ref[i_row], committed_ref[i_row]

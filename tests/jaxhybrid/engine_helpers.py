@@ -48,7 +48,11 @@ def run_to_completion(engine: Engine, max_steps: int = 500) -> dict[str, Request
 def _continuation(model: Model, prompt: tuple[int, ...], num_tokens: int) -> tuple[int, ...]:
     sequence = list(prompt)
     for _ in range(num_tokens):
-        sequence.append(int(np.argmax(np.asarray(model(np.array([sequence])))[0, -1])))
+        # right padding to a multiple of 64 cannot reach earlier positions (causal), and keeps the compiled
+        # forward shapes few
+        padded = np.zeros((1, -(-len(sequence) // 64) * 64), np.int32)
+        padded[0, :len(sequence)] = sequence
+        sequence.append(int(np.argmax(np.asarray(model(padded))[0, len(sequence) - 1])))
     return tuple(sequence[len(prompt):])
 
 

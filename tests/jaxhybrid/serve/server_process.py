@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-SMALL = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--token-buckets", "8", "32",
+SMALL = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--token-buckets", "32",
          "--row-buckets", "4", "--max-model-len", "256", "--num-blocks", "160", "--num-state-slots", "24"]
 START_TIMEOUT = 240.0  # seconds to load, compile and answer /health on a 2-core CI machine
 
