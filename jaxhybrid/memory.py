@@ -34,21 +34,21 @@ class PoolSizes(NamedTuple):
 def slot_bytes(cfg: ModelConfig, ring_size: int, num_spec_tokens: int, dtype_bytes: int = 2,
                history_len: int = 0) -> int:
     """Bytes of one state slot over all recurrent layers (activations in `dtype_bytes`, states in fp32) and
-    its token history of `history_len` positions. W = `ring_size` = 0 is the snapshot baseline: its ring
-    entries are whole states."""
+    its token history of `history_len` positions. W = `ring_size` = 0 is the snapshot baseline: a ring
+    entry is a whole state."""
     entries = ring_rows(ring_size, num_spec_tokens)
     columns = cfg.conv_kernel - 1 + entries  # the window and the ring of pre-conv inputs
     per_kind = {}
     if cfg.gdn:
         g = cfg.gdn
         state = 4 * g.num_v_heads * g.head_k_dim * g.head_v_dim
-        ring = 4 * entries * (g.num_k_heads * g.head_k_dim + g.num_v_heads * g.head_v_dim + g.num_v_heads)
-        per_kind[GDN] = state + (ring_size and ring or entries * state) + dtype_bytes * columns * g.conv_dim
+        ring = 4 * (g.num_k_heads * g.head_k_dim + g.num_v_heads * g.head_v_dim + g.num_v_heads) if ring_size else state
+        per_kind[GDN] = state + entries * ring + dtype_bytes * columns * g.conv_dim
     if cfg.mamba2:
         m = cfg.mamba2
         state = 4 * m.num_heads * m.head_dim * m.state_size
-        ring = 4 * entries * (m.num_heads * m.head_dim + m.num_heads + m.n_groups * m.state_size)
-        per_kind[MAMBA2] = state + (ring_size and ring or entries * state) + dtype_bytes * columns * m.conv_dim
+        ring = 4 * (m.num_heads * m.head_dim + m.num_heads + m.n_groups * m.state_size) if ring_size else state
+        per_kind[MAMBA2] = state + entries * ring + dtype_bytes * columns * m.conv_dim
     return 4 * history_len + sum(per_kind[kind] for layer in cfg.layers for kind in layer if kind in per_kind)
 
 

@@ -288,7 +288,6 @@ class ScoreJob:
         return {"id": line.get("id"), "line": index + 1, "error": detail}
 
 
-
 def resume_point(output: Path, window: int) -> int:
     """Lines of an earlier run of the job to keep: its complete lines, down to a whole number of windows (a
     line's floating-point results depend on the lines it ran with). The rest is cut off the file."""
