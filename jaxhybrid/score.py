@@ -194,7 +194,7 @@ class ScoreJob:
                  default_top_logprobs: int | None = None):
         self.llm, self.model_name, self.created, self.seed = llm, model_name, created, seed
         self.reuse, self.default_top_logprobs = reuse, default_top_logprobs
-        self.summary = JobSummary()
+        self.counted = Counter()  # lines, errors, prompt_tokens, generated_tokens
 
     def run(self, lines: Iterator[tuple[int, str]], window: int) -> Iterator[tuple[list[str], Counter]]:
         """Per window of `window` (line number, text) pairs: its output lines and what it counted."""
@@ -205,11 +205,8 @@ class ScoreJob:
 
     def counters(self) -> Counter:
         """Lines, errors and tokens so far, and the engine's cache lookups: what windows and replicas add up."""
-        stats, summary = self.llm.engine.stats, self.summary
-        return Counter(lines=summary.lines, errors=summary.errors, prompt_tokens=summary.prompt_tokens,
-                       generated_tokens=summary.generated_tokens, cached_tokens=stats.cached_tokens,
-                       prefix_cache_queries=stats.prefix_cache_queries, checkpoint_hits=stats.checkpoint_hits,
-                       checkpoint_queries=stats.checkpoint_queries)
+        lookups = ("cached_tokens", "prefix_cache_queries", "checkpoint_hits", "checkpoint_queries")
+        return self.counted + Counter({name: getattr(self.llm.engine.stats, name) for name in lookups})
 
     @staticmethod
     def _load(index: int, raw: str) -> dict:
@@ -264,12 +261,12 @@ class ScoreJob:
             if index in pending:
                 line, work, ids = pending[index]
                 results[index] = self._output_line(index, line, work, [finished[i] for i in ids])
-            self.summary.lines += 1
+            self.counted["lines"] += 1
             yield json.dumps(results[index]) + "\n"
 
     def _output_line(self, index: int, line: dict, work: _Work, finals: list[RequestOutput]) -> dict:
-        self.summary.prompt_tokens += sum(len(o.prompt_token_ids) for o in finals)
-        self.summary.generated_tokens += sum(len(c.token_ids) for o in finals for c in o.outputs)
+        self.counted["prompt_tokens"] += sum(len(o.prompt_token_ids) for o in finals)
+        self.counted["generated_tokens"] += sum(len(c.token_ids) for o in finals for c in o.outputs)
         if any(c.finish_reason == "error" for o in finals for c in o.outputs):
             return self._error_line(index, line, BadRequest("the engine failed this line", None, 500))
         body = work.finish(finals)
@@ -280,7 +277,7 @@ class ScoreJob:
         return {"id": line.get("id"), **body, "error": None}
 
     def _error_line(self, index: int, line: dict, error: BadRequest) -> dict:
-        self.summary.errors += 1
+        self.counted["errors"] += 1
         detail = protocol.error_body(str(error), "BadRequestError" if error.status == 400 else "InternalServerError",
                                      error.status, error.param)["error"]
         if "custom_id" in line:

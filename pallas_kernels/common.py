@@ -172,6 +172,15 @@ def snapshot_at(state_pool: jax.Array, snapshots: jax.Array, slots: jax.Array, r
     return jnp.where(live, taken, state_pool[slots]).astype(jnp.float32)
 
 
+def store_snapshots(state_pool, snapshots, checkpoint, states, cu_seqlens, slots, ring_start, committed, flush,
+                    num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """A snapshot verify's writes: flushed rows' live state `checkpoint` [R, H, ...] becomes S0, and the state
+    after each row token, `states` [R, Tq, H, ...], goes to its ring position (`append_tokens`)."""
+    state_pool = scatter_slots(state_pool, jnp.where(flush, slots, 0), checkpoint)
+    packed = dense_to_rows(states, cu_seqlens, num_tokens)
+    return state_pool, append_tokens(snapshots, packed, cu_seqlens, slots, ring_start, committed)
+
+
 @functools.partial(jax.jit, donate_argnames="state_pool")
 def snapshot_materialise(state_pool, snapshots, src_slots, dst_slots, ring_start, num_entries) -> jax.Array:
     """state_pool[dst] = the state of src after num_entries entries (`snapshot_at`): a whole-state copy,

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 from pallas_kernels.common import (
     HIGHEST,
     append_dense_rows,
-    append_tokens,
     check_rows,
     checkpoint_counts,
     chunk_table,
@@ -25,6 +24,7 @@ from pallas_kernels.common import (
     scatter_slots,
     snapshot_at,
     store_prefill_states,
+    store_snapshots,
     token_rows,
 )
 
@@ -318,9 +318,8 @@ def gdn_verify_snapshots(
     o, _, _, states = jax.vmap(functools.partial(_decode_row, keep_states=True))(
         checkpoint, qd, kd, vd, gd, bd, cu_seqlens[1:] - cu_seqlens[:-1]
     )
-    state_pool = scatter_slots(state_pool, jnp.where(flush, slots, 0), checkpoint)
-    states = dense_to_rows(states, cu_seqlens, q.shape[0])
-    snapshots = append_tokens(snapshots, states, cu_seqlens, slots, ring_start, committed)
+    state_pool, snapshots = store_snapshots(state_pool, snapshots, checkpoint, states, cu_seqlens, slots, ring_start,
+                                            committed, flush, q.shape[0])
     return dense_to_rows(o, cu_seqlens, q.shape[0]).astype(v.dtype), state_pool, snapshots
 
 

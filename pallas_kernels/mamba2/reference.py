@@ -12,7 +12,6 @@ import jax.numpy as jnp
 from pallas_kernels.common import (
     HIGHEST,
     append_dense_rows,
-    append_tokens,
     check_rows,
     checkpoint_counts,
     chunk_table,
@@ -25,6 +24,7 @@ from pallas_kernels.common import (
     scatter_slots,
     snapshot_at,
     store_prefill_states,
+    store_snapshots,
     token_rows,
     zero_padding,
 )
@@ -256,9 +256,8 @@ def ssd_verify_snapshots(x, dt, A, B, C, D, cu_seqlens, state_pool, snapshots, s
     checkpoint = snapshot_at(state_pool, snapshots, slots, ring_start, committed)
     decode = jax.vmap(functools.partial(_decode_row, keep_states=True), (0, 0, 0, None, 0, 0, None, 0))
     y, _, states = decode(checkpoint, xd, dtd, a, bd, cd, d, cu_seqlens[1:] - cu_seqlens[:-1])
-    state_pool = scatter_slots(state_pool, jnp.where(flush, slots, 0), checkpoint)
-    states = dense_to_rows(states, cu_seqlens, x.shape[0])
-    snapshots = append_tokens(snapshots, states, cu_seqlens, slots, ring_start, committed)
+    state_pool, snapshots = store_snapshots(state_pool, snapshots, checkpoint, states, cu_seqlens, slots, ring_start,
+                                            committed, flush, x.shape[0])
     return dense_to_rows(y, cu_seqlens, x.shape[0]).astype(x.dtype), state_pool, snapshots
 
 
