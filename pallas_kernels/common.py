@@ -10,6 +10,15 @@ import jax.numpy as jnp
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
+def dot_precision(dtype) -> jax.lax.Precision:
+    """In-kernel dot precision for operands of `dtype`, always accumulated in f32.
+
+    f32 operands keep IEEE fp32 (HIGHEST) so kernels match their f32 references; bf16/fp16 operands run at
+    DEFAULT, which is what puts them on tensor cores (HIGHEST would upcast them to fp32 passes).
+    """
+    return HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
 def check_rows(cu_seqlens: jax.Array, per_row: jax.Array, name: str) -> None:
     """Raise unless `per_row` has one entry per row of `cu_seqlens: [R+1]`."""
     if per_row.shape[0] != cu_seqlens.shape[0] - 1:
