@@ -24,9 +24,10 @@ def conv1d_prefill(
     """Conv over packed rows, each continuing from the window in its slot, which it then replaces.
 
     Args:
-      x: [T, D] pre-conv inputs; tokens outside [cu_seqlens[0], cu_seqlens[-1]) are padding.
+      x: [T, D] f32, bf16 or fp16 pre-conv inputs (the conv accumulates in f32); tokens outside
+        [cu_seqlens[0], cu_seqlens[-1]) are padding.
       weight: [D, Kc]; bias: [D] or None.  cu_seqlens: [R+1] i32.
-      window_pool: [S, Kc-1, D], donated.
+      window_pool: [S, Kc-1, D] in the activation dtype (windows are copies of inputs), donated.
       slots: [R] i32 (padding rows: 0).  has_initial: [R] bool; False rows start from a zero window.
       checkpoint_lens: optional [R] i32 in [0, row length]: also store the window after that many of
         the row's tokens ...
