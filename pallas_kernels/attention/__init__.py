@@ -12,8 +12,9 @@ __all__ = ["ragged_paged_attention"]
 
 
 def ragged_paged_attention(
-    q, k, v, k_pool, v_pool, slot_mapping, block_table, cu_seqlens, context_lens, *, scale, backend=None
-):
+    q, k, v, k_pool, v_pool, slot_mapping, block_table, cu_seqlens, context_lens, *, scale, backend=None,
+    block_m: int | None = None, num_splits: int | None = None,
+):  # fmt: skip
     """Write the new K/V into the paged pool, then attend causally within each row (one call for all
     row kinds: prefill chunks, decode and verify rows).
 
@@ -21,13 +22,16 @@ def ragged_paged_attention(
     of row r, read through block_table[r]. Softmax in fp32. Names and meanings are the BatchPlan's.
 
     Args:
-      q: [T, HQ, Dh] packed queries; tokens at index >= cu_seqlens[-1] are padding.
+      q: [T, HQ, Dh] packed queries, f32, bf16 or fp16 (the kernel's dots run in q.dtype with f32
+        accumulation, whatever the pools hold); tokens at index >= cu_seqlens[-1] are padding.
       k, v: [T, HKV, Dh] new keys/values.
       k_pool, v_pool: [NB, BS, HKV, Dh]; returned updated (donate them at the caller's jit).
       slot_mapping: [T] i32 flat slot (block * BS + offset) per token; padding tokens -> 0 (null block).
       block_table: [R, MB] i32 block ids per row.  cu_seqlens: [R+1] i32.
       context_lens: [R] i32 tokens of each row in the cache before this step (the plan's).
       scale: softmax scale.  backend: "reference" | "pallas" | "interpret"; None = pallas on GPU.
+      block_m, num_splits: the kernel's tiling (dot rows per program, KV splits per query tile; see
+        `pallas.ragged_paged_attention`); None picks from the static shapes. The reference ignores them.
 
     Returns:
       o: [T, HQ, Dh] in q.dtype (padding tokens zero), k_pool, v_pool.
@@ -36,4 +40,5 @@ def ragged_paged_attention(
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.ragged_paged_attention(*args, scale=scale)
-    return pallas.ragged_paged_attention(*args, scale=scale, interpret=backend == "interpret")
+    tiling = dict(block_m=block_m, num_splits=num_splits)
+    return pallas.ragged_paged_attention(*args, scale=scale, **tiling, interpret=backend == "interpret")

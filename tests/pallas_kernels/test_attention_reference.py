@@ -26,22 +26,22 @@ def rows(draw):
     return out
 
 
-def _make_case(row_specs, seed):
+def _make_case(row_specs, seed, num_q_heads=HQ, num_kv_heads=HKV):
     """Random full per-row K/V; the cached prefix goes into the pool, the last qlen tokens are new."""
     rng = np.random.default_rng(seed)
-    k_pool = rng.standard_normal((NB, BS, HKV, DH), np.float32)
-    v_pool = rng.standard_normal((NB, BS, HKV, DH), np.float32)
+    k_pool = rng.standard_normal((NB, BS, num_kv_heads, DH), np.float32)
+    v_pool = rng.standard_normal((NB, BS, num_kv_heads, DH), np.float32)
     free = list(rng.permutation(np.arange(1, NB)))  # block 0 is the null block
     tables = np.zeros((NUM_ROWS, MB), np.int32)
     dense, q, k, v, slots = [], [], [], [], []
     for r, (qlen, ctx) in enumerate(row_specs):
-        keys, values = rng.standard_normal((2, ctx, HKV, DH), np.float32)
+        keys, values = rng.standard_normal((2, ctx, num_kv_heads, DH), np.float32)
         tables[r, : -(-ctx // BS)] = [free.pop() for _ in range(-(-ctx // BS))]
         pos = np.arange(ctx)
         flat = tables[r, pos // BS] * BS + pos % BS
-        k_pool.reshape(-1, HKV, DH)[flat[: ctx - qlen]] = keys[: ctx - qlen]
-        v_pool.reshape(-1, HKV, DH)[flat[: ctx - qlen]] = values[: ctx - qlen]
-        q.append(rng.standard_normal((qlen, HQ, DH), np.float32))
+        k_pool.reshape(-1, num_kv_heads, DH)[flat[: ctx - qlen]] = keys[: ctx - qlen]
+        v_pool.reshape(-1, num_kv_heads, DH)[flat[: ctx - qlen]] = values[: ctx - qlen]
+        q.append(rng.standard_normal((qlen, num_q_heads, DH), np.float32))
         k.append(keys[ctx - qlen :])
         v.append(values[ctx - qlen :])
         slots.append(flat[ctx - qlen :])
@@ -65,12 +65,13 @@ def _make_case(row_specs, seed):
 
 def _dense_attention(q, keys, values, ctx):
     out = np.zeros_like(q)
+    group = q.shape[1] // keys.shape[1]
     for i in range(len(q)):
         pos = ctx - len(q) + i
-        for h in range(HQ):
-            s = keys[: pos + 1, h // (HQ // HKV)] @ q[i, h] * SCALE
+        for h in range(q.shape[1]):
+            s = keys[: pos + 1, h // group] @ q[i, h] * SCALE
             p = np.exp(s - s.max())
-            out[i, h] = p @ values[: pos + 1, h // (HQ // HKV)] / p.sum()
+            out[i, h] = p @ values[: pos + 1, h // group] / p.sum()
     return out
 
 

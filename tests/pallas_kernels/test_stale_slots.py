@@ -139,9 +139,10 @@ def test_decode_ignores_unused_slots(op, backend, poison):
 
 
 @pytest.mark.parametrize("poison", POISONS)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_attention_ignores_kv_outside_every_context(backend, poison):
-    """Block tails past a row's context, blocks no row owns: poisoned; the null block stays zero."""
+@pytest.mark.parametrize(("backend", "num_splits"), [("reference", None), ("interpret", 1), ("interpret", 4)])
+def test_attention_ignores_kv_outside_every_context(backend, num_splits, poison):
+    """Block tails past a row's context, blocks no row owns: poisoned; the null block stays zero. With 4 KV
+    splits the short rows leave splits idle, and their -inf partials must merge to nothing."""
     args, _ = _make_case([(3, 9), (1, 14), (0, 5), (6, 6)], seed=2)
     block_size = args["k_pool"].shape[1]
     visible = np.zeros(args["k_pool"].shape[:2], bool)
@@ -153,7 +154,7 @@ def test_attention_ignores_kv_outside_every_context(backend, poison):
     poisoned = dict(args, k_pool=args["k_pool"].copy(), v_pool=args["v_pool"].copy())
     poisoned["k_pool"][~visible] = poison
     poisoned["v_pool"][~visible] = poison
-    run = lambda inputs: ragged_paged_attention(**inputs, scale=SCALE, backend=backend)[0]
+    run = lambda inputs: ragged_paged_attention(**inputs, scale=SCALE, backend=backend, num_splits=num_splits)[0]
     _assert_same([run(poisoned)], [run(args)])
 
 
