@@ -5,6 +5,9 @@ N state size, S pool slots (slot 0 is the null slot: zeros, never written; paddi
 E ReplaySSM ring entries per slot (E = W + 1 + k: the scheduler's window W and the 1 + k entries a
 verify row with k drafts appends, `scheduler.replay.ring_rows`), C chunk.
 
+Activations x, B, C (and y, returned in x.dtype) are f32, bf16 or fp16, one dtype per prefill call; dt, A,
+D, the state pool and the rings are f32 (ring appends upcast). Kernels accumulate in f32.
+
 Slot page (one row of each pool, all fp32):
   state_pool [S, NH, P, N]   checkpoint state S0
   ring_x     [S, NH, E, P]   x of recent tokens
@@ -32,7 +35,8 @@ def ssd_prefill(
     """Chunked SSD (§2.3) varlen prefill reading and writing row states in the slot pool.
 
     Args:
-      x: [T, NH, P]; dt: [T, NH] f32 processed; A, D: [NH] f32; B, C: [T, G, N] (see `ssd_recurrent`).
+      x: [T, NH, P]; dt: [T, NH] f32 processed; A, D: [NH] f32; B, C: [T, G, N] in x.dtype (see
+        `ssd_recurrent`).
       cu_seqlens: [R+1] i32; tokens outside [cu_seqlens[0], cu_seqlens[-1]) are padding.
       state_pool: [S, NH, P, N] f32, donated and updated in place.
       slots: [R] i32 running slot per row (padding rows: 0).

@@ -5,6 +5,7 @@ in registers while it walks its row's tokens, so no two programs share a state t
 (cu_seqlens, slots, trackers) is int32 read as scalars; ring entries are read one scalar-indexed row at
 a time. The state pool is updated in place through `input_output_aliases`; ring appends are a scatter in
 XLA after the kernel (DESIGN "Kernels": no in-kernel scatter; B entries are shared by a group's heads).
+The token steps have no dots: x, B, C of any float dtype are upcast as loaded and y is stored in x.dtype.
 """
 
 import functools

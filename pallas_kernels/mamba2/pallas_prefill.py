@@ -1,7 +1,13 @@
 """Pallas (Triton backend) Mamba2 SSD chunked varlen prefill (kernels_models §2.3) on the state pool.
 
-Grid and state tiles as in `pallas_kernels.mamba2.pallas`; each program walks its row in sub-chunks of
-block_t tokens (masked loads past the row end) with its [block_p, N] state tile in registers.
+Two kernels, as mamba_ssm splits `_bmm_chunk_fwd` from `_chunk_scan_fwd`:
+1. `_chunk_cb_kernel`, grid (chunk, group): CB = C Bᵀ [BT, BT] f32 of every chunk of BT tokens, computed
+   once per group into a scratch output [NC, G, BT, BT] (chunks from `common.chunk_table`).
+2. `_ssd_prefill_kernel`, grid (row, head, P tile) as in `pallas_kernels.mamba2.pallas`: each program walks
+   its row chunk by chunk with its [block_p, N] fp32 state tile in registers and reads the chunk's CB, so
+   the heads of a group and the P tiles of a head share one C Bᵀ.
+Tokens are read unpadded: partial chunks are masked loads and stores. Dots take operands in the activation
+dtype (`common.dot_precision`) and accumulate in f32.
 """
 
 import functools
@@ -11,52 +17,103 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import HIGHEST, check_rows, int32, zero_padding
+from pallas_kernels.common import check_rows, chunk_table, dot_precision, int32
 from pallas_kernels.mamba2.pallas import check_tiles, pool_call, program_tile
 
 _f32 = jnp.float32
 
 
-def _chunk_step(state, x, dt, a, b, c, precision):
-    """Chunked SSD (§2.3) on one sub-chunk of BT tokens from state [BP, N]; x [BT, BP]; dt [BT]; b, c [BT, N].
+def _dot(a, b):
+    return jnp.dot(a, b, precision=dot_precision(a.dtype), preferred_element_type=_f32)
 
-    Returns (y without the D x skip [BT, BP], state after the sub-chunk). Masked tokens have dt = 0 and
-    zero x/B/C, so they neither decay nor feed the state.
+
+def _load_tokens(ref, start, mask, *index):
+    """ref[start : start + BT, *index] with tokens outside `mask` [BT] read as 0, never as stale memory.
+
+    One indexer per load: the Triton lowering rejects composed `.at` views.
     """
-    dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=_f32)
-    cum = jnp.cumsum(dt * a)  # [BT]
-    total = jnp.sum(dt * a)
-    xdt = x * dt[:, None]
+    view = ref.at[(pl.ds(start, mask.shape[0]), *index)]
+    return plt.load(view, mask=mask.reshape((-1,) + (1,) * (len(view.shape) - 1)), other=0)
+
+
+# ---------------------------------------------------------------- phase 1: C Bᵀ per (chunk, group)
+
+
+def _chunk_cb_kernel(
+    chunk_starts_ref,  # [NC] i32
+    chunk_lengths_ref,  # [NC] i32, 0 for surplus chunks
+    B_ref,  # [T, G, N]
+    C_ref,  # [T, G, N]
+    cb_ref,  # [NC, G, BT, BT] f32
+    *, block_t,
+):  # fmt: skip
+    i_chunk, group = pl.program_id(0), pl.program_id(1)
+    start, length = chunk_starts_ref[i_chunk], chunk_lengths_ref[i_chunk]
+
+    @pl.when(length > 0)  # no row reads a surplus chunk
+    def _():
+        mask = jnp.arange(block_t) < length
+        b = _load_tokens(B_ref, start, mask, group, slice(None))
+        c = _load_tokens(C_ref, start, mask, group, slice(None))
+        cb_ref[i_chunk, group] = _dot(c, b.T)
+
+
+def _chunk_cb(B, C, starts, lengths, *, block_t, interpret):
+    """[NC, G, BT, BT] f32: C_l . B_s of each chunk (zero past its length); surplus chunks uninitialised."""
+    num_chunks, num_groups = starts.shape[0], B.shape[1]
+    return pl.pallas_call(
+        functools.partial(_chunk_cb_kernel, block_t=block_t),
+        out_shape=jax.ShapeDtypeStruct((num_chunks, num_groups, block_t, block_t), _f32),
+        grid=(num_chunks, num_groups),
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        name=f"ssd_chunk_cb_{block_t=}",
+    )(*int32(starts, lengths), B, C)
+
+
+# ---------------------------------------------------------------- phase 2: per-head chunk scan
+
+
+def _chunk_output(state, cb, x, dt, a, c):
+    """y without the D x skip [BT, BP] f32 of one chunk from state [BP, N], and cum = cumsum(dt a) [BT].
+
+    cb [BT, BT] f32; x [BT, BP] and c [BT, N] in the activation dtype; dt [BT] f32 (0 on masked tokens, so
+    they do not decay the chunk).
+    """
+    cum = jnp.cumsum(dt * a)
     positions = jnp.arange(cum.shape[0])
     lower = positions[:, None] >= positions[None, :]
     # exp(segsum): mask before exp, the upper triangle is positive and may overflow.
     decay = jnp.where(lower, jnp.exp(jnp.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
-    y_diag = dot(dot(c, b.T) * decay, xdt)
-    y_off = jnp.exp(cum)[:, None] * dot(c, state.T)
-    state = jnp.exp(total) * state + dot((xdt * jnp.exp(total - cum)[:, None]).T, b)
-    return y_diag + y_off, state
+    # dt folds into the decay matrix (mamba_ssm `_chunk_scan_fwd`), so x enters the dot as loaded.
+    y_diag = _dot((cb * decay * dt[None, :]).astype(x.dtype), x)
+    y_off = jnp.exp(cum)[:, None] * _dot(c, state.astype(x.dtype).T)
+    return y_diag + y_off, cum
 
 
-def _scan_tokens(
-    state, begin, end, x_ref, dt_ref, B_ref, C_ref, y_ref, *, head, group, p0, a, d, block_t, block_p, precision
-):
-    """Walk tokens [begin, end) in sub-chunks of block_t, writing y; returns the state after them."""
+def _state_after(state, x, dt, b, cum, count):
+    """State after the chunk's first `count` (>= 1) tokens (§2.3 steps 2-3 truncated at count):
+    e^{cum[count-1]} state + sum_{s < count} e^{cum[count-1] - cum_s} dt_s x_s (x) b_s."""
+    positions = jnp.arange(cum.shape[0])
+    taken = positions < count
+    last = jnp.sum(jnp.where(positions == count - 1, cum, 0.0))  # cum[count - 1], without a gather
+    weights = jnp.where(taken, jnp.exp(jnp.where(taken, last - cum, 0.0)) * dt, 0.0)
+    update = _dot((x.astype(_f32) * weights[:, None]).astype(x.dtype).T, b)
+    return jnp.exp(last) * state + update
+
+
+def _zero_tokens(y_ref, begin, end, *, head, p0, block_t, block_p):
+    """y = 0 on tokens [begin, end) of this program's tile: padding tokens no row owns."""
     offsets = jnp.arange(block_t)
 
-    def body(i, s):
+    def body(i, carry):
         start = begin + i * block_t
-        mask = offsets < end - start
-        x = plt.load(x_ref.at[pl.ds(start, block_t), head, pl.ds(p0, block_p)], mask=mask[:, None], other=0)
-        dt = plt.load(dt_ref.at[pl.ds(start, block_t), head], mask=mask, other=0).astype(_f32)
-        b = plt.load(B_ref.at[pl.ds(start, block_t), group, :], mask=mask[:, None], other=0).astype(_f32)
-        c = plt.load(C_ref.at[pl.ds(start, block_t), group, :], mask=mask[:, None], other=0).astype(_f32)
-        x = x.astype(_f32)
-        y, s = _chunk_step(s, x, dt, a, b, c, precision)
-        out = (y + d * x).astype(y_ref.dtype)
-        plt.store(y_ref.at[pl.ds(start, block_t), head, pl.ds(p0, block_p)], out, mask=mask[:, None])
-        return s
+        mask = (offsets < end - start)[:, None]
+        zeros = jnp.zeros((block_t, block_p), y_ref.dtype)
+        plt.store(y_ref.at[pl.ds(start, block_t), head, pl.ds(p0, block_p)], zeros, mask=mask)
+        return carry
 
-    return jax.lax.fori_loop(0, pl.cdiv(end - begin, block_t), body, state)
+    jax.lax.fori_loop(0, pl.cdiv(end - begin, block_t), body, 0)
 
 
 def _ssd_prefill_kernel(
@@ -65,76 +122,119 @@ def _ssd_prefill_kernel(
     has_initial_ref,  # [R] i32, 0/1
     checkpoint_lens_ref,  # [R] i32
     checkpoint_slots_ref,  # [R] i32, 0 = no checkpoint
+    first_chunks_ref,  # [R] i32, index of the row's first chunk in cb_ref
     A_ref,  # [NH] f32
     D_ref,  # [NH] f32
-    x_ref,  # [T + BT, NH, P], padded so every sub-chunk slice stays inside
-    dt_ref,  # [T + BT, NH] f32
-    B_ref,  # [T + BT, G, N]
-    C_ref,  # [T + BT, G, N]
+    x_ref,  # [T, NH, P]
+    dt_ref,  # [T, NH] f32
+    B_ref,  # [T, G, N]
+    C_ref,  # [T, G, N]
+    cb_ref,  # [NC, G, BT, BT] f32, from `_chunk_cb_kernel`
     state_ref,  # [S, NH, P, N] f32, aliased to state_out_ref
-    y_ref,  # [T + BT, NH, P]
+    y_ref,  # [T, NH, P]
     state_out_ref,  # [S, NH, P, N] f32
-    *, heads_per_group, block_p, block_t, precision,
+    *, heads_per_group, block_p, block_t,
 ):  # fmt: skip
-    i_row = pl.program_id(0)
+    i_row, num_rows = pl.program_id(0), slots_ref.shape[0]
     head, group, p0 = program_tile(heads_per_group, block_p)
     slot, begin, end = slots_ref[i_row], cu_seqlens_ref[i_row], cu_seqlens_ref[i_row + 1]
-    tile = (slot, head, pl.ds(p0, block_p), slice(None))
+    rows = pl.ds(p0, block_p)
+    a, d, first_chunk = A_ref[head], D_ref[head], first_chunks_ref[i_row]
+    checkpoint_len, checkpoint_slot = checkpoint_lens_ref[i_row], checkpoint_slots_ref[i_row]
+    checkpoint = (checkpoint_slot > 0) & (slot > 0) & (checkpoint_len <= end - begin)
     # where, not a product: a stale slot may hold NaN.
-    state = jnp.where(has_initial_ref[i_row] != 0, state_ref[tile].astype(_f32), 0.0)
-    scan = functools.partial(
-        _scan_tokens, x_ref=x_ref, dt_ref=dt_ref, B_ref=B_ref, C_ref=C_ref, y_ref=y_ref, head=head, group=group,
-        p0=p0, a=A_ref[head], d=D_ref[head], block_t=block_t, block_p=block_p, precision=precision,
-    )  # fmt: skip
-    # The checkpoint splits the row into two walks, so the state there is the first walk's final state.
-    checkpoint_end, checkpoint_slot = begin + checkpoint_lens_ref[i_row], checkpoint_slots_ref[i_row]
-    split = jnp.minimum(checkpoint_end, end)
-    state = scan(state, begin, split)
+    state = jnp.where(has_initial_ref[i_row] != 0, state_ref[slot, head, rows, :], 0.0)
 
-    @pl.when((checkpoint_slot > 0) & (slot > 0) & (checkpoint_end <= end))
+    @pl.when(checkpoint & (checkpoint_len == 0))
     def _():
-        state_out_ref[checkpoint_slot, head, pl.ds(p0, block_p), :] = state.astype(state_out_ref.dtype)
+        state_out_ref[checkpoint_slot, head, rows, :] = state
 
-    state = scan(state, split, end)
+    def chunk(i, state):
+        start = begin + i * block_t
+        count = jnp.minimum(end - start, block_t)
+        mask = jnp.arange(block_t) < count
+        x = _load_tokens(x_ref, start, mask, head, rows)
+        dt = _load_tokens(dt_ref, start, mask, head).astype(_f32)
+        b, c = (_load_tokens(ref, start, mask, group, slice(None)) for ref in (B_ref, C_ref))
+        y, cum = _chunk_output(state, cb_ref[first_chunk + i, group], x, dt, a, c)
+        y = (y + d * x.astype(_f32)).astype(y_ref.dtype)
+        plt.store(y_ref.at[pl.ds(start, block_t), head, rows], y, mask=mask[:, None])
+        in_chunk = checkpoint_len - i * block_t
+
+        @pl.when(checkpoint & (in_chunk >= 1) & (in_chunk <= block_t))
+        def _():
+            state_out_ref[checkpoint_slot, head, rows, :] = _state_after(state, x, dt, b, cum, in_chunk)
+
+        return _state_after(state, x, dt, b, cum, count)
+
+    state = jax.lax.fori_loop(0, pl.cdiv(end - begin, block_t), chunk, state)
 
     @pl.when(slot > 0)
     def _():
-        state_out_ref[tile] = state.astype(state_out_ref.dtype)
+        state_out_ref[slot, head, rows, :] = state
+
+    zero = functools.partial(_zero_tokens, y_ref, head=head, p0=p0, block_t=block_t, block_p=block_p)
+
+    @pl.when(i_row == 0)
+    def _():
+        zero(0, cu_seqlens_ref[0])
+
+    @pl.when(i_row == num_rows - 1)
+    def _():
+        zero(cu_seqlens_ref[num_rows], y_ref.shape[0])
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("chunk_size", "block_p", "block_t", "precision", "interpret"),
-    donate_argnames="state_pool",
-)
-def ssd_prefill(
-    x, dt, A, B, C, D, cu_seqlens, state_pool, slots, has_initial, checkpoint_lens=None, checkpoint_slots=None,
-    *, chunk_size=128, block_p=32, block_t=64, precision=HIGHEST, interpret=False,
-):  # fmt: skip
-    """Same contract as `reference.ssd_prefill`; one program per (row, head, block_p rows of P).
+# ---------------------------------------------------------------- launcher
 
-    Each program walks its row in sub-chunks of min(block_t, chunk_size) tokens from the row start (and
-    from the checkpoint), so every chunk boundary is a sub-chunk boundary: results equal the chunked
-    reference up to rounding. Checkpoint slots must not be running slots of other rows. `precision` of the
-    in-kernel dots: HIGHEST is IEEE fp32 in Triton (matches the fp32 reference); DEFAULT is TF32 on GPU.
-    """
-    check_rows(cu_seqlens, slots, "slots")
-    block_p, block_t = check_tiles(state_pool, block_p), min(block_t, chunk_size)
+
+def _check_operands(x, B, C, state_pool, block_p, block_t, interpret):
+    """Validated (block_p, block_t); x, B and C share the dots' operand dtype."""
+    if B.dtype != x.dtype or C.dtype != x.dtype:
+        raise ValueError(f"x, B and C must share one dtype, got {x.dtype}, {B.dtype}, {C.dtype}")
+    if state_pool.dtype != _f32:
+        raise ValueError(f"state_pool must be float32, got {state_pool.dtype}")
+    block_p = check_tiles(state_pool, block_p)
     if block_t & (block_t - 1):
         raise ValueError(f"block_t={block_t} (min of block_t and chunk_size) must be a power of two")
     if not interpret and min(block_p, block_t, state_pool.shape[-1]) < 16:
         raise ValueError(f"Triton dots need tiles >= 16: {block_p=}, {block_t=}, N={state_pool.shape[-1]}")
+    return block_p, block_t
+
+
+def _first_chunks(cu_seqlens, block_t):
+    """[R] i32 index of each row's first chunk in `chunk_table` order (a row's chunks are consecutive)."""
+    row_chunks = pl.cdiv(cu_seqlens[1:] - cu_seqlens[:-1], block_t)
+    return jnp.cumsum(row_chunks) - row_chunks
+
+
+@functools.partial(
+    jax.jit, static_argnames=("chunk_size", "block_p", "block_t", "interpret"), donate_argnames="state_pool"
+)
+def ssd_prefill(
+    x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, D: jax.Array, cu_seqlens: jax.Array,
+    state_pool: jax.Array, slots: jax.Array, has_initial: jax.Array, checkpoint_lens: jax.Array | None = None,
+    checkpoint_slots: jax.Array | None = None, *, chunk_size: int = 128, block_p: int = 32, block_t: int = 64,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """Same contract as `reference.ssd_prefill`; x, B, C (and y) in one of f32/bf16/fp16.
+
+    Each row is chunked from its own first token in chunks of min(block_t, chunk_size) tokens; chunk_size
+    chunks are whole numbers of them, so results equal the chunked reference up to rounding. A checkpoint
+    state is computed inside its chunk. Checkpoint slots must not be running slots of other rows.
+    """
+    check_rows(cu_seqlens, slots, "slots")
+    block_p, block_t = _check_operands(x, B, C, state_pool, block_p, min(block_t, chunk_size), interpret)
     if checkpoint_lens is None:
         checkpoint_lens, checkpoint_slots = jnp.zeros_like(slots), jnp.zeros_like(slots)
-    metadata = int32(cu_seqlens, slots, has_initial, checkpoint_lens, checkpoint_slots)
-    padded = [jnp.pad(v, ((0, block_t),) + ((0, 0),) * (v.ndim - 1)) for v in (x, dt, B, C)]
-    operands = [*metadata, A.astype(_f32), D.astype(_f32), *padded, state_pool]
-    heads_per_group = x.shape[1] // B.shape[1]
+    table = chunk_table(cu_seqlens, x.shape[0], block_t)
+    cb = _chunk_cb(B, C, table.starts, table.lengths, block_t=block_t, interpret=interpret)
+    first_chunks = _first_chunks(cu_seqlens, block_t)
+    metadata = int32(cu_seqlens, slots, has_initial, checkpoint_lens, checkpoint_slots, first_chunks)
+    operands = [*metadata, A.astype(_f32), D.astype(_f32), x, dt, B, C, cb, state_pool]
     kernel = functools.partial(
-        _ssd_prefill_kernel, heads_per_group=heads_per_group, block_p=block_p, block_t=block_t, precision=precision
+        _ssd_prefill_kernel, heads_per_group=x.shape[1] // B.shape[1], block_p=block_p, block_t=block_t
     )
-    y, state_pool = pool_call(
-        kernel, operands, (padded[0], state_pool), num_rows=slots.shape[0], block_p=block_p, interpret=interpret,
+    return pool_call(
+        kernel, operands, (x, state_pool), num_rows=slots.shape[0], block_p=block_p, interpret=interpret,
         name=f"ssd_prefill_{block_p=}_{block_t=}", num_stages=2,
     )  # fmt: skip
-    return zero_padding(y[: x.shape[0]], cu_seqlens, x.dtype), state_pool

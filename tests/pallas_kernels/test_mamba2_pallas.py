@@ -16,16 +16,24 @@ from replay_sim import simulate
 from test_mamba2_replay import SsdReplay
 from varlen_inputs import cu_seqlens, prefill_rows, row_lengths
 
+from pallas_kernels.common import chunk_table
 from pallas_kernels.mamba2 import pallas, pallas_prefill, reference
 from tests.tolerances import BFloat16, Float32
 
 ON_GPU = jax.default_backend() == "gpu"
-NH, P, G, N, S, W = 4, 32, 2, 16, 10, 4  # P = 2 tiles of block_p
-R, T_VERIFY, T_PREFILL, CHUNK = 4, 16, 96, 16
-# A row's recurrence, N state terms and a chunk's sums; bf16 x/B/C (and bf16 y) make products of 3 rounded
-# factors; the state stays fp32.
-TOLERANCE = {jnp.float32: Float32(depth=T_PREFILL + N + CHUNK), jnp.bfloat16: BFloat16(degree=3)}
-F32 = TOLERANCE[jnp.float32]
+NH, P, G, N, S, W = 8, 32, 2, 16, 10, 4  # 4 heads per group; P = 2 tiles of block_p
+R, T_VERIFY, T_PREFILL, CHUNK = 4, 16, 128, 16
+# f32: a row's recurrence, N state terms and a chunk's sums.
+F32 = Float32(depth=T_PREFILL + N + CHUNK)
+# The token-step kernels (decode, verify) compute in f32 on the same bf16 inputs as the reference: only the
+# bf16 store of y may differ, by one ulp = 2 u_bf16 (degree 1: bfloat16_atol's (1 + 1) u).
+TOLERANCE = {jnp.float32: F32, jnp.bfloat16: BFloat16(degree=1)}
+# Prefill dots take activation-dtype operands. A y term has at most 2 rounded factors (y_off = C . bf16(state)
+# with the state summed from bf16(x dt decay) . B; y_diag = bf16(CB decay dt) . x), and y is stored in bf16
+# (bfloat16_atol's + 1). The f32 state's terms have one. fp16 rounds less (2^-11) than bf16, so the bf16
+# bounds hold for it too.
+PREFILL_Y = {jnp.float32: F32, jnp.bfloat16: BFloat16(degree=2), jnp.float16: BFloat16(degree=2)}
+PREFILL_STATE = {jnp.float32: F32, jnp.bfloat16: BFloat16(degree=1), jnp.float16: BFloat16(degree=1)}
 BLOCK_P = 16
 _RNG = np.random.default_rng(0)
 A = -np.exp(_RNG.uniform(-1, 1, NH)).astype(np.float32)
@@ -51,7 +59,8 @@ def _slots(rng, num_real, count=R):
 
 def _as_f32(args):
     """The reference upcasts its inputs first, so fp32 copies give its exact results and one compile."""
-    return {k: (v.astype(jnp.float32) if getattr(v, "dtype", None) == jnp.bfloat16 else v) for k, v in args.items()}
+    low = (jnp.bfloat16, jnp.float16)
+    return {k: (v.astype(jnp.float32) if getattr(v, "dtype", None) in low else v) for k, v in args.items()}
 
 
 def _assert_close(actual, expected, tolerance):
@@ -108,11 +117,14 @@ def _check_decode(lengths, seed, dtype, interpret):
     _assert_close(pool_out, pool_ref, F32)
 
 
-@settings(max_examples=3, deadline=None)
-@given(lengths=st.lists(st.integers(0, 1), min_size=1, max_size=R), seed=st.integers(0, 2**16))
-def test_decode_interpret_matches_reference(lengths, seed):
-    """fp32 only: bf16 inputs go through the same token step in the verify test."""
-    _check_decode(lengths, seed, jnp.float32, interpret=True)
+@settings(max_examples=4, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 1), min_size=1, max_size=R),
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+)
+def test_decode_interpret_matches_reference(lengths, seed, dtype):
+    _check_decode(lengths, seed, dtype, interpret=True)
 
 
 def test_width_one_verify_is_bit_identical_to_decode():
@@ -169,28 +181,64 @@ def _prefill_case(lengths, rng, dtype):
     return args, pool
 
 
-def _check_prefill(lengths, seed, dtype, interpret):
+def _check_prefill(lengths, seed, dtype, interpret, block_t=CHUNK, **overrides):
+    """Kernel against the reference (chunk CHUNK) on one case; `overrides` replace its per-row arguments."""
     args, pool = _prefill_case(lengths, np.random.default_rng(seed), dtype)
+    args.update(overrides)
     y_ref, pool_ref = reference.ssd_prefill(**_as_f32(args), state_pool=jnp.array(pool), chunk_size=CHUNK)
     y, pool_out = pallas_prefill.ssd_prefill(
-        **args, state_pool=jnp.array(pool), chunk_size=CHUNK, block_p=BLOCK_P, block_t=CHUNK, interpret=interpret
+        **args, state_pool=jnp.array(pool), chunk_size=CHUNK, block_p=BLOCK_P, block_t=block_t, interpret=interpret
     )
-    _assert_close(y, y_ref, TOLERANCE[dtype])
-    _assert_close(pool_out, pool_ref, F32)  # NaN slots compare equal only where both kept them
+    assert y.dtype == dtype
+    PREFILL_Y[dtype].check(y, y_ref, "y")
+    PREFILL_STATE[dtype].check(pool_out, pool_ref, "state_pool")
 
 
-@settings(max_examples=6, deadline=None)
-@given(
-    lengths=row_lengths(CHUNK, T_PREFILL, R),
-    seed=st.integers(0, 2**16),
-    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
-)
+# Short rows at the chunk edges, and rows of up to the whole bucket (8 chunks) with edge cases around 4 chunks.
+prefill_lengths = st.one_of(row_lengths(CHUNK, T_PREFILL, R), row_lengths(4 * CHUNK, T_PREFILL, R))
+
+
+@settings(max_examples=8, deadline=None)
+@given(lengths=prefill_lengths, seed=st.integers(0, 2**16), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]))
 def test_prefill_interpret_matches_reference(lengths, seed, dtype):
     _check_prefill(lengths, seed, dtype, interpret=True)
 
 
 def test_prefill_chunk_edge_lengths():
     _check_prefill([CHUNK - 1, CHUNK, CHUNK + 1, 1], seed=5, dtype=jnp.float32, interpret=True)
+
+
+def test_prefill_checkpoints_inside_chunks():
+    """Checkpoints mid-chunk in a row's third chunk, on a chunk boundary, at 0 (the start state), at the end."""
+    lengths, seed = [4 * CHUNK + 3, 2 * CHUNK + 7, CHUNK, 6], 7
+    running = _prefill_case(lengths, np.random.default_rng(seed), jnp.float32)[0]["slots"]
+    spare = np.setdiff1d(np.arange(1, S), running)[:R].astype(np.int32)
+    checkpoint_lens = np.array([2 * CHUNK + 5, CHUNK, 0, 6], np.int32)
+    _check_prefill(lengths, seed, jnp.float32, interpret=True, checkpoint_lens=checkpoint_lens, checkpoint_slots=spare)
+
+
+def test_prefill_tokens_before_the_first_row_are_padding():
+    """A grouped prefill's second phase starts at cu_seqlens[0] > 0: the tokens before it must come out zero."""
+    lengths = [CHUNK + 3, 2, 0, 20]
+    _check_prefill(lengths, seed=4, dtype=jnp.float32, interpret=True, cu_seqlens=cu_seqlens(lengths, R) + 7)
+
+
+def test_prefill_fp16_in_chunks_smaller_than_chunk_size():
+    """block_t < chunk_size: the kernel's chunks split the reference's, which changes only the rounding."""
+    _check_prefill([3 * CHUNK + 1, CHUNK - 1, 2, 40], seed=9, dtype=jnp.float16, interpret=True, block_t=CHUNK // 2)
+
+
+def test_chunk_cb_holds_c_bt_of_every_chunk_and_group():
+    lengths = [CHUNK + 5, 0, 2 * CHUNK, 3]
+    _, _, b, c = _tokens(np.random.default_rng(2), T_PREFILL, jnp.float32)
+    table = chunk_table(cu_seqlens(lengths, R), T_PREFILL, CHUNK)
+    cb = np.asarray(pallas_prefill._chunk_cb(b, c, table.starts, table.lengths, block_t=CHUNK, interpret=True))
+    b, c = np.asarray(b), np.asarray(c)
+    for j in np.flatnonzero(np.asarray(table.lengths)):
+        tokens = slice(int(table.starts[j]), int(table.starts[j] + table.lengths[j]))
+        expected = np.zeros((G, CHUNK, CHUNK), np.float32)
+        expected[:, : table.lengths[j], : table.lengths[j]] = np.einsum("lgn,sgn->gls", c[tokens], b[tokens])
+        Float32(depth=N).check(cb[j], expected, f"chunk {j}")
 
 
 # Nemotron-H Mamba2: 128 heads of P = 64, state N = 128, 8 groups, chunk 128.
@@ -201,13 +249,13 @@ def _spec(*shape, dtype=jnp.float32):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _nemotron_tokens(num_tokens):
+def _nemotron_tokens(num_tokens, dtype=jnp.bfloat16):
     return [
-        _spec(num_tokens, NEMO_NH, NEMO_P, dtype=jnp.bfloat16),
+        _spec(num_tokens, NEMO_NH, NEMO_P, dtype=dtype),
         _spec(num_tokens, NEMO_NH),
         _spec(NEMO_NH),
-        _spec(num_tokens, NEMO_G, NEMO_N, dtype=jnp.bfloat16),
-        _spec(num_tokens, NEMO_G, NEMO_N, dtype=jnp.bfloat16),
+        _spec(num_tokens, NEMO_G, NEMO_N, dtype=dtype),
+        _spec(num_tokens, NEMO_G, NEMO_N, dtype=dtype),
         _spec(NEMO_NH),
         _spec(NEMO_R + 1, dtype=jnp.int32),
     ]
@@ -221,15 +269,17 @@ def _nemotron_rings(width):
     ]
 
 
-@pytest.mark.parametrize("block_p", [16, 32])
-def test_verify_lowers_for_cuda_at_model_shapes(block_p):
+@pytest.mark.parametrize("block_p, dtype", [(16, jnp.bfloat16), (32, jnp.bfloat16), (16, jnp.float32)])
+def test_verify_lowers_for_cuda_at_model_shapes(block_p, dtype):
     width, rows = 8, [_spec(NEMO_R, dtype=jnp.int32)] * 3 + [_spec(NEMO_R, dtype=jnp.bool_)]
-    args = [*_nemotron_tokens(NEMO_R * 4), _spec(NEMO_S, NEMO_NH, NEMO_P, NEMO_N), *_nemotron_rings(width), *rows]
+    pool = _spec(NEMO_S, NEMO_NH, NEMO_P, NEMO_N)
+    args = [*_nemotron_tokens(NEMO_R * 4, dtype), pool, *_nemotron_rings(width), *rows]
     assert TRITON_CALL in lower_for_cuda(functools.partial(pallas.ssd_verify, block_p=block_p), *args)
 
 
-def test_decode_lowers_for_cuda_at_model_shapes():
-    args = [*_nemotron_tokens(NEMO_R), _spec(NEMO_S, NEMO_NH, NEMO_P, NEMO_N), _spec(NEMO_R, dtype=jnp.int32)]
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_decode_lowers_for_cuda_at_model_shapes(dtype):
+    args = [*_nemotron_tokens(NEMO_R, dtype), _spec(NEMO_S, NEMO_NH, NEMO_P, NEMO_N), _spec(NEMO_R, dtype=jnp.int32)]
     assert TRITON_CALL in lower_for_cuda(functools.partial(pallas.ssd_decode, block_p=16), *args)
 
 
@@ -239,14 +289,25 @@ def test_materialise_lowers_for_cuda_at_model_shapes():
     assert TRITON_CALL in lower_for_cuda(functools.partial(pallas.ssd_materialise, block_p=32), *args)
 
 
-@pytest.mark.parametrize(
-    "block_t, precision", [(64, jax.lax.Precision.HIGHEST), (128, jax.lax.Precision.DEFAULT)]
-)  # HIGHEST: IEEE fp32 dots; DEFAULT: TF32
-def test_prefill_lowers_for_cuda_at_model_shapes(block_t, precision):
-    rows = [_spec(NEMO_R, dtype=jnp.int32), _spec(NEMO_R, dtype=jnp.bool_)] + [_spec(NEMO_R, dtype=jnp.int32)] * 2
-    args = [*_nemotron_tokens(1024), _spec(NEMO_S, NEMO_NH, NEMO_P, NEMO_N), *rows]
-    fn = functools.partial(pallas_prefill.ssd_prefill, chunk_size=128, block_p=32, block_t=block_t, precision=precision)
-    assert TRITON_CALL in lower_for_cuda(fn, *args)
+_PREFILL_ROWS = [_spec(NEMO_R, dtype=jnp.int32), _spec(NEMO_R, dtype=jnp.bool_)] + [_spec(NEMO_R, dtype=jnp.int32)] * 2
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("block_t", [64, 128])
+def test_prefill_lowers_for_cuda_at_model_shapes(block_t, dtype):
+    """8k tokens: two Triton kernels (C Bᵀ per chunk and group, then the scan), the tokens passed unpadded."""
+    args = [*_nemotron_tokens(8192, dtype), _spec(NEMO_S, NEMO_NH, NEMO_P, NEMO_N), *_PREFILL_ROWS]
+    fn = functools.partial(pallas_prefill.ssd_prefill, chunk_size=128, block_p=32, block_t=block_t)
+    text = lower_for_cuda(fn, *args)
+    assert text.count(TRITON_CALL) == 2
+    assert "stablehlo.pad" not in text
+
+
+def test_prefill_rejects_mixed_activation_dtypes():
+    args = [*_nemotron_tokens(256), _spec(NEMO_S, NEMO_NH, NEMO_P, NEMO_N), *_PREFILL_ROWS]
+    args[3] = _spec(256, NEMO_G, NEMO_N)  # f32 B beside bf16 x and C
+    with pytest.raises(ValueError, match="share one dtype"):
+        lower_for_cuda(pallas_prefill.ssd_prefill, *args)
 
 
 def test_prefill_at_head_dim_80_lowers_with_16_wide_tiles():
@@ -271,7 +332,7 @@ def test_prefill_rejects_tiles_too_small_for_triton_dots():
 @given(
     rows=verify_rows,
     num_entries=st.lists(st.integers(0, W), min_size=3, max_size=3),
-    lengths=row_lengths(CHUNK, T_PREFILL, R),
+    lengths=prefill_lengths,
     seed=st.integers(0, 2**16),
 )
 def test_compiled_kernels_match_reference_on_gpu(rows, num_entries, lengths, seed):
@@ -279,6 +340,7 @@ def test_compiled_kernels_match_reference_on_gpu(rows, num_entries, lengths, see
     _check_decode([1, 0, 1], seed, jnp.float32, interpret=False)
     _check_materialise(num_entries, seed, interpret=False)
     _check_prefill(lengths, seed, jnp.float32, interpret=False)
+    _check_prefill(lengths, seed, jnp.bfloat16, interpret=False)
 
 
 def test_public_ops_dispatch_to_the_kernel_in_a_replay_stream():
