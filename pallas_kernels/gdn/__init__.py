@@ -35,7 +35,8 @@ def gdn_prefill(
     """Chunked (WY/UT, §1.4) varlen prefill reading and writing row states in the slot pool.
 
     Args:
-      q, k: [T, H, K]; v: [T, HV, V]; g, beta: [T, HV] f32 (see `gdn_recurrent`).
+      q, k: [T, H, K]; v: [T, HV, V]; g, beta: [T, HV] f32 (see `gdn_recurrent`). q, k, v are f32, bf16
+        or fp16; the Pallas kernel's dots take their dtype and accumulate in f32.
       cu_seqlens: [R+1] i32; tokens outside [cu_seqlens[0], cu_seqlens[-1]) are padding.
       state_pool: [S, HV, K, V] f32, donated and updated in place.
       slots: [R] i32 running slot per row (padding rows: 0).
@@ -43,7 +44,8 @@ def gdn_prefill(
       checkpoint_lens: optional [R] i32 in [0, row length]: also store the state after that many of the
         row's tokens ...
       checkpoint_slots: ... into this slot ([R] i32, 0 = no checkpoint).
-      chunk_size: C (a power of two for the Pallas kernel); each row is chunked from its own first token.
+      chunk_size: C (for the Pallas kernel a power of two >= 16: whole 16-row blocks); each row is chunked
+        from its own first token.
         None: 64 for the kernel (tensor-core tiles), 16 for the reference, whose in-chunk solve costs C^2
         per token (on 2 CPU cores 16 prefills 1.4x faster than 64, and 128 2.3x slower).
       backend: "reference", "pallas" or "interpret" (the Pallas kernel interpreted on CPU); None: pallas

@@ -17,15 +17,25 @@ from pallas_kernels.gdn import gdn_decode, gdn_materialise, gdn_prefill, gdn_ver
 from tests.tolerances import BFloat16, Float32
 
 ON_GPU = jax.default_backend() == "gpu"
-T, R, S, CHUNK = 96, 4, 12, 16
-TOL = Float32(depth=T + 16 + CHUNK)  # a row's recurrence, K = 16 state terms, the chunk's triangular solve
+# Chunk 32: two 16-row blocks, so the kernel's blocked (I + A)^-1 merges; the chunk-64 tests merge four.
+T, R, S, CHUNK, KERNEL_CHUNK = 96, 4, 12, 32, 64
+TOL = Float32(depth=T + 16 + KERNEL_CHUNK)  # a row's recurrence, K = 16 state terms, a chunk's triangular solve
 BF16_TOL = BFloat16(degree=3)  # q k^T v
+# Prefill with half-precision q, k, v against the f32 reference on the same values upcast, so only the
+# kernel's own roundings count. The longest chain of them behind one output: o = (q^ k^T . Gamma) v_new
+# rounds q^, k^ and their product (3) and reads v_new (1); v_new = u - w h, u = (I + A)^-1 (beta v) rounds
+# (I + A)^-1 and beta v and is stored (3); A = beta k^ k^T . Gamma inherits k^'s rounding twice (2), which
+# the solve passes on unamplified here: unit keys, beta < 1 and decays keep (I + A)^-1's entries O(1) (the
+# w h path is one rounding shorter). 9 factors; BFloat16 adds the output's own rounding. fp16 (u = 2^-11)
+# is inside the bf16 bound.
+HALF_PREFILL_TOL = BFloat16(degree=9)
 
 
 def _prefill_inputs(lengths, seed, dtype=jnp.float32):
     """Packed rows in one (T, R) bucket, distinct random slots, random has_initial and checkpoints.
 
-    Head dims and the chunk are 16 so that the same inputs compile on a GPU (Triton dots need 16).
+    GVA: 2 qk heads, 4 value heads. Head dims are 16 so that the same inputs compile on a GPU (Triton dots
+    need 16).
     """
     rng = np.random.default_rng(seed)
     slot_ids = rng.permutation(np.arange(1, S))
@@ -47,11 +57,14 @@ def _assert_close(out, ref, tol):
         tol.check(np.asarray(x, np.float32), np.asarray(x_ref, np.float32))
 
 
-def _compare_prefill(inputs, backend, tol, ref_inputs=None):
-    """`backend` on inputs against the reference on ref_inputs (default: the same inputs)."""
+def _compare_prefill(inputs, backend, tol, ref_inputs=None, chunk_size=CHUNK):
+    """`backend` at chunk_size on inputs against the reference, chunked by its own 16, on ref_inputs
+    (default: the same inputs). Returns the kernel's (o, state_pool)."""
     ref_inputs = dict(ref_inputs or inputs, state_pool=inputs["state_pool"].copy())
-    ref = gdn_prefill(**ref_inputs, chunk_size=CHUNK, backend="reference")
-    _assert_close(gdn_prefill(**inputs, chunk_size=CHUNK, backend=backend), ref, tol)
+    ref = gdn_prefill(**ref_inputs, backend="reference")
+    out = gdn_prefill(**inputs, chunk_size=chunk_size, backend=backend)
+    _assert_close(out, ref, tol)
+    return out
 
 
 @settings(max_examples=4, deadline=None)
@@ -60,17 +73,48 @@ def test_prefill_interpret_matches_reference(lengths, seed):
     _compare_prefill(_prefill_inputs(lengths, seed), "interpret", TOL)
 
 
+# Rows of 70 (two chunks of 64), 25 and 1 token fill the bucket: the last chunk runs past T.
+EDGE_LENGTHS = [70, 25, 1]
+
+
+@pytest.mark.parametrize(
+    "checkpoint_lens",
+    [[64, 25, 0], [32, 0, 1], [70, 17, 1]],
+    ids=["chunk-end", "in-chunk-block-edge-and-start", "row-end-and-mid-chunk"],
+)
+def test_prefill_chunk64_checkpoints(checkpoint_lens):
+    inputs = _prefill_inputs(EDGE_LENGTHS, 8)
+    inputs["has_initial"] = np.array([True, False, True, False])
+    inputs["checkpoint_lens"] = np.array(checkpoint_lens + [0], np.int32)
+    inputs["checkpoint_slots"] = np.array([9, 10, 11, 0], np.int32)
+    inputs["slots"] = np.array([3, 4, 5, 0], np.int32)
+    before = inputs["state_pool"].copy()
+    _, pool = _compare_prefill(inputs, "interpret", TOL, chunk_size=KERNEL_CHUNK)
+    written = [3, 4, 5, 9, 10, 11]
+    assert not np.isclose(np.asarray(pool)[written], before[written]).all(axis=(1, 2, 3)).any()
+    untouched = np.setdiff1d(np.arange(S), written)
+    np.testing.assert_array_equal(np.asarray(pool)[untouched], before[untouched])
+
+
 def test_prefill_near_identical_keys():
-    inputs = _prefill_inputs([CHUNK + 1, 2 * CHUNK, CHUNK - 1, 1], 6)
+    inputs = _prefill_inputs(EDGE_LENGTHS, 6)
     inputs["k"] = inputs["k"][:1] + 0.01 * inputs["k"]  # (I + A) ~ all-ones lower triangle, see reference test
     inputs["g"], inputs["beta"] = np.zeros_like(inputs["g"]), np.ones_like(inputs["beta"])
-    _compare_prefill(inputs, "interpret", TOL)
+    _compare_prefill(inputs, "interpret", TOL, chunk_size=KERNEL_CHUNK)
 
 
-def test_prefill_bf16_inputs_fp32_state():
-    lengths = [CHUNK + 1, 0, CHUNK - 1, 1]
-    exact = _prefill_inputs(lengths, 4)  # the reference sees the fp32 values the bf16 inputs round
-    _compare_prefill(_prefill_inputs(lengths, 4, jnp.bfloat16), "interpret", BF16_TOL, exact)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_prefill_half_precision_inputs_fp32_state(dtype):
+    inputs = _prefill_inputs(EDGE_LENGTHS, 4, dtype)
+    upcast = {name: inputs[name].astype(jnp.float32) for name in ("q", "k", "v")}
+    o, pool = _compare_prefill(inputs, "interpret", HALF_PREFILL_TOL, dict(inputs, **upcast), KERNEL_CHUNK)
+    assert o.dtype == dtype and pool.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("chunk_size", [8, 48])
+def test_prefill_kernel_rejects_chunks_not_made_of_16_row_blocks(chunk_size):
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        gdn_prefill(**_prefill_inputs([5], 0), chunk_size=chunk_size, backend="interpret")
 
 
 @settings(max_examples=3, deadline=None)
@@ -158,9 +202,21 @@ def test_kernels_lower_for_cuda(num_heads):
     assert TRITON_CALL in lower_for_cuda(decode, *token_args, cu, pools[0], per_row)
     materialise = functools.partial(pallas.gdn_materialise, interpret=False)
     assert TRITON_CALL in lower_for_cuda(materialise, *pools, *(per_row,) * 4)
-    prefill = functools.partial(pallas_prefill.gdn_prefill, interpret=False)  # chunk 64, 16 rows
-    has_initial = jax.ShapeDtypeStruct(per_row.shape, jnp.bool_)
-    assert TRITON_CALL in lower_for_cuda(prefill, *token_args, cu, pools[0], per_row, has_initial, per_row, per_row)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_prefill_lowers_for_cuda_at_qwen3_next_shapes(dtype):
+    """H 16, HV 32, K = V = 128, an 8k-token bucket of 4 rows, chunk 64: all three calls reach Triton."""
+    sd, f32, i32 = jax.ShapeDtypeStruct, jnp.float32, jnp.int32
+    tokens, rows, slots = 8192, 4, 9
+    token_args = (sd((tokens, 16, 128), dtype),) * 2 + (
+        sd((tokens, 32, 128), dtype), sd((tokens, 32), f32), sd((tokens, 32), f32),
+    )  # fmt: skip
+    per_row = sd((rows,), i32)
+    row_args = (per_row, sd((rows,), jnp.bool_), per_row, per_row)
+    prefill = functools.partial(pallas_prefill.gdn_prefill, interpret=False)
+    text = lower_for_cuda(prefill, *token_args, sd((rows + 1,), i32), sd((slots, 32, 128, 128), f32), *row_args)
+    assert text.count(TRITON_CALL) == 3
 
 
 @pytest.mark.gpu
