@@ -5,6 +5,7 @@ h // (HQ // HKV)), Dh head dim, NB pool blocks of BS tokens (block 0 is the null
 row in `block_table`.
 """
 
+from pallas_kernels import tuning
 from pallas_kernels.attention import pallas, reference
 from pallas_kernels.common import resolve_backend
 
@@ -31,7 +32,8 @@ def ragged_paged_attention(
       context_lens: [R] i32 tokens of each row in the cache before this step (the plan's).
       scale: softmax scale.  backend: "reference" | "pallas" | "interpret"; None = pallas on GPU.
       block_m, num_splits: the kernel's tiling (dot rows per program, KV splits per query tile; see
-        `pallas.ragged_paged_attention`); None picks from the static shapes. The reference ignores them.
+        `pallas.ragged_paged_attention`); None: block_m as measured for this shape class
+        (`pallas_kernels.tuning`), else both from the static shapes. The reference ignores them.
 
     Returns:
       o: [T, HQ, Dh] in q.dtype (padding tokens zero), k_pool, v_pool.
@@ -40,5 +42,11 @@ def ragged_paged_attention(
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.ragged_paged_attention(*args, scale=scale)
-    tiling = dict(block_m=block_m, num_splits=num_splits)
-    return pallas.ragged_paged_attention(*args, scale=scale, **tiling, interpret=backend == "interpret")
+    # decode-sized and prefill-sized buckets get different tiles by default, so they are separate classes
+    kind = pallas.default_block_m(q.shape[0], block_table.shape[0])
+    launch = tuning.for_launcher("ragged_paged_attention", pallas.ragged_paged_attention,
+                                 tuning.shape_class(Dh=q.shape[2], G=q.shape[1] // k.shape[1], M=kind), "block_m")
+    if block_m is not None:
+        launch["block_m"] = block_m
+    return pallas.ragged_paged_attention(*args, scale=scale, num_splits=num_splits, **launch,
+                                         interpret=backend == "interpret")

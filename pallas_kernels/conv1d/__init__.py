@@ -10,6 +10,7 @@ order. Like the state, the window is replayed, never rolled back: the window at 
 is S0's window followed by that many ring entries (kernels_models §1.9, §4.5).
 """
 
+from pallas_kernels import tuning
 from pallas_kernels.common import resolve_backend
 from pallas_kernels.conv1d import pallas, reference
 from pallas_kernels.conv1d.reference import causal_conv1d
@@ -43,7 +44,9 @@ def conv1d_prefill(
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.conv1d_prefill(*args, activation=activation)
-    return pallas.conv1d_prefill(*args, activation=activation, interpret=backend == "interpret")
+    launch = tuning.for_launcher("conv1d_prefill", pallas.conv1d_prefill,
+                                 tuning.shape_class(D=x.shape[1], Kc=weight.shape[1]), "block_t", "block_d")
+    return pallas.conv1d_prefill(*args, activation=activation, interpret=backend == "interpret", **launch)
 
 
 def conv1d_replay(x, weight, bias, cu_seqlens, window_pool, ring, slots, ring_start, committed, flush, *,

@@ -10,6 +10,7 @@ windows. Padding tokens get zero tiles of their own, so the output needs no pass
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -142,11 +143,9 @@ def _conv1d_kernel(
 def _conv1d_call(x, weight, bias, cu_seqlens, window_pool, per_row, *, activation, block_t, block_d, num_warps,
                  num_stages, interpret):  # fmt: skip
     (num_tokens, dim), width = x.shape, weight.shape[1] - 1
-    block_d = min(dim, block_d)
-    if dim % block_d:
-        raise ValueError(f"channel count {dim} must be a multiple of {block_d} (Triton tiles are powers of two)")
-    if block_t & (block_t - 1):
-        raise ValueError(f"block_t {block_t} must be a power of two (Triton tiles)")
+    if block_t & (block_t - 1) or block_d & (block_d - 1):
+        raise ValueError(f"block_t {block_t} and block_d {block_d} must be powers of two (Triton tiles)")
+    block_d = math.gcd(dim, block_d)  # the largest power-of-two tile dividing D (D = 192 -> 64)
     bias = jnp.zeros(dim, jnp.float32) if bias is None else bias.astype(jnp.float32)
     tiles = _tile_table(cu_seqlens, num_tokens, block_t, width)
     operands = dict(cu_seqlens=cu_seqlens, **per_row, **tiles, x=x, weight=weight, bias=bias, window=window_pool)
@@ -173,7 +172,7 @@ def conv1d_prefill(
 ):  # fmt: skip
     """Pallas conv1d prefill; contract in `pallas_kernels.conv1d.conv1d_prefill`.
 
-    block_t, block_d: token and channel tile (powers of two; block_d is capped at D and must divide it).
+    block_t, block_d: token and channel tile (powers of two; block_d shrinks to the largest power of two dividing D).
     num_warps, num_stages: Triton launch parameters.
     """
     check_rows(cu_seqlens, slots, "slots")

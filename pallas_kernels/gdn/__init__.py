@@ -16,6 +16,7 @@ the state after them is S0 advanced by each entry in turn (S <- e^g S + k^ (x) u
 them (DESIGN "ReplaySSM and MTP", kernels_models §4.4).
 """
 
+from pallas_kernels import tuning
 from pallas_kernels.common import resolve_backend
 from pallas_kernels.gdn import pallas, pallas_prefill, reference
 from pallas_kernels.gdn.reference import gdn_chunked, gdn_recurrent
@@ -60,7 +61,8 @@ def gdn_prefill(
     options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
     if backend == "reference":
         return reference.gdn_prefill(*args, **options)
-    return pallas_prefill.gdn_prefill(*args, **options, interpret=backend == "interpret")
+    launch = _launch("gdn_prefill", pallas_prefill.gdn_prefill, state_pool, "state_block_v", "output_block_v")
+    return pallas_prefill.gdn_prefill(*args, **options, interpret=backend == "interpret", **launch)
 
 
 def gdn_decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, *, scale=None, use_qk_l2norm=True, backend=None):
@@ -76,7 +78,7 @@ def gdn_decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, *, scale=None, u
         )
     return pallas.gdn_decode(
         q, k, v, g, beta, cu_seqlens, state_pool, slots, scale=scale, use_qk_l2norm=use_qk_l2norm,
-        interpret=backend == "interpret",
+        interpret=backend == "interpret", **_launch("gdn_decode", pallas.gdn_decode, state_pool, "block_v"),
     )  # fmt: skip
 
 
@@ -108,7 +110,9 @@ def gdn_verify(
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.gdn_verify(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, max_query_len=max_query_len)
-    return pallas.gdn_verify(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=backend == "interpret")
+    launch = _launch("gdn_verify", pallas.gdn_verify, state_pool, "block_v")
+    return pallas.gdn_verify(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=backend == "interpret",
+                             **launch)
 
 
 def gdn_verify_snapshots(
@@ -131,8 +135,9 @@ def gdn_verify_snapshots(
     if backend == "reference":
         return reference.gdn_verify_snapshots(*args, scale=scale, use_qk_l2norm=use_qk_l2norm,
                                               max_query_len=max_query_len)
+    launch = _launch("gdn_verify_snapshots", pallas.gdn_verify_snapshots, state_pool, "block_v")
     return pallas.gdn_verify_snapshots(*args, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                                       interpret=backend == "interpret")
+                                       interpret=backend == "interpret", **launch)
 
 
 def gdn_materialise(state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ring_start, num_entries, *, backend=None):
@@ -148,4 +153,9 @@ def gdn_materialise(state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ri
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.gdn_materialise(*args)
-    return pallas.gdn_materialise(*args, interpret=backend == "interpret")
+    launch = _launch("gdn_materialise", pallas.gdn_materialise, state_pool, "block_v")
+    return pallas.gdn_materialise(*args, interpret=backend == "interpret", **launch)
+
+
+def _launch(op, launcher, state_pool, *tiles):
+    return tuning.for_launcher(op, launcher, tuning.shape_class(K=state_pool.shape[2], V=state_pool.shape[3]), *tiles)

@@ -10,11 +10,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.common import append_tokens, check_rows, zero_padding
 from pallas_kernels.gdn.reference import normalise_qk
-
-MAX_BLOCK_V = 32
 
 
 def _fold_ring(ring_k_ref, ring_u_ref, ring_g_ref, slot, i_k, i_h, cols, ring_start, count, state):
@@ -87,10 +86,19 @@ def _gdn_replay_kernel(
             state_out_ref[slot, i_h, :, cols] = state
 
 
-def _replay_call(q, k, v, g, beta, cu_seqlens, state_pool, rings, trackers, *, write_final, interpret):
+_STATIC = ("scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages", "interpret")
+
+
+def _launch(num_warps, num_stages, interpret):
+    """The pallas_call arguments every launcher here shares: Triton's launch parameters, interpret mode."""
+    return dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages), interpret=interpret)
+
+
+def _replay_call(q, k, v, g, beta, cu_seqlens, state_pool, rings, trackers, *, write_final, block_v, num_warps,
+                 num_stages, interpret):
     """Launch `_gdn_replay_kernel`; returns (o f32, delta, state_pool)."""
     num_tokens, num_heads, head_v = v.shape
-    block_v = min(head_v, MAX_BLOCK_V)
+    block_v = min(head_v, block_v)
     operands = dict(
         cu_seqlens=cu_seqlens, **trackers, q=q, k=k, v=v, g=g.astype(jnp.float32),
         beta=beta.astype(jnp.float32), **rings, state=state_pool,
@@ -104,19 +112,15 @@ def _replay_call(q, k, v, g, beta, cu_seqlens, state_pool, rings, trackers, *, w
         out_shape=(token_out, token_out, jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)),
         grid=(cu_seqlens.shape[0] - 1, num_heads, head_v // block_v),
         input_output_aliases={list(operands).index("state"): 2},
-        interpret=interpret,
+        **_launch(num_warps, num_stages, interpret),
         name=f"gdn_replay_{block_v=}_{write_final=}",
     )(*operands.values())
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "use_qk_l2norm", "interpret"),
-    donate_argnames=("state_pool", "ring_k", "ring_u", "ring_g"),
-)
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state_pool", "ring_k", "ring_u", "ring_g"))
 def gdn_verify(
     q, k, v, g, beta, cu_seqlens, state_pool, ring_k, ring_u, ring_g, slots, ring_start, committed, flush,
-    *, scale=None, use_qk_l2norm=True, interpret=False,
+    *, scale=None, use_qk_l2norm=True, block_v=32, num_warps=4, num_stages=1, interpret=False,
 ):  # fmt: skip
     """Pallas ReplaySSM verify/decode; contract in `pallas_kernels.gdn.gdn_verify`."""
     check_rows(cu_seqlens, slots, "slots")
@@ -124,7 +128,8 @@ def gdn_verify(
     trackers = dict(slots=slots, ring_start=ring_start, committed=committed, flush=flush.astype(jnp.int32))
     rings = dict(ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
     o, delta, state_pool = _replay_call(
-        qn, kn, v, g, beta, cu_seqlens, state_pool, rings, trackers, write_final=False, interpret=interpret
+        qn, kn, v, g, beta, cu_seqlens, state_pool, rings, trackers, write_final=False, block_v=block_v,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )
     rings = (
         append_tokens(ring, new, cu_seqlens, slots, ring_start, committed)
@@ -165,18 +170,16 @@ def _gdn_snapshot_kernel(
     jax.lax.fori_loop(first, cu_ref[i_r + 1], step, state)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret"), donate_argnames=("state_pool", "snapshots")
-)
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state_pool", "snapshots"))
 def gdn_verify_snapshots(
     q, k, v, g, beta, cu_seqlens, state_pool, snapshots, slots, ring_start, committed, flush,
-    *, scale=None, use_qk_l2norm=True, interpret=False,
+    *, scale=None, use_qk_l2norm=True, block_v=32, num_warps=4, num_stages=1, interpret=False,
 ):  # fmt: skip
     """Pallas snapshot verify/decode; contract in `pallas_kernels.gdn.gdn_verify_snapshots`."""
     check_rows(cu_seqlens, slots, "slots")
     qn, kn = normalise_qk(q, k, scale, use_qk_l2norm)
     num_tokens, num_heads, head_v = v.shape
-    block_v = min(head_v, MAX_BLOCK_V)
+    block_v = min(head_v, block_v)
     operands = dict(
         cu_seqlens=cu_seqlens, slots=slots, ring_start=ring_start, committed=committed,
         flush=flush.astype(jnp.int32), q=qn, k=kn, v=v, g=g.astype(jnp.float32), beta=beta.astype(jnp.float32),
@@ -189,14 +192,17 @@ def gdn_verify_snapshots(
         out_shape=(o_shape, *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in (snapshots, state_pool))),
         grid=(cu_seqlens.shape[0] - 1, num_heads, head_v // block_v),
         input_output_aliases={len(operands) - 2: 1, len(operands) - 1: 2},
-        interpret=interpret,
+        **_launch(num_warps, num_stages, interpret),
         name=f"gdn_snapshots_{block_v=}",
     )(*operands.values())
     return zero_padding(o, cu_seqlens, v.dtype), state_pool, snapshots
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret"), donate_argnames="state_pool")
-def gdn_decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, *, scale=None, use_qk_l2norm=True, interpret=False):
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames="state_pool")
+def gdn_decode(
+    q, k, v, g, beta, cu_seqlens, state_pool, slots,
+    *, scale=None, use_qk_l2norm=True, block_v=32, num_warps=4, num_stages=1, interpret=False,
+):  # fmt: skip
     """Pallas plain decoding; contract in `pallas_kernels.gdn.gdn_decode`."""
     check_rows(cu_seqlens, slots, "slots")
     qn, kn = normalise_qk(q, k, scale, use_qk_l2norm)
@@ -209,7 +215,8 @@ def gdn_decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, *, scale=None, u
         ring_g=jnp.zeros((1, v.shape[1], 1), jnp.float32),
     )
     o, _, state_pool = _replay_call(
-        qn, kn, v, g, beta, cu_seqlens, state_pool, rings, trackers, write_final=True, interpret=interpret
+        qn, kn, v, g, beta, cu_seqlens, state_pool, rings, trackers, write_final=True, block_v=block_v,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )
     return zero_padding(o, cu_seqlens, v.dtype), state_pool
 
@@ -240,13 +247,15 @@ def _gdn_materialise_kernel(
         state_out_ref[dst, i_h, :, cols] = state
 
 
-@functools.partial(jax.jit, static_argnames="interpret", donate_argnames="state_pool")
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "num_stages", "interpret"),
+                   donate_argnames="state_pool")
 def gdn_materialise(
-    state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ring_start, num_entries, *, interpret=False
-):
+    state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ring_start, num_entries,
+    *, block_v=32, num_warps=4, num_stages=1, interpret=False,
+):  # fmt: skip
     """Pallas materialise; contract in `pallas_kernels.gdn.gdn_materialise` (dst slots must not be src)."""
     num_heads, head_v = state_pool.shape[1], state_pool.shape[3]
-    block_v = min(head_v, MAX_BLOCK_V)
+    block_v = min(head_v, block_v)
     operands = dict(
         src=src_slots, dst=dst_slots, ring_start=ring_start, count=num_entries,
         ring_k=ring_k, ring_u=ring_u, ring_g=ring_g, state=state_pool,
@@ -257,6 +266,6 @@ def gdn_materialise(
         out_shape=jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype),
         grid=(src_slots.shape[0], num_heads, head_v // block_v),
         input_output_aliases={list(operands).index("state"): 0},
-        interpret=interpret,
+        **_launch(num_warps, num_stages, interpret),
         name=f"gdn_materialise_{block_v=}",
     )(*operands.values())

@@ -32,9 +32,6 @@ from pallas_kernels.gdn.wy import (
     unit_lower_inverse_blocks,
 )
 
-# The state pass holds a [K, BV] f32 tile per program: narrow tiles keep it in registers and give a single
-# long row HV * V / 32 programs. The output kernel has no carry and reuses its q k^T tile across BV columns.
-STATE_BLOCK_V, OUTPUT_BLOCK_V = 32, 64
 _f32 = jnp.float32
 
 
@@ -44,6 +41,10 @@ class _Config(NamedTuple):
     dtype: Any  # dtype of the dots' operands: the activations'
     scale: float  # query scale
     normalise: bool  # l2-normalise q and k
+    state_block_v: int  # V tile of the state pass
+    output_block_v: int  # V tile of the output call
+    num_warps: int
+    num_stages: int
 
 
 def _load_rows(ref, start, length, size, *index):
@@ -197,7 +198,7 @@ def _output_kernel(
         _store_rows(o_ref, start, length, o + dot(dot_nt(q, k, cfg.dtype) * gamma, v_new, cfg.dtype), i_h, cols)
 
 
-def _pallas_call(kernel, operands: dict, out_shape, grid, name, interpret, aliases=None):
+def _pallas_call(kernel, operands: dict, out_shape, grid, name, cfg, interpret, aliases=None):
     """pl.pallas_call over named operands; `aliases` maps an operand name to the output it becomes."""
     return pl.pallas_call(
         kernel,
@@ -205,6 +206,7 @@ def _pallas_call(kernel, operands: dict, out_shape, grid, name, interpret, alias
         grid=grid,
         input_output_aliases={list(operands).index(n): i for n, i in (aliases or {}).items()},
         interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         name=name,
     )(*operands.values())
 
@@ -219,13 +221,14 @@ def _intra_chunk(table, k, v, g, beta, cfg, interpret):
     )
     grid = (table.starts.shape[0], num_heads)
     name = f"gdn_prefill_intra_chunk_chunk_size={cfg.chunk_size}"
-    return _pallas_call(functools.partial(_intra_chunk_kernel, cfg=cfg), operands, out_shape, grid, name, interpret)
+    return _pallas_call(functools.partial(_intra_chunk_kernel, cfg=cfg), operands, out_shape, grid, name, cfg,
+                        interpret)
 
 
 def _state_pass(table, rows: dict, k, w, u, g, state_pool, cfg, interpret):
     """Call 2: returns h [NC, HV, K, V] f32, v_new [T, HV, V] and the updated pool."""
     num_chunks, (num_heads, head_k, head_v) = table.starts.shape[0], state_pool.shape[1:]
-    block_v = min(head_v, STATE_BLOCK_V)
+    block_v = min(head_v, cfg.state_block_v)
     operands = dict(**rows, k=k, w=w, u=u, g=g, state=state_pool)
     out_shape = (
         jax.ShapeDtypeStruct((num_chunks, num_heads, head_k, head_v), _f32),
@@ -235,19 +238,19 @@ def _state_pass(table, rows: dict, k, w, u, g, state_pool, cfg, interpret):
     grid = (rows["slots"].shape[0], num_heads, head_v // block_v)
     kernel = functools.partial(_state_pass_kernel, cfg=cfg, block_v=block_v)
     name = f"gdn_prefill_state_pass_{block_v=}_chunk_size={cfg.chunk_size}"
-    return _pallas_call(kernel, operands, out_shape, grid, name, interpret, aliases={"state": 2})
+    return _pallas_call(kernel, operands, out_shape, grid, name, cfg, interpret, aliases={"state": 2})
 
 
 def _output(table, q, k, g, h, v_new, out_dtype, cfg, interpret):
     """Call 3: o [T, HV, V] in out_dtype; padding tokens are never written."""
     head_v = v_new.shape[2]
-    block_v = min(head_v, OUTPUT_BLOCK_V)
+    block_v = min(head_v, cfg.output_block_v)
     operands = dict(starts=table.starts, lengths=table.lengths, q=q, k=k, g=g, h=h, v_new=v_new)
     out_shape = jax.ShapeDtypeStruct(v_new.shape, out_dtype)
     grid = (table.starts.shape[0], v_new.shape[1], head_v // block_v)
     kernel = functools.partial(_output_kernel, cfg=cfg, block_v=block_v)
     name = f"gdn_prefill_output_{block_v=}_chunk_size={cfg.chunk_size}"
-    return _pallas_call(kernel, operands, out_shape, grid, name, interpret)
+    return _pallas_call(kernel, operands, out_shape, grid, name, cfg, interpret)
 
 
 def _check_chunk_size(chunk_size: int) -> None:
@@ -256,19 +259,30 @@ def _check_chunk_size(chunk_size: int) -> None:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "use_qk_l2norm", "chunk_size", "interpret"), donate_argnames="state_pool"
+    jax.jit,
+    static_argnames=("scale", "use_qk_l2norm", "chunk_size", "state_block_v", "output_block_v", "num_warps",
+                     "num_stages", "interpret"),
+    donate_argnames="state_pool",
 )
 def gdn_prefill(
     q, k, v, g, beta, cu_seqlens, state_pool, slots, has_initial, checkpoint_lens=None, checkpoint_slots=None,
-    *, scale=None, use_qk_l2norm=True, chunk_size=64, interpret=False,
+    *, scale=None, use_qk_l2norm=True, chunk_size=64, state_block_v=32, output_block_v=64, num_warps=4,
+    num_stages=2, interpret=False,
 ):  # fmt: skip
-    """Pallas chunked prefill; contract in `pallas_kernels.gdn.gdn_prefill` (chunk_size: a power of two >= 16)."""
+    """Pallas chunked prefill; contract in `pallas_kernels.gdn.gdn_prefill` (chunk_size: a power of two >= 16).
+
+    state_block_v: the state pass holds a [K, BV] f32 tile per program: narrow tiles keep it in registers
+      and give a single long row HV * V / BV programs.
+    output_block_v: the output call has no carry and reuses its q k^T tile across BV columns.
+    num_warps, num_stages: Triton launch parameters of all three calls.
+    """
     check_rows(cu_seqlens, slots, "slots")
     _check_chunk_size(chunk_size)
     num_tokens, num_heads = v.shape[:2]
     cfg = _Config(
         group=num_heads // q.shape[1], chunk_size=chunk_size, dtype=jnp.result_type(q, k, v),
-        scale=q.shape[2] ** -0.5 if scale is None else scale, normalise=use_qk_l2norm,
+        scale=q.shape[2] ** -0.5 if scale is None else scale, normalise=use_qk_l2norm, state_block_v=state_block_v,
+        output_block_v=output_block_v, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     table = chunk_table(cu_seqlens, num_tokens, chunk_size)
     if checkpoint_lens is None:

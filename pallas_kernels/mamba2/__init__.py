@@ -18,6 +18,7 @@ the state after them is S0 advanced by each entry in turn (h <- e^{dt A} h + dt 
 owned by the scheduler and passed per row (kernels_models §4.3, FlashInfer `checkpointing_ssu`).
 """
 
+from pallas_kernels import tuning
 from pallas_kernels.common import resolve_backend
 from pallas_kernels.mamba2 import pallas, pallas_prefill, reference
 from pallas_kernels.mamba2.reference import ssd_chunked, ssd_recurrent
@@ -55,7 +56,8 @@ def ssd_prefill(
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.ssd_prefill(*args, chunk_size=chunk_size)
-    return pallas_prefill.ssd_prefill(*args, chunk_size=chunk_size, interpret=backend == "interpret")
+    launch = _launch("ssd_prefill", pallas_prefill.ssd_prefill, state_pool, "block_p", "block_t")
+    return pallas_prefill.ssd_prefill(*args, chunk_size=chunk_size, interpret=backend == "interpret", **launch)
 
 
 def ssd_decode(x, dt, A, B, C, D, cu_seqlens, state_pool, slots, *, backend=None):
@@ -64,7 +66,8 @@ def ssd_decode(x, dt, A, B, C, D, cu_seqlens, state_pool, slots, *, backend=None
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.ssd_decode(*args)
-    return pallas.ssd_decode(*args, interpret=backend == "interpret")
+    launch = _launch("ssd_decode", pallas.ssd_decode, state_pool, "block_p")
+    return pallas.ssd_decode(*args, interpret=backend == "interpret", **launch)
 
 
 def ssd_verify(
@@ -92,7 +95,8 @@ def ssd_verify(
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.ssd_verify(*args, max_query_len=max_query_len)
-    return pallas.ssd_verify(*args, interpret=backend == "interpret")
+    launch = _launch("ssd_verify", pallas.ssd_verify, state_pool, "block_p")
+    return pallas.ssd_verify(*args, interpret=backend == "interpret", **launch)
 
 
 def ssd_verify_snapshots(
@@ -112,7 +116,8 @@ def ssd_verify_snapshots(
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.ssd_verify_snapshots(*args, max_query_len=max_query_len)
-    return pallas.ssd_verify_snapshots(*args, interpret=backend == "interpret")
+    launch = _launch("ssd_verify_snapshots", pallas.ssd_verify_snapshots, state_pool, "block_p")
+    return pallas.ssd_verify_snapshots(*args, interpret=backend == "interpret", **launch)
 
 
 def ssd_materialise(
@@ -128,4 +133,9 @@ def ssd_materialise(
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.ssd_materialise(*args)
-    return pallas.ssd_materialise(*args, interpret=backend == "interpret")
+    launch = _launch("ssd_materialise", pallas.ssd_materialise, state_pool, "block_p")
+    return pallas.ssd_materialise(*args, interpret=backend == "interpret", **launch)
+
+
+def _launch(op, launcher, state_pool, *tiles):
+    return tuning.for_launcher(op, launcher, tuning.shape_class(P=state_pool.shape[2], N=state_pool.shape[3]), *tiles)

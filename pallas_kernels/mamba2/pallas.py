@@ -187,6 +187,8 @@ def _ssd_materialise_kernel(
 
 # ---------------------------------------------------------------- launchers
 
+_STATIC = ("block_p", "num_warps", "num_stages", "interpret")
+
 
 def check_tiles(state_pool, block_p):
     """The largest power-of-two tile <= block_p dividing P (P = 80 -> 16): Triton tiles are powers of two."""
@@ -199,7 +201,7 @@ def check_tiles(state_pool, block_p):
     return block_p
 
 
-def pool_call(kernel, operands, out_shapes, *, num_rows, block_p, interpret, name, num_stages=1):
+def pool_call(kernel, operands, out_shapes, *, num_rows, block_p, interpret, name, num_warps=4, num_stages=1):
     """pallas_call over (row, head, P tile); the last operand, the state pool, is the last output, in place."""
     num_heads, head_dim = operands[-1].shape[1:3]
     return pl.pallas_call(
@@ -208,12 +210,13 @@ def pool_call(kernel, operands, out_shapes, *, num_rows, block_p, interpret, nam
         grid=(num_rows, num_heads, head_dim // block_p),
         input_output_aliases={len(operands) - 1: len(out_shapes) - 1},
         interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=num_stages),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=name,
     )(*operands)
 
 
-def _replay_call(x, dt, A, B, C, D, cu_seqlens, state_pool, rings, trackers, *, block_p, write_final, interpret):
+def _replay_call(x, dt, A, B, C, D, cu_seqlens, state_pool, rings, trackers, *, block_p, write_final, interpret,
+                 **launch):
     """Launch `_ssd_replay_kernel`; returns (y with padding zeroed, state_pool).
 
     rings: (ring_x, ring_dt, ring_B); trackers: (slots, ring_start, committed, flush).
@@ -226,13 +229,14 @@ def _replay_call(x, dt, A, B, C, D, cu_seqlens, state_pool, rings, trackers, *, 
     )
     y, state_pool = pool_call(
         kernel, operands, (x, state_pool), num_rows=trackers[0].shape[0], block_p=block_p, interpret=interpret,
-        name=f"ssd_{'decode' if write_final else 'verify'}_{block_p=}",
+        name=f"ssd_{'decode' if write_final else 'verify'}_{block_p=}", **launch,
     )  # fmt: skip
     return zero_padding(y, cu_seqlens, x.dtype), state_pool
 
 
-@functools.partial(jax.jit, static_argnames=("block_p", "interpret"), donate_argnames="state_pool")
-def ssd_decode(x, dt, A, B, C, D, cu_seqlens, state_pool, slots, *, block_p=16, interpret=False):
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames="state_pool")
+def ssd_decode(x, dt, A, B, C, D, cu_seqlens, state_pool, slots, *, block_p=16, num_warps=4, num_stages=1,
+               interpret=False):
     """Same contract as `reference.ssd_decode`; one program per (row, head, block_p rows of P)."""
     num_heads, head_dim, state_size = state_pool.shape[1:]
     zeros = jnp.zeros_like(slots)
@@ -245,21 +249,21 @@ def ssd_decode(x, dt, A, B, C, D, cu_seqlens, state_pool, slots, *, block_p=16, 
     trackers = (slots, zeros, zeros, zeros)
     return _replay_call(
         x, dt, A, B, C, D, cu_seqlens, state_pool, rings, trackers, block_p=block_p, write_final=True,
-        interpret=interpret,
+        interpret=interpret, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 
 @functools.partial(
-    jax.jit, static_argnames=("block_p", "interpret"), donate_argnames=("state_pool", "ring_x", "ring_dt", "ring_B")
+    jax.jit, static_argnames=_STATIC, donate_argnames=("state_pool", "ring_x", "ring_dt", "ring_B")
 )
 def ssd_verify(
     x, dt, A, B, C, D, cu_seqlens, state_pool, ring_x, ring_dt, ring_B, slots, ring_start, committed, flush,
-    *, block_p=16, interpret=False,
+    *, block_p=16, num_warps=4, num_stages=1, interpret=False,
 ):  # fmt: skip
     """Same contract as `reference.ssd_verify`; one program per (row, head, block_p rows of P)."""
     y, state_pool = _replay_call(
         x, dt, A, B, C, D, cu_seqlens, state_pool, (ring_x, ring_dt, ring_B), (slots, ring_start, committed, flush),
-        block_p=block_p, write_final=False, interpret=interpret,
+        block_p=block_p, write_final=False, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     rings = (
         append_tokens(ring, new, cu_seqlens, slots, ring_start, committed)
@@ -268,10 +272,10 @@ def ssd_verify(
     return (y, state_pool, *rings)
 
 
-@functools.partial(jax.jit, static_argnames=("block_p", "interpret"), donate_argnames=("state_pool", "snapshots"))
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state_pool", "snapshots"))
 def ssd_verify_snapshots(
     x, dt, A, B, C, D, cu_seqlens, state_pool, snapshots, slots, ring_start, committed, flush,
-    *, block_p=16, interpret=False,
+    *, block_p=16, num_warps=4, num_stages=1, interpret=False,
 ):  # fmt: skip
     """Same contract as `reference.ssd_verify_snapshots`; one program per (row, head, block_p rows of P)."""
     check_rows(cu_seqlens, slots, "slots")
@@ -285,16 +289,16 @@ def ssd_verify_snapshots(
         grid=(slots.shape[0], state_pool.shape[1], state_pool.shape[2] // block_p),
         input_output_aliases={len(operands) - 2: 1, len(operands) - 1: 2},
         interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"ssd_snapshots_{block_p=}",
     )(*operands)
     return zero_padding(y, cu_seqlens, x.dtype), state_pool, snapshots
 
 
-@functools.partial(jax.jit, static_argnames=("block_p", "interpret"), donate_argnames="state_pool")
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames="state_pool")
 def ssd_materialise(
     state_pool, ring_x, ring_dt, ring_B, A, src_slots, dst_slots, ring_start, num_entries, *, block_p=16,
-    interpret=False,
+    num_warps=4, num_stages=1, interpret=False,
 ):  # fmt: skip
     """Same contract as `reference.ssd_materialise`, computed in place.
 
@@ -309,6 +313,6 @@ def ssd_materialise(
     )
     (state_pool,) = pool_call(
         kernel, operands, (state_pool,), num_rows=src_slots.shape[0], block_p=block_p, interpret=interpret,
-        name=f"ssd_materialise_{block_p=}",
+        name=f"ssd_materialise_{block_p=}", num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return state_pool

@@ -208,13 +208,14 @@ def _first_chunks(cu_seqlens, block_t):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("chunk_size", "block_p", "block_t", "interpret"), donate_argnames="state_pool"
+    jax.jit, static_argnames=("chunk_size", "block_p", "block_t", "num_warps", "num_stages", "interpret"),
+    donate_argnames="state_pool",
 )
 def ssd_prefill(
     x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, D: jax.Array, cu_seqlens: jax.Array,
     state_pool: jax.Array, slots: jax.Array, has_initial: jax.Array, checkpoint_lens: jax.Array | None = None,
     checkpoint_slots: jax.Array | None = None, *, chunk_size: int = 128, block_p: int = 32, block_t: int = 64,
-    interpret: bool = False,
+    num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """Same contract as `reference.ssd_prefill`; x, B, C (and y) in one of f32/bf16/fp16.
 
@@ -236,5 +237,5 @@ def ssd_prefill(
     )
     return pool_call(
         kernel, operands, (x, state_pool), num_rows=slots.shape[0], block_p=block_p, interpret=interpret,
-        name=f"ssd_prefill_{block_p=}_{block_t=}", num_stages=2,
+        name=f"ssd_prefill_{block_p=}_{block_t=}", num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

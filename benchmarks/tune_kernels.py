@@ -1,0 +1,89 @@
+"""Block sizes and warps by measurement: time each Pallas op's candidate launch parameters at model shapes and
+record the fastest per shape class in configs/kernels/<device>.yaml (read back by pallas_kernels.tuning).
+
+Shapes are those of `kernels.py --gpu` at TP 1 (Qwen3-Next-80B-A3B and Nemotron-H-8B); shape classes are
+head dims, which TP does not change. A candidate that fails to compile (too many registers or too much
+shared memory) is skipped and counted.
+`--kernel-backend interpret --divide 64` is a CPU smoke run; it prints but writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+
+import jax
+import yaml
+from kernels import _median_ms
+from roofline import model_cases
+from tqdm import tqdm
+
+from pallas_kernels import tuning
+
+
+def grid(**axes) -> list[dict]:
+    return [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
+
+
+WARPS = dict(num_warps=(4, 8), num_stages=(1, 2))
+# op (the public function, as pallas_kernels.tuning knows it) -> candidates; cases name the op they time.
+CANDIDATES = {
+    "conv1d_prefill": grid(block_t=(16, 32, 64), block_d=(64, 128, 256), **WARPS),
+    "gdn_prefill": grid(state_block_v=(16, 32, 64), output_block_v=(32, 64), **WARPS),
+    "gdn_decode": grid(block_v=(16, 32, 64), **WARPS),
+    "gdn_verify": grid(block_v=(16, 32, 64), **WARPS),
+    "gdn_materialise": grid(block_v=(16, 32, 64), **WARPS),
+    "ssd_prefill": grid(block_p=(16, 32, 64), block_t=(32, 64), **WARPS),
+    "ssd_decode": grid(block_p=(16, 32, 64), **WARPS),
+    "ssd_verify": grid(block_p=(16, 32, 64), **WARPS),
+    "ssd_materialise": grid(block_p=(16, 32, 64), **WARPS),
+    "ragged_paged_attention": grid(block_m=(16, 32, 64), **WARPS),
+}
+TIMED_OP = {"attention_prefill": "ragged_paged_attention", "attention_decode": "ragged_paged_attention"}
+
+
+def sweep(case, op: str, backend: str, repeats: int) -> tuple[dict, float, int]:
+    """(fastest candidate, its seconds, candidates that failed)."""
+    best, best_s, failed = None, float("inf"), 0
+    for params in CANDIDATES[op]:
+        with tuning.override(op, **params):
+            try:
+                seconds = _median_ms(case.call(backend), repeats) / 1e3
+            except Exception:  # noqa: BLE001 - a candidate that does not compile is a measured "no"
+                failed += 1
+                continue
+        if seconds < best_s:
+            best, best_s = params, seconds
+    return best, best_s, failed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--kernel-backend", default="pallas")
+    parser.add_argument("--divide", type=int, default=1)
+    args = parser.parse_args()
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and args.kernel_backend != "interpret":
+        raise SystemExit("the sweep needs a CUDA device (or --kernel-backend interpret for a CPU smoke run)")
+    table: dict = {}
+    for case in tqdm(model_cases(args.dtype, tp_sizes=(1,), divide=args.divide), desc="sweep", leave=False):
+        op = TIMED_OP.get(case.op, case.op)
+        best, seconds, failed = sweep(case, op, args.kernel_backend, args.repeats)
+        shape_class = tuning.asked[op]
+        print(f"{op:<24} {shape_class:<28} {case.shape:<56} {1e3 * seconds:9.3f} ms  {best}  ({failed} failed)")
+        if best is not None:
+            table.setdefault(op, {})[shape_class] = best
+    if on_gpu:
+        device = jax.devices()[0].device_kind
+        path = Path(tuning.CONFIGS) / tuning.device_file(device)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        header = f"# Measured by benchmarks/tune_kernels.py on {device}, jax {jax.__version__}, {args.dtype}.\n"
+        path.write_text(header + yaml.safe_dump(table, sort_keys=True))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

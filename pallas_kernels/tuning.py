@@ -1,0 +1,98 @@
+"""Launch parameters (tiles, warps, pipeline stages) per op and shape class, chosen by measurement.
+
+`benchmarks/tune_kernels.py` times each op's candidates on a GPU and records the fastest in
+`configs/kernels/<device kind>.yaml`:
+
+    gdn_decode:                      # op
+      K128.V128:                     # shape class (the op's static head dims)
+        {block_v: 32, num_warps: 4, num_stages: 2}
+
+An op's public function asks `launch(op, shape_class, defaults)` before calling its Pallas launcher and
+passes the result as static arguments, so a new choice compiles a new kernel rather than hitting a cached
+one. Without a recorded entry (interpret mode on CPU, an unswept device) the op's own defaults apply.
+`JAXHYBRID_KERNEL_CONFIGS` names another directory; `override` pins parameters for a sweep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import yaml
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "kernels"
+_OVERRIDES: dict[str, dict] = {}
+asked: dict[str, str] = {}  # the shape class each op last asked for: the sweep records its choice there
+
+
+def device_file(device_kind: str) -> str:
+    """'NVIDIA H200' -> 'nvidia_h200.yaml'."""
+    return "_".join(device_kind.lower().split()) + ".yaml"
+
+
+@functools.cache
+def _recorded(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def _device_kind() -> str | None:
+    device = jax.devices()[0]
+    return device.device_kind if device.platform == "gpu" else None  # interpret mode: the defaults
+
+
+def recorded(device_kind: str | None = None) -> dict:
+    """The sweep's table for this device, or for `device_kind` ({} when none was recorded)."""
+    device_kind = device_kind or _device_kind()
+    if device_kind is None:
+        return {}
+    directory = Path(os.environ.get("JAXHYBRID_KERNEL_CONFIGS", CONFIGS))
+    return _recorded(directory / device_file(device_kind))
+
+
+def shape_class(**dims: int) -> str:
+    """'K128.V128' from K=128, V=128: the static dims a launch choice depends on."""
+    return ".".join(f"{name}{size}" for name, size in dims.items())
+
+
+def defaults(launcher, *names: str) -> dict:
+    """The launcher's own keyword defaults for `names`: what runs when nothing is recorded."""
+    parameters = inspect.signature(launcher).parameters
+    return {name: parameters[name].default for name in names}
+
+
+def launch(op: str, shape_class: str, defaults: dict) -> dict:
+    """`defaults` updated by the recorded entry for (op, shape_class), then by any active `override`."""
+    asked[op] = shape_class
+    chosen = dict(defaults)
+    chosen.update(recorded().get(op, {}).get(shape_class, {}))
+    chosen.update(_OVERRIDES.get(op, {}))
+    unknown = set(chosen) - set(defaults)
+    if unknown:
+        raise ValueError(f"{op}: unknown launch parameters {sorted(unknown)}; it takes {sorted(defaults)}")
+    return chosen
+
+
+def for_launcher(op: str, launcher, shape_class: str, *tiles: str) -> dict:
+    """`launch` over the launcher's own defaults for its `tiles` and Triton's num_warps / num_stages."""
+    return launch(op, shape_class, defaults(launcher, *tiles, "num_warps", "num_stages"))
+
+
+@contextlib.contextmanager
+def override(op: str, **params) -> Iterator[None]:
+    """Pin `op`'s launch parameters inside the block (the sweep's candidates)."""
+    previous = _OVERRIDES.get(op)
+    _OVERRIDES[op] = params
+    try:
+        yield
+    finally:
+        if previous is None:
+            _OVERRIDES.pop(op)
+        else:
+            _OVERRIDES[op] = previous

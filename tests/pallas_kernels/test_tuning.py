@@ -1,0 +1,38 @@
+"""Launch parameters: an op's defaults, the sweep's recorded choice for its shape class, a sweep's override."""
+
+import pytest
+import yaml
+
+from pallas_kernels import tuning
+
+DEFAULTS = dict(block_v=64, num_warps=4)
+
+
+def test_device_file_names_the_device_kind():
+    assert tuning.device_file("NVIDIA H200") == "nvidia_h200.yaml"
+
+
+def test_a_device_without_a_recorded_sweep_gets_the_defaults(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXHYBRID_KERNEL_CONFIGS", str(tmp_path))
+    assert tuning.recorded("NVIDIA H100") == {}
+    assert tuning.launch("gdn_decode", "K128.V128", DEFAULTS) == DEFAULTS  # CPU: nothing recorded
+
+
+def test_the_recorded_choice_applies_to_its_shape_class_only(tmp_path, monkeypatch):
+    (tmp_path / "nvidia_h200.yaml").write_text(yaml.safe_dump({"gdn_decode": {"K128.V128": {"block_v": 32}}}))
+    monkeypatch.setenv("JAXHYBRID_KERNEL_CONFIGS", str(tmp_path))
+    monkeypatch.setattr(tuning, "_device_kind", lambda: "NVIDIA H200")
+    assert tuning.launch("gdn_decode", "K128.V128", DEFAULTS) == dict(block_v=32, num_warps=4)
+    assert tuning.launch("gdn_decode", "K64.V64", DEFAULTS) == DEFAULTS
+    assert tuning.asked["gdn_decode"] == "K64.V64"
+
+
+def test_override_wins_inside_its_block_and_is_undone():
+    with tuning.override("gdn_decode", num_warps=8):
+        assert tuning.launch("gdn_decode", "K128.V128", DEFAULTS) == dict(block_v=64, num_warps=8)
+    assert tuning.launch("gdn_decode", "K128.V128", DEFAULTS) == DEFAULTS
+
+
+def test_an_unknown_parameter_is_an_error_naming_it():
+    with tuning.override("gdn_decode", block_k=16), pytest.raises(ValueError, match="block_k"):
+        tuning.launch("gdn_decode", "K128.V128", DEFAULTS)
