@@ -76,13 +76,16 @@ def main() -> None:
         print(f"{op:<24} {shape_class:<28} {case.shape:<56} {1e3 * seconds:9.3f} ms  {best}  ({failed} failed)")
         if best is not None:
             table.setdefault(op, {})[shape_class] = best
-    if on_gpu:
-        device = jax.devices()[0].device_kind
-        path = Path(tuning.CONFIGS) / tuning.device_file(device)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        header = f"# Measured by benchmarks/tune_kernels.py on {device}, jax {jax.__version__}, {args.dtype}.\n"
-        path.write_text(header + yaml.safe_dump(table, sort_keys=True))
-        print(f"wrote {path}")
+            if on_gpu:  # after every case, so that a sweep cut short by a time limit keeps what it measured
+                record(table, args.dtype)
+
+
+def record(table: dict, dtype: str) -> None:
+    device = jax.devices()[0].device_kind
+    path = Path(tuning.CONFIGS) / tuning.device_file(device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = f"# Measured by benchmarks/tune_kernels.py on {device}, jax {jax.__version__}, {dtype}.\n"
+    path.write_text(header + yaml.safe_dump(table, sort_keys=True))
 
 
 if __name__ == "__main__":
