@@ -1,5 +1,6 @@
 """Block sizes and warps by measurement: time each Pallas op's candidate launch parameters at model shapes and
-record the fastest per shape class in configs/kernels/<device>.yaml (read back by pallas_kernels.tuning).
+record the fastest per shape class in configs/kernels/<device>.yaml (read back by pallas_kernels.tuning), merged
+into what earlier sweeps recorded.
 
 Shapes are those of `kernels.py --gpu` at TP 1 (Qwen3-Next-80B-A3B and Nemotron-H-8B); shape classes are
 head dims, which TP does not change. A candidate that fails to compile (too many registers or too much
@@ -10,6 +11,7 @@ shared memory) is skipped and counted.
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 from pathlib import Path
 
@@ -26,7 +28,7 @@ def grid(**axes) -> list[dict]:
     return [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
 
 
-WARPS = dict(num_warps=(4, 8), num_stages=(1, 2))
+WARPS = dict(num_warps=(2, 4, 8), num_stages=(1, 2))
 # op (the public function, as pallas_kernels.tuning knows it) -> candidates; cases name the op they time.
 CANDIDATES = {
     "conv1d_prefill": grid(block_t=(16, 32, 64), block_d=(64, 128, 256), **WARPS),
@@ -68,7 +70,8 @@ def main() -> None:
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and args.kernel_backend != "interpret":
         raise SystemExit("the sweep needs a CUDA device (or --kernel-backend interpret for a CPU smoke run)")
-    table: dict = {}
+    # earlier sweeps' other classes stay; a copy, since the recorded table is cached for the ops
+    table = copy.deepcopy(tuning.recorded(jax.devices()[0].device_kind)) if on_gpu else {}
     for case in tqdm(model_cases(args.dtype, tp_sizes=(1,), divide=args.divide), desc="sweep", leave=False):
         op = TIMED_OP.get(case.op, case.op)
         best, seconds, failed = sweep(case, op, args.kernel_backend, args.repeats)

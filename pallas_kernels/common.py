@@ -1,6 +1,7 @@
 """Index maths shared by every op: packed varlen tokens (`cu_seqlens`), chunk tables, slot pools, rings."""
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -17,6 +18,24 @@ def dot_precision(dtype) -> jax.lax.Precision:
     DEFAULT, which is what puts them on tensor cores (HIGHEST would upcast them to fp32 passes).
     """
     return HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+MIN_DOT_SIDE = 16  # Triton's smallest tl.dot side
+
+
+def dividing_tile(size: int, tile: int, name: str) -> int:
+    """The largest power-of-two tile <= `tile` dividing `size` (V = 96, tile 64 -> 32): Triton tiles are powers of
+    two, and a grid of size // tile tiles that did not divide would leave the tail unwritten."""
+    if tile < 1 or tile & (tile - 1):
+        raise ValueError(f"{name}={tile} must be a power of two")
+    return math.gcd(size, tile)
+
+
+def check_dot_sides(interpret: bool, **sides: int) -> None:
+    """Triton rejects a dot with a side below 16 at compile time; interpret mode takes any, as tests do."""
+    small = {name: side for name, side in sides.items() if side < MIN_DOT_SIDE}
+    if small and not interpret:
+        raise ValueError(f"Triton dots need every side >= {MIN_DOT_SIDE}: {small}")
 
 
 def check_rows(cu_seqlens: jax.Array, per_row: jax.Array, name: str) -> None:

@@ -18,12 +18,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import jax
 import yaml
+
+logger = logging.getLogger(__name__)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "kernels"
 _OVERRIDES: dict[str, dict] = {}
@@ -70,13 +73,15 @@ def defaults(launcher, *names: str) -> dict:
 def launch(op: str, shape_class: str, defaults: dict) -> dict:
     """`defaults` updated by the recorded entry for (op, shape_class), then by any active `override`."""
     asked[op] = shape_class
-    chosen = dict(defaults)
-    chosen.update(recorded().get(op, {}).get(shape_class, {}))
-    chosen.update(_OVERRIDES.get(op, {}))
-    unknown = set(chosen) - set(defaults)
-    if unknown:
-        raise ValueError(f"{op}: unknown launch parameters {sorted(unknown)}; it takes {sorted(defaults)}")
-    return chosen
+    entry = recorded().get(op, {}).get(shape_class, {})
+    stale = set(entry) - set(defaults)
+    if stale:  # a table from an older kernel must not stop serving: its other choices still apply
+        logger.warning("%s: ignoring recorded launch parameters %s; it takes %s", op, sorted(stale), sorted(defaults))
+    pinned = _OVERRIDES.get(op, {})
+    if set(pinned) - set(defaults):
+        raise ValueError(f"{op}: unknown launch parameters {sorted(set(pinned) - set(defaults))}; it takes "
+                         f"{sorted(defaults)}")
+    return {**defaults, **{k: v for k, v in entry.items() if k in defaults}, **pinned}
 
 
 def for_launcher(op: str, launcher, shape_class: str, *tiles: str) -> dict:

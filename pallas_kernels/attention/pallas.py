@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.attention.reference import write_kv
-from pallas_kernels.common import chunk_table, dot_precision, max_num_chunks, zero_padding
+from pallas_kernels.common import check_dot_sides, chunk_table, dot_precision, max_num_chunks, zero_padding
 
 MIN_BLOCK_M = 16  # Triton's tensor-core dots want M >= 16
 # Programs that fill an H100/H200 (132 SMs) several times over: more splits only add partials to merge.
@@ -153,8 +153,9 @@ def _store_tile(ref, split, start, kv_head, in_tile, value):
 
 def _merge_splits(acc, running_max, running_sum):
     """Log-sum-exp merge of split partials: acc [S, ..., Dh], max and sum [S, ...] -> normalised [..., Dh]."""
-    # Finite for every real token (the split holding key 0 sees it); padding tokens hold garbage, zeroed later.
+    # Finite for every real token (the split holding key 0 sees it); padding tokens are zeroed later.
     top = running_max.max(axis=0)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)  # padding tokens: every split idle; exp(-inf - -inf) is NaN
     weight = jnp.exp(running_max - top)  # idle splits (max -inf) weigh 0
     return (weight[..., None] * acc).sum(axis=0) / (weight * running_sum).sum(axis=0)[..., None]
 
@@ -184,6 +185,7 @@ def ragged_paged_attention(
     block_m = default_block_m(num_tokens, num_rows) if block_m is None else block_m
     if block_m < MIN_BLOCK_M or block_m != _next_pow2(block_m):
         raise ValueError(f"block_m must be a power of two >= {MIN_BLOCK_M}, got {block_m}")
+    check_dot_sides(interpret, block_size=block_size, head_dim=head_dim)  # the scores and P.V dots
     group = num_q_heads // num_kv_heads
     tokens_per_tile, group_pad = tile_shape(group, block_m)
     num_tiles = max_num_chunks(num_tokens, num_rows, tokens_per_tile)

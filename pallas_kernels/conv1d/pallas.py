@@ -10,14 +10,13 @@ windows. Padding tokens get zero tiles of their own, so the output needs no pass
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import check_rows, int32
+from pallas_kernels.common import check_rows, dividing_tile, int32
 
 
 def _tile_table(cu_seqlens: jax.Array, num_tokens: int, block_t: int, width: int) -> dict[str, jax.Array]:
@@ -143,9 +142,9 @@ def _conv1d_kernel(
 def _conv1d_call(x, weight, bias, cu_seqlens, window_pool, per_row, *, activation, block_t, block_d, num_warps,
                  num_stages, interpret):  # fmt: skip
     (num_tokens, dim), width = x.shape, weight.shape[1] - 1
-    if block_t & (block_t - 1) or block_d & (block_d - 1):
-        raise ValueError(f"block_t {block_t} and block_d {block_d} must be powers of two (Triton tiles)")
-    block_d = math.gcd(dim, block_d)  # the largest power-of-two tile dividing D (D = 192 -> 64)
+    if block_t & (block_t - 1):
+        raise ValueError(f"block_t {block_t} must be a power of two (Triton tiles)")
+    block_d = dividing_tile(dim, block_d, "block_d")
     bias = jnp.zeros(dim, jnp.float32) if bias is None else bias.astype(jnp.float32)
     tiles = _tile_table(cu_seqlens, num_tokens, block_t, width)
     operands = dict(cu_seqlens=cu_seqlens, **per_row, **tiles, x=x, weight=weight, bias=bias, window=window_pool)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import append_tokens, check_rows, zero_padding
+from pallas_kernels.common import append_tokens, check_rows, dividing_tile, zero_padding
 from pallas_kernels.gdn.reference import normalise_qk
 
 
@@ -98,7 +98,7 @@ def _replay_call(q, k, v, g, beta, cu_seqlens, state_pool, rings, trackers, *, w
                  num_stages, interpret):
     """Launch `_gdn_replay_kernel`; returns (o f32, delta, state_pool)."""
     num_tokens, num_heads, head_v = v.shape
-    block_v = min(head_v, block_v)
+    block_v = dividing_tile(head_v, block_v, "block_v")
     operands = dict(
         cu_seqlens=cu_seqlens, **trackers, q=q, k=k, v=v, g=g.astype(jnp.float32),
         beta=beta.astype(jnp.float32), **rings, state=state_pool,
@@ -179,7 +179,7 @@ def gdn_verify_snapshots(
     check_rows(cu_seqlens, slots, "slots")
     qn, kn = normalise_qk(q, k, scale, use_qk_l2norm)
     num_tokens, num_heads, head_v = v.shape
-    block_v = min(head_v, block_v)
+    block_v = dividing_tile(head_v, block_v, "block_v")
     operands = dict(
         cu_seqlens=cu_seqlens, slots=slots, ring_start=ring_start, committed=committed,
         flush=flush.astype(jnp.int32), q=qn, k=kn, v=v, g=g.astype(jnp.float32), beta=beta.astype(jnp.float32),
@@ -255,7 +255,7 @@ def gdn_materialise(
 ):  # fmt: skip
     """Pallas materialise; contract in `pallas_kernels.gdn.gdn_materialise` (dst slots must not be src)."""
     num_heads, head_v = state_pool.shape[1], state_pool.shape[3]
-    block_v = min(head_v, block_v)
+    block_v = dividing_tile(head_v, block_v, "block_v")
     operands = dict(
         src=src_slots, dst=dst_slots, ring_start=ring_start, count=num_entries,
         ring_k=ring_k, ring_u=ring_u, ring_g=ring_g, state=state_pool,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import check_rows, chunk_table, zero_padding
+from pallas_kernels.common import check_dot_sides, check_rows, chunk_table, dividing_tile, int32, zero_padding
 from pallas_kernels.gdn.reference import l2norm
 from pallas_kernels.gdn.wy import (
     BLOCK,
@@ -110,7 +110,8 @@ def _state_after(state, k, v_new, cum, count, dtype):
     """
     positions = jnp.arange(cum.shape[0])
     cum_p = jnp.sum(jnp.where(positions == count - 1, cum, 0.0))
-    weights = jnp.where(positions < count, jnp.exp(cum_p - cum), 0.0)
+    # Mask before exp: G_p - G_j > 0 for j > p and may overflow.
+    weights = jnp.exp(jnp.where(positions < count, cum_p - cum, -jnp.inf))
     return jnp.exp(cum_p) * state + dot_tn(k, v_new * weights[:, None], dtype)
 
 
@@ -126,7 +127,7 @@ def _state_pass_kernel(
     u_ref,  # [T, HV, V] dtype
     g_ref,  # [T, HV] f32
     state_ref,  # [S, HV, K, V] f32
-    h_ref,  # [NC, HV, K, V] f32, the state at each chunk's start
+    h_ref,  # [NC, HV, K, V] in the dots' dtype, the state at each chunk's start
     v_new_ref,  # [T, HV, V] dtype
     state_out_ref,  # [S, HV, K, V] f32, aliases state_ref
     *,
@@ -147,7 +148,7 @@ def _state_pass_kernel(
     def chunk(c, s):
         start = bos + c * size
         length = jnp.minimum(eos - start, size)
-        h_ref[first + c, i_h, :, cols] = s
+        h_ref[first + c, i_h, :, cols] = s.astype(h_ref.dtype)
         k = _keys(_load_rows(k_ref, start, length, size, i_k), cfg)
         cum = jnp.cumsum(_load_rows(g_ref, start, length, size, i_h))
         w = _load_rows(w_ref, start, length, size, i_h)
@@ -174,7 +175,7 @@ def _output_kernel(
     q_ref,  # [T, H, K]
     k_ref,  # [T, H, K]
     g_ref,  # [T, HV] f32
-    h_ref,  # [NC, HV, K, V] f32
+    h_ref,  # [NC, HV, K, V] in the dots' dtype
     v_new_ref,  # [T, HV, V] dtype
     o_ref,  # [T, HV, V] in v's dtype
     *,
@@ -226,12 +227,14 @@ def _intra_chunk(table, k, v, g, beta, cfg, interpret):
 
 
 def _state_pass(table, rows: dict, k, w, u, g, state_pool, cfg, interpret):
-    """Call 2: returns h [NC, HV, K, V] f32, v_new [T, HV, V] and the updated pool."""
+    """Call 2: returns h [NC, HV, K, V] (in the dots' dtype: the output call reads it only as a dot operand,
+    so bf16 halves its traffic), v_new [T, HV, V] and the updated pool."""
     num_chunks, (num_heads, head_k, head_v) = table.starts.shape[0], state_pool.shape[1:]
-    block_v = min(head_v, cfg.state_block_v)
+    block_v = dividing_tile(head_v, cfg.state_block_v, "state_block_v")
+    check_dot_sides(interpret, K=head_k, state_block_v=block_v)
     operands = dict(**rows, k=k, w=w, u=u, g=g, state=state_pool)
     out_shape = (
-        jax.ShapeDtypeStruct((num_chunks, num_heads, head_k, head_v), _f32),
+        jax.ShapeDtypeStruct((num_chunks, num_heads, head_k, head_v), cfg.dtype),
         jax.ShapeDtypeStruct(u.shape, u.dtype),
         jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype),
     )
@@ -244,7 +247,8 @@ def _state_pass(table, rows: dict, k, w, u, g, state_pool, cfg, interpret):
 def _output(table, q, k, g, h, v_new, out_dtype, cfg, interpret):
     """Call 3: o [T, HV, V] in out_dtype; padding tokens are never written."""
     head_v = v_new.shape[2]
-    block_v = min(head_v, cfg.output_block_v)
+    block_v = dividing_tile(head_v, cfg.output_block_v, "output_block_v")
+    check_dot_sides(interpret, output_block_v=block_v)
     operands = dict(starts=table.starts, lengths=table.lengths, q=q, k=k, g=g, h=h, v_new=v_new)
     out_shape = jax.ShapeDtypeStruct(v_new.shape, out_dtype)
     grid = (table.starts.shape[0], v_new.shape[1], head_v // block_v)
@@ -287,11 +291,10 @@ def gdn_prefill(
     table = chunk_table(cu_seqlens, num_tokens, chunk_size)
     if checkpoint_lens is None:
         checkpoint_lens, checkpoint_slots = jnp.full_like(slots, -1), jnp.zeros_like(slots)
-    rows = dict(
-        cu_seqlens=cu_seqlens, first_chunk=jnp.searchsorted(table.rows, jnp.arange(slots.shape[0])).astype(jnp.int32),
-        slots=slots, has_initial=has_initial.astype(jnp.int32), checkpoint_lens=checkpoint_lens,
-        checkpoint_slots=checkpoint_slots,
-    )  # fmt: skip
+    first_chunk = jnp.searchsorted(table.rows, jnp.arange(slots.shape[0]))
+    names = ("cu_seqlens", "first_chunk", "slots", "has_initial", "checkpoint_lens", "checkpoint_slots")
+    rows = dict(zip(names, int32(cu_seqlens, first_chunk, slots, has_initial, checkpoint_lens, checkpoint_slots),
+                    strict=True))
     g, beta = g.astype(_f32), beta.astype(_f32)
     w, u = _intra_chunk(table, k, v, g, beta, cfg, interpret)
     h, v_new, state_pool = _state_pass(table, rows, k, w, u, g, state_pool, cfg, interpret)

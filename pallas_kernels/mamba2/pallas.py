@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import append_tokens, check_rows, int32, zero_padding
+from pallas_kernels.common import append_tokens, check_rows, dividing_tile, int32, zero_padding
 
 _f32 = jnp.float32
 
@@ -191,14 +191,11 @@ _STATIC = ("block_p", "num_warps", "num_stages", "interpret")
 
 
 def check_tiles(state_pool, block_p):
-    """The largest power-of-two tile <= block_p dividing P (P = 80 -> 16): Triton tiles are powers of two."""
+    """The largest power-of-two tile <= block_p dividing P (P = 80 -> 16); N must be a power of two."""
     head_dim, state_size = state_pool.shape[2:]
-    if block_p & (block_p - 1) or state_size & (state_size - 1):
-        raise ValueError(f"block_p={block_p} and N={state_size} must be powers of two")
-    block_p = min(block_p, head_dim)
-    while head_dim % block_p:
-        block_p //= 2
-    return block_p
+    if state_size & (state_size - 1):
+        raise ValueError(f"N={state_size} must be a power of two (Triton tiles)")
+    return dividing_tile(head_dim, block_p, "block_p")
 
 
 def pool_call(kernel, operands, out_shapes, *, num_rows, block_p, interpret, name, num_warps=4, num_stages=1):

@@ -4,6 +4,7 @@ import pytest
 import yaml
 
 from pallas_kernels import tuning
+from pallas_kernels.common import check_dot_sides, dividing_tile
 
 DEFAULTS = dict(block_v=64, num_warps=4)
 
@@ -36,3 +37,26 @@ def test_override_wins_inside_its_block_and_is_undone():
 def test_an_unknown_parameter_is_an_error_naming_it():
     with tuning.override("gdn_decode", block_k=16), pytest.raises(ValueError, match="block_k"):
         tuning.launch("gdn_decode", "K128.V128", DEFAULTS)
+
+
+def test_a_stale_recorded_parameter_is_ignored_not_fatal(tmp_path, monkeypatch, caplog):
+    table = {"gdn_decode": {"K128.V128": {"block_v": 16, "block_k": 32}}}  # block_k: from an older kernel
+    (tmp_path / "nvidia_h200.yaml").write_text(yaml.safe_dump(table))
+    monkeypatch.setenv("JAXHYBRID_KERNEL_CONFIGS", str(tmp_path))
+    monkeypatch.setattr(tuning, "_device_kind", lambda: "NVIDIA H200")
+    assert tuning.launch("gdn_decode", "K128.V128", DEFAULTS) == dict(block_v=16, num_warps=4)
+    assert "block_k" in caplog.text
+
+
+def test_tiles_shrink_to_a_power_of_two_dividing_the_size():
+    assert dividing_tile(96, 64, "block_v") == 32
+    assert dividing_tile(192, 128, "block_d") == 64
+    assert dividing_tile(128, 32, "block_v") == 32
+    with pytest.raises(ValueError, match="block_v=48"):
+        dividing_tile(96, 48, "block_v")
+
+
+def test_dots_below_sixteen_fail_before_triton_does():
+    check_dot_sides(True, block_size=8)  # interpret mode runs any size
+    with pytest.raises(ValueError, match="block_size"):
+        check_dot_sides(False, block_size=8, head_dim=128)
