@@ -85,8 +85,8 @@ class ChunkTable(NamedTuple):
 
 
 def max_num_chunks(num_tokens: int, num_rows: int, chunk_size: int) -> int:
-    # Each non-empty row wastes at most one partial chunk.
-    return num_tokens // chunk_size + min(num_rows, num_tokens)
+    # Each non-empty row wastes at most one partial chunk (none when chunks are single tokens).
+    return num_tokens // chunk_size + (min(num_rows, num_tokens) if chunk_size > 1 else 0)
 
 
 def chunk_table(cu_seqlens: jax.Array, num_tokens: int, chunk_size: int) -> ChunkTable:

@@ -5,7 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import HIGHEST, token_rows
+from pallas_kernels.common import HIGHEST, chunk_table, gather_chunks, scatter_chunks
 
 
 def write_kv(k, v, k_pool, v_pool, slot_mapping):
@@ -17,15 +17,29 @@ def write_kv(k, v, k_pool, v_pool, slot_mapping):
     return k_pool, v_pool
 
 
+KEY_SPAN_BLOCKS = 8  # KV blocks per softmax step: [tile x 8 BS] score matmuls, not [1 x BS] ones per token
+MAX_TILE = 64
+
+
+def tokens_per_tile(num_tokens: int, num_rows: int) -> int:
+    """Query tokens that share one gather of their row's KV: 1 in decode buckets, up to 64 in prefill ones.
+
+    A tile never straddles rows, so a bucket averaging T / R tokens a row gets tiles of about that size (a
+    power of two): gathers shrink by the tile size while decode rows waste no query slots.
+    """
+    per_row = -(-num_tokens // max(num_rows, 1))
+    return min(MAX_TILE, 1 << (per_row - 1).bit_length())
+
+
 def _online_softmax_step(carry, scores, values):
-    """FlashAttention-2 §3.1.1 running max / sum update. scores [T, G, Q, BS] (-inf = masked)."""
+    """FlashAttention-2 §3.1.1 running max / sum update. scores [NC, HKV, C * Q, K] (-inf = masked)."""
     running_max, running_sum, acc = carry
     new_max = jnp.maximum(running_max, scores.max(-1))
     # A fully masked prefix keeps max = -inf; shift by 0 there so exp(-inf - 0) = 0, not NaN.
     safe_max = jnp.where(jnp.isneginf(new_max), 0.0, new_max)
     probs = jnp.exp(scores - safe_max[..., None])
     rescale = jnp.exp(running_max - safe_max)
-    acc = rescale[..., None] * acc + jnp.einsum("tgqb,tbgd->tgqd", probs, values, precision=HIGHEST)
+    acc = rescale[..., None] * acc + jnp.einsum("ngmk,ngkd->ngmd", probs, values, precision=HIGHEST)
     return new_max, rescale * running_sum + probs.sum(-1), acc
 
 
@@ -34,8 +48,9 @@ def ragged_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, block_table, c
     """Write the new K/V into the paged pool, then attend causally within each row.
 
     Query token i of row r sits at position context_lens[r] + i and sees cache positions 0..that position
-    of row r, read through block_table[r]. One call mixes prefill
-    chunks, decode and verify rows. Softmax in fp32.
+    of row r, read through block_table[r]. One call mixes prefill chunks, decode and verify rows. Softmax
+    in fp32. Each row's queries are cut into tiles (`tokens_per_tile`) that read the row's KV together, a
+    span of `KEY_SPAN_BLOCKS` blocks per online-softmax step, like the Pallas kernel's programs.
 
     Args:
       q: [T, HQ, Dh] packed queries; tokens at index >= cu_seqlens[-1] are padding.
@@ -52,30 +67,43 @@ def ragged_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, block_table, c
     """
     k_pool, v_pool = write_kv(k, v, k_pool, v_pool, slot_mapping)
     num_tokens, num_q_heads, head_dim = q.shape
-    num_rows = block_table.shape[0]
+    num_rows, max_blocks = block_table.shape
     block_size, num_kv_heads = k_pool.shape[1:3]
-    tok = token_rows(cu_seqlens, num_tokens)
-    rows = jnp.minimum(tok.rows, num_rows - 1)
-    query_lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    positions = context_lens[rows] + tok.positions  # [T]
-    group = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, -1, head_dim) * scale
+    tile = tokens_per_tile(num_tokens, num_rows)
+    table = chunk_table(cu_seqlens, num_tokens, tile)
+    rows = jnp.minimum(table.rows, num_rows - 1)
+    in_tile = jnp.arange(tile)[None, :] < table.lengths[:, None]  # [NC, C]
+    positions = (context_lens[rows] + table.offsets)[:, None] + jnp.arange(tile)  # [NC, C]
+    last_position = positions[:, 0] + table.lengths - 1  # [NC]: keys past it are never written for the tile
+    queries = gather_chunks(q.astype(jnp.float32) * scale, table, tile)
+    group = num_q_heads // num_kv_heads
+    # [NC, HKV, C * G, Dh]: each (tile, kv head) is one [C * G, Dh] x [Dh, K] matmul
+    queries = queries.reshape(-1, tile, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    queries = queries.reshape(-1, num_kv_heads, tile * group, head_dim)
+    visible_rows = lambda mask: jnp.repeat(mask, group, axis=1)[:, None]  # [NC, C, K] -> [NC, 1, C * G, K]
+    span_blocks = min(KEY_SPAN_BLOCKS, max_blocks)
+    span = span_blocks * block_size
+    spans = jnp.pad(block_table, ((0, 0), (0, -max_blocks % span_blocks)))[rows]  # null block past the table
 
-    def step(block_index, carry):
-        blocks = block_table[rows, block_index]  # [T]
-        keys = k_pool[blocks].astype(jnp.float32)  # [T, BS, HKV, Dh]
-        scores = jnp.einsum("tgqd,tbgd->tgqb", group, keys, precision=HIGHEST)
-        key_positions = block_index * block_size + jnp.arange(block_size)
-        visible = (key_positions[None, :] <= positions[:, None]) & tok.valid[:, None]  # [T, BS]
-        scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    def step(j, carry):
+        blocks = jax.lax.dynamic_slice_in_dim(spans, j * span_blocks, span_blocks, axis=1)  # [NC, SB]
+        key_positions = j * span + jnp.arange(span)
+        keys = k_pool[blocks].reshape(-1, span, num_kv_heads, head_dim).transpose(0, 2, 1, 3)  # [NC, HKV, K, Dh]
+        scores = jnp.einsum("ngmd,ngkd->ngmk", queries, keys.astype(jnp.float32), precision=HIGHEST)
+        visible = (key_positions <= positions[..., None]) & in_tile[..., None]  # [NC, C, K]
+        scores = jnp.where(visible_rows(visible), scores, -jnp.inf)
         # Select, not multiply by a zero probability: an unwritten pool position may hold NaN or Inf.
-        values = jnp.where(visible[:, :, None, None], v_pool[blocks].astype(jnp.float32), 0.0)
+        written = (key_positions <= last_position[:, None])[:, None, :, None]  # [NC, 1, K, 1]
+        values = v_pool[blocks].reshape(-1, span, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
+        values = jnp.where(written, values.astype(jnp.float32), 0.0)
         return _online_softmax_step(carry, scores, values)
 
-    heads = (num_tokens, num_kv_heads, num_q_heads // num_kv_heads)
-    init = (jnp.full(heads, -jnp.inf), jnp.zeros(heads), jnp.zeros(heads + (head_dim,)))
-    # only the blocks some row reaches: the table is as wide as max_model_len, contexts are mostly shorter
-    reach = jnp.where(query_lens > 0, context_lens + query_lens, 0)
-    num_blocks = (jnp.max(reach, initial=0) + block_size - 1) // block_size
-    _, total, acc = jax.lax.fori_loop(0, jnp.minimum(num_blocks, block_table.shape[1]), step, init)
-    o = acc / jnp.where(total == 0, 1.0, total)[..., None]
-    return o.reshape(q.shape).astype(q.dtype), k_pool, v_pool
+    heads = queries.shape[:-1]
+    init = (jnp.full(heads, -jnp.inf), jnp.zeros(heads), jnp.zeros(queries.shape))
+    # only the spans some row reaches: the table is as wide as max_model_len, contexts are mostly shorter
+    reach = jnp.where(table.lengths > 0, last_position + 1, 0)
+    num_spans = jnp.minimum((jnp.max(reach, initial=0) + span - 1) // span, spans.shape[1] // span_blocks)
+    _, total, acc = jax.lax.fori_loop(0, num_spans, step, init)
+    o = acc / jnp.where(total == 0, 1.0, total)[..., None]  # [NC, HKV, C * G, Dh]
+    o = o.reshape(-1, num_kv_heads, tile, group, head_dim).transpose(0, 2, 1, 3, 4)
+    return scatter_chunks(o, table).reshape(q.shape).astype(q.dtype), k_pool, v_pool
