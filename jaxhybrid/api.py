@@ -117,9 +117,6 @@ class LLM:
             ring_size=ring_size, vocab_size=cfg.vocab_size, row_data_bytes=ROW_DTYPE.itemsize,
             token_buckets=token_buckets, row_buckets=row_buckets, logits_buckets=token_buckets,
             block_table_buckets=(-(-(max_model_len + k) // block_size),))
-        if tensor_parallel_size > 1 and resolve_backend(backend) != "reference":
-            raise ValueError("tensor_parallel_size > 1 runs the reference (XLA) ops only: the Pallas kernels are not "
-                             "yet wrapped in shard_map; pass backend='reference'")
         mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
         self.engine = Engine(self.model, self.config, self.tokenizer, seed=seed, max_logprobs=max_logprobs, mesh=mesh,
                              async_scheduling=async_scheduling)

@@ -10,6 +10,7 @@ for every row; logprobs are computed only in steps where a row asks for them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, NamedTuple
 
@@ -20,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from jaxhybrid.distributed.multihost import Message, PlanChannel, is_leader
-from jaxhybrid.distributed.tensor_parallel import param_shardings, state_shardings
+from jaxhybrid.distributed.tensor_parallel import AXIS, param_shardings, state_shardings, to_tp_layout
 from jaxhybrid.model import Model
 from jaxhybrid.models.hybrid import HybridLM
 from jaxhybrid.models.pools import DeviceState, copy_pages, init_device_state
@@ -73,21 +74,23 @@ class Runner:
                              f"{model.config.model_type} checkpoint does not have")
         self.model, self.config, self.mesh = model, config, mesh
         self.num_logprobs = min(max_logprobs, model.config.vocab_size)
-        self.params = model.params
+        self.params, self.module = model.params, model.module
         # multi-host: every process runs every step; the leader sends the others its plans (multihost.py)
         self.channel = PlanChannel() if jax.process_count() > 1 else None
         self._layouts: dict[tuple[int, int, int, int], PlanLayout] = {}
         shardings = {}
         if mesh is not None:  # tensor parallel: weights and pools sharded by heads, outputs replicated
             params = model.params if self.channel is None else jax.tree.map(np.asarray, model.params)  # from the host
-            self.params = jax.device_put(params, param_shardings(model.params, mesh))
+            params = to_tp_layout(params, model.config, mesh.shape[AXIS])
+            self.params = jax.device_put(params, param_shardings(params, model.config, mesh))
+            self.module = HybridLM(model.config, dataclasses.replace(model.module.ops, mesh=mesh))
             replicated = NamedSharding(mesh, PartitionSpec())
             shardings = dict(out_shardings=(self._state_shardings(), replicated, replicated))
         self._fresh_pools()
         self._step = jax.jit(self._step_fn, static_argnums=3, donate_argnums=(1, 2), **shardings)
 
     def _state_shardings(self) -> DeviceState:
-        return state_shardings(jax.eval_shape(self._fresh_state), self.mesh)
+        return state_shardings(jax.eval_shape(self._fresh_state), self.model.config, self.mesh)
 
     def _fresh_state(self) -> DeviceState:
         config = self.config
@@ -174,7 +177,7 @@ class Runner:
                  buffer: jax.Array) -> tuple[DeviceState, Carried, StepOutput]:
         plan = _with_carried(unpack_plan(buffer, layout, ROW_DTYPE.itemsize), carried, self.config.num_spec_tokens,
                              self.config.block_size)
-        module, variables = self.model.module, {"params": params}
+        module, variables = self.module, {"params": params}
         state = state._replace(token_history=_record_history(state.token_history, plan))
         hidden, state = module.apply(variables, plan.token_ids, plan, state)
         logits = module.apply(variables, hidden[plan.logits_indices], method=HybridLM.logits)  # [L, V]

@@ -1,17 +1,27 @@
 """Tensor parallelism inside one engine: a 1-D mesh axis "tp", weights and pools sharded by heads.
 
-Column-parallel projections (q/k/v, the fused GDN and Mamba2 input projections, MLP gate/up) split their
-output features, row-parallel ones (o_proj, out_proj, down_proj) their input features, per-head vectors
-and the conv weights their head/channel axis; KV pools split the kv-head axis and recurrent slot pools
-their head (or channel) axis. An axis that `tp` does not divide stays replicated, as vLLM replicates KV
-heads when tp exceeds them. The plan and the token history are replicated. The step is one `jax.jit`
-whose shardings XLA's partitioner propagates (collectives where a sharded axis meets a replicated one),
-so the outputs equal the one-device step's up to float reassociation.
+Every attention and recurrent mixer runs its kernels in `jax.shard_map` on its device's own heads
+(`ModelOps.mesh`; a Pallas kernel cannot be partitioned by XLA): the projections into a mixer are
+column-parallel, the one out of it row-parallel (XLA adds the partial sums after the shard_map), per-head
+vectors, conv weights and the pools split with the heads, and the plan is replicated. A mixer splits when
+tp divides its smallest head count (GDN key heads, Mamba2 groups, attention kv heads; the others are
+multiples of it); otherwise the whole mixer is replicated, as vLLM replicates kv heads when tp exceeds
+them. MLP and MoE projections stay with XLA's partitioner (column/row parallel where tp divides). The
+outputs equal the one-device step's up to float reassociation.
+
+Head-aligned layout: the conv channels are [q | k | v] (Mamba2 [x | B | C]), so an even split of that
+axis would not give a device its own heads' channels. For tp > 1 the runner permutes the params once
+(`to_tp_layout`) into per-shard blocks: conv channels [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] and the input
+projection's columns [q_0 k_0 v_0 z_0 | ...] (Mamba2 [z_0 x_0 B_0 C_0 dt_0 | ...]). Each device's block
+then has the one-device layout with its local head counts, so the mixer body is the same code, and the
+conv pools (window, conv ring), which start at zero, hold their channels in that layout too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -19,12 +29,22 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxhybrid.config import ATTENTION, GDN, MAMBA2, AttentionConfig, GDNConfig, Mamba2Config, ModelConfig
 from jaxhybrid.models.pools import DeviceState, KVPool, RecurrentPool
 
 AXIS = "tp"
-_COLUMN = re.compile(r"(q_proj|k_proj|v_proj|in_proj_qkvz|in_proj_ba|in_proj|gate_proj|up_proj)'\]\['kernel")
-_ROW = re.compile(r"(o_proj|out_proj|down_proj)'\]\['kernel")
-_PER_HEAD = re.compile(r"\['(A_log|dt_bias|D|conv1d|conv1d_bias)'\]$")
+MixerConfig = GDNConfig | Mamba2Config | AttentionConfig
+_COLUMN = re.compile(r"(gate_proj|up_proj)'\]\['kernel")
+_ROW = re.compile(r"down_proj'\]\['kernel")
+# per mixer kind, its params (path below the mixer) that split with the heads, and on which axis
+_HEAD_AXES = {
+    GDN: {"in_proj_qkvz/kernel": 1, "in_proj_ba/kernel": 1, "conv1d": 0, "A_log": 0, "dt_bias": 0,
+          "out_proj/kernel": 0},
+    MAMBA2: {"in_proj/kernel": 1, "in_proj/bias": 0, "conv1d": 0, "conv1d_bias": 0, "A_log": 0, "dt_bias": 0,
+             "D": 0, "norm/weight": 0, "out_proj/kernel": 0},
+    ATTENTION: {"q_proj/kernel": 1, "k_proj/kernel": 1, "v_proj/kernel": 1, "q_proj/bias": 0, "k_proj/bias": 0,
+                "v_proj/bias": 0, "o_proj/kernel": 0},
+}
 
 
 def make_mesh(size: int) -> Mesh:
@@ -35,6 +55,98 @@ def make_mesh(size: int) -> Mesh:
     return Mesh(np.array(devices[:size]), (AXIS,))
 
 
+def head_shards(mixer: MixerConfig, tp: int) -> int:
+    """How many ways a mixer's heads split over `tp` devices: tp, or 1 (replicated) where tp does not
+    divide its smallest head count."""
+    if isinstance(mixer, GDNConfig):
+        smallest = mixer.num_k_heads
+    elif isinstance(mixer, Mamba2Config):
+        smallest = mixer.n_groups
+    else:
+        smallest = mixer.num_kv_heads
+    return tp if smallest % tp == 0 else 1
+
+
+def head_axis(mixer: MixerConfig, tp: int) -> str | None:
+    """The mesh axis a mixer's head axes split over; None: replicated."""
+    return AXIS if head_shards(mixer, tp) > 1 else None
+
+
+def local_heads(mixer: MixerConfig, shards: int) -> MixerConfig:
+    """The mixer's config on one device's heads, when its heads split `shards` ways."""
+    if isinstance(mixer, GDNConfig):
+        counts = dict(num_k_heads=mixer.num_k_heads, num_v_heads=mixer.num_v_heads)
+    elif isinstance(mixer, Mamba2Config):
+        counts = dict(num_heads=mixer.num_heads, n_groups=mixer.n_groups)
+    else:
+        counts = dict(num_heads=mixer.num_heads, num_kv_heads=mixer.num_kv_heads)
+    return dataclasses.replace(mixer, **{name: count // shards for name, count in counts.items()})
+
+
+def recurrent_pool_specs(pool: RecurrentPool, axis: str | None) -> RecurrentPool:
+    """A slot pool's partition specs, split over `axis` by heads (None: replicated); slots are never split."""
+    return RecurrentPool(window=P(None, None, axis),  # [S, Kc-1, conv_dim] head-aligned channels
+                         state=P(None, axis),  # [S, heads, ...]
+                         rings=tuple(P(None, axis) for _ in pool.rings),  # [S, heads, W, ...]
+                         conv_ring=P(None, None, None, axis))  # [S, 1, W, conv_dim]
+
+
+def kv_pool_specs(axis: str | None) -> KVPool:
+    spec = P(None, None, axis)  # [NB, BS, KVH, Dh]
+    return KVPool(spec, spec)
+
+
+def block_order(widths: Sequence[int], shards: int) -> np.ndarray:
+    """Concatenated parts [p_0 | p_1 | ...] of these widths -> per-shard blocks [p_0^0 p_1^0 ... | p_0^1 ...]:
+    the source index of each position of the head-aligned layout."""
+    starts = np.cumsum([0, *widths[:-1]])
+    parts = [(start + np.arange(width)).reshape(shards, -1) for start, width in zip(starts, widths, strict=True)]
+    return np.concatenate(parts, axis=1).reshape(-1)
+
+
+def layout_orders(cfg: ModelConfig, kind: str, shards: int) -> dict[str, tuple[int, np.ndarray]]:
+    """A mixer's permuted params (path below the mixer) -> (axis, block_order along it) for `shards` blocks."""
+    if kind == GDN:
+        g = cfg.gdn
+        qkv = (g.key_dim, g.key_dim, g.value_dim)
+        return {"in_proj_qkvz/kernel": (1, block_order((*qkv, g.value_dim), shards)),  # [q | k | v | z]
+                "in_proj_ba/kernel": (1, block_order((g.num_v_heads,) * 2, shards)),  # [b | a]
+                "conv1d": (0, block_order(qkv, shards))}
+    if kind == MAMBA2:
+        m = cfg.mamba2
+        xbc = (m.intermediate_size, m.n_groups * m.state_size, m.n_groups * m.state_size)
+        proj = block_order((m.intermediate_size, *xbc, m.num_heads), shards)  # [z | x | B | C | dt]
+        conv = block_order(xbc, shards)
+        return {"in_proj/kernel": (1, proj), "in_proj/bias": (0, proj), "conv1d": (0, conv), "conv1d_bias": (0, conv)}
+    return {}
+
+
+def _mixer_config(cfg: ModelConfig, kind: str) -> MixerConfig:
+    return {GDN: cfg.gdn, MAMBA2: cfg.mamba2, ATTENTION: cfg.attention}[kind]
+
+
+def _mixer_param(path: Any) -> tuple[str | None, str]:
+    """(the mixer kind a param belongs to or None, its path below the mixer)."""
+    keys = [str(getattr(key, "key", key)) for key in path]
+    for i, key in enumerate(keys):
+        if key in _HEAD_AXES:
+            return key, "/".join(keys[i + 1 :])
+    return None, ""
+
+
+def to_tp_layout(params: Any, cfg: ModelConfig, tp: int) -> Any:
+    """The params with every split mixer's conv channels and input projection in the head-aligned layout."""
+
+    def permute(path, leaf):
+        kind, name = _mixer_param(path)
+        if kind is None:
+            return leaf
+        axis, order = layout_orders(cfg, kind, head_shards(_mixer_config(cfg, kind), tp)).get(name, (0, None))
+        return leaf if order is None else leaf[(slice(None),) * axis + (order,)]
+
+    return jax.tree_util.tree_map_with_path(permute, params)
+
+
 def _split(mesh: Mesh, shape: tuple[int, ...], axis: int) -> NamedSharding:
     """Shard `axis` over tp when it divides evenly, else replicate."""
     spec = [None] * len(shape)
@@ -43,30 +155,36 @@ def _split(mesh: Mesh, shape: tuple[int, ...], axis: int) -> NamedSharding:
     return NamedSharding(mesh, P(*spec))
 
 
-def param_shardings(params: Any, mesh: Mesh) -> Any:
+def param_shardings(params: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
+    tp = mesh.shape[AXIS]
+
     def rule(path, leaf) -> NamedSharding:
+        kind, name = _mixer_param(path)
+        if kind is not None:
+            axis = _HEAD_AXES[kind].get(name)
+            heads = head_axis(_mixer_config(cfg, kind), tp)
+            return NamedSharding(mesh, P() if axis is None else P(*[None] * axis, heads))
         name = jax.tree_util.keystr(path)
         if leaf.ndim == 2 and _COLUMN.search(name):
             return _split(mesh, leaf.shape, 1)
         if leaf.ndim == 2 and _ROW.search(name):
-            return _split(mesh, leaf.shape, 0)
-        if _PER_HEAD.search(name):
             return _split(mesh, leaf.shape, 0)
         return NamedSharding(mesh, P())
 
     return jax.tree_util.tree_map_with_path(rule, params)
 
 
-def state_shardings(state: DeviceState, mesh: Mesh) -> DeviceState:
-    def pool(layer):
-        if isinstance(layer, KVPool):  # [NB, BS, KVH, Dh]
-            return KVPool(*(_split(mesh, a.shape, 2) for a in layer))
+def state_shardings(state: DeviceState, cfg: ModelConfig, mesh: Mesh) -> DeviceState:
+    tp = mesh.shape[AXIS]
+    named = lambda specs: jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+
+    def pool(layer, kinds):
+        if isinstance(layer, KVPool):
+            return named(kv_pool_specs(head_axis(cfg.attention, tp)))
         if isinstance(layer, RecurrentPool):
-            return RecurrentPool(window=_split(mesh, layer.window.shape, 2),  # [S, Kc-1, conv_dim]
-                                 state=_split(mesh, layer.state.shape, 1),  # [S, heads, ...]
-                                 rings=tuple(_split(mesh, r.shape, 1) for r in layer.rings),
-                                 conv_ring=_split(mesh, layer.conv_ring.shape, 3))  # [S, 1, W, conv_dim]
+            kind = next(k for k in kinds if k in (GDN, MAMBA2))
+            return named(recurrent_pool_specs(layer, head_axis(_mixer_config(cfg, kind), tp)))
         return None
 
-    return DeviceState(tuple(pool(layer) for layer in state.layers), tuple(pool(p) for p in state.mtp),
-                       NamedSharding(mesh, P()))
+    return DeviceState(tuple(pool(layer, kinds) for layer, kinds in zip(state.layers, cfg.layers, strict=True)),
+                       tuple(pool(p, ()) for p in state.mtp), NamedSharding(mesh, P()))

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.config import AttentionConfig
+from jaxhybrid.distributed.tensor_parallel import kv_pool_specs
 from jaxhybrid.models.layers import RMSNorm, apply_rotary
 from jaxhybrid.models.ops import DEFAULT_OPS, ModelOps
 from jaxhybrid.models.pools import KVPool
@@ -33,11 +37,21 @@ class Attention(nn.Module):
             k = RMSNorm(self.norm_eps, zero_centered=True, name="k_norm")(k)
         q = apply_rotary(q, plan.positions, cfg.rotary_dim, cfg.rope_theta)
         k = apply_rotary(k, plan.positions, cfg.rotary_dim, cfg.rope_theta)
-        out, k_pool, v_pool = self.ops.attention(
-            q, k, v, pool.k, pool.v, plan.slot_mapping, plan.block_table, plan.cu_seqlens,
-            plan.context_lens, scale=cfg.head_dim**-0.5, backend=self.ops.backend,
-        )
+        _, heads = self.ops.local_heads(cfg)
+        attend = self.ops.on_local_heads(functools.partial(_attend, self.ops, cfg.head_dim**-0.5),
+                                         in_specs=(P(None, heads),) * 3 + (kv_pool_specs(heads), P()),
+                                         out_specs=(P(None, heads), *kv_pool_specs(heads)))
+        out, k_pool, v_pool = attend(q, k, v, pool, plan)
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
         if gate is not None:
             out = out * jax.nn.sigmoid(gate.reshape(out.shape).astype(jnp.float32)).astype(out.dtype)
         return dense(x.shape[-1], "o_proj")(out), KVPool(k_pool, v_pool)
+
+
+def _attend(ops: ModelOps, scale: float, q: jax.Array, k: jax.Array, v: jax.Array, pool: KVPool,
+            plan: DevicePlan) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The kernel on the heads it is given: under tensor parallelism each device's own query heads and
+    their kv heads (the pool split on its kv-head axis), or all of them where tp does not divide the kv
+    heads (pool and heads replicated)."""
+    return ops.attention(q, k, v, pool.k, pool.v, plan.slot_mapping, plan.block_table, plan.cu_seqlens,
+                         plan.context_lens, scale=scale, backend=ops.backend)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.config import GDNConfig
+from jaxhybrid.distributed.tensor_parallel import recurrent_pool_specs
 from jaxhybrid.models.layers import GatedRMSNorm
 from jaxhybrid.models.ops import DEFAULT_OPS, ModelOps
 from jaxhybrid.models.pools import RecurrentPool, has_snapshots
@@ -19,7 +23,9 @@ class GatedDeltaNet(nn.Module):
     """in_proj -> causal conv1d -> gated delta rule -> gated RMSNorm -> out_proj.
 
     Parameters use one layout for both families: `in_proj_qkvz` is contiguous `[q | k | v | z]` and
-    `in_proj_ba` is `[b | a]`; the loader converts Qwen3-Next's grouped-by-key-head layout once.
+    `in_proj_ba` is `[b | a]`; the loader converts Qwen3-Next's grouped-by-key-head layout once. Under
+    tensor parallelism both are in per-device blocks of that layout (`tensor_parallel.to_tp_layout`), and
+    everything between the projections runs on each device's own heads.
     """
 
     cfg: GDNConfig
@@ -28,38 +34,57 @@ class GatedDeltaNet(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, plan: DevicePlan, pool: RecurrentPool) -> tuple[jax.Array, RecurrentPool]:
-        cfg, num_tokens, backend = self.cfg, x.shape[0], self.ops.backend
+        cfg, num_tokens = self.cfg, x.shape[0]
         qkvz = nn.Dense(cfg.conv_dim + cfg.value_dim, use_bias=False, dtype=x.dtype, name="in_proj_qkvz")(x)
         ba = nn.Dense(2 * cfg.num_v_heads, use_bias=False, dtype=x.dtype, name="in_proj_ba")(x)
         conv_weight = self.param("conv1d", nn.initializers.normal(0.2), (cfg.conv_dim, cfg.conv_kernel), jnp.float32)
-        z = qkvz[:, cfg.conv_dim :].reshape(num_tokens, cfg.num_v_heads, cfg.head_v_dim)
-        b, a = ba[:, : cfg.num_v_heads], ba[:, cfg.num_v_heads :]
         a_log = self.param("A_log", nn.initializers.zeros, (cfg.num_v_heads,), jnp.float32)
         dt_bias = self.param("dt_bias", nn.initializers.ones, (cfg.num_v_heads,), jnp.float32)
-        # Gates in fp32, as HF: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias).
-        beta = jax.nn.sigmoid(b.astype(jnp.float32))
-        g = -jnp.exp(a_log) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias)
-
-        def heads(mixed):
-            q = mixed[:, : cfg.key_dim].reshape(num_tokens, cfg.num_k_heads, cfg.head_k_dim)
-            k = mixed[:, cfg.key_dim : 2 * cfg.key_dim].reshape(num_tokens, cfg.num_k_heads, cfg.head_k_dim)
-            v = mixed[:, 2 * cfg.key_dim :].reshape(num_tokens, cfg.num_v_heads, cfg.head_v_dim)
-            return q, k, v, g, beta
-
-        def verify(mixed, cu, state, rings, slots, ring_start, committed, flush, max_query_len):
-            op = gdn_verify_snapshots if has_snapshots(rings) else gdn_verify
-            out, state, *rings = op(*heads(mixed), cu, state, *rings, slots, ring_start, committed, flush,
-                                    max_query_len=max_query_len, backend=backend)
-            return out, state, tuple(rings)
-
-        core = MixerCore(
-            prefill=lambda mixed, cu, state, slots, has_initial: self.ops.gdn_prefill(
-                *heads(mixed), cu, state, slots, has_initial, backend=backend),
-            verify=verify,
-            materialise=lambda state, rings, *copies: gdn_materialise(state, *rings, *copies, backend=backend),
-            out=jax.ShapeDtypeStruct((num_tokens, cfg.num_v_heads, cfg.head_v_dim), x.dtype))
-        conv = Conv(conv_weight.astype(x.dtype), None, backend)
-        out, pool = recurrent_layer(qkvz[:, : cfg.conv_dim], conv, core, plan, pool)
+        local, heads = self.ops.local_heads(cfg)
+        pool_specs = recurrent_pool_specs(pool, heads)
+        mix = self.ops.on_local_heads(
+            functools.partial(_mix, local, self.ops),
+            in_specs=(P(None, heads), P(None, heads), P(heads), P(heads), P(heads), P(), pool_specs),
+            out_specs=(P(None, heads), P(None, heads), pool_specs))
+        out, z, pool = mix(qkvz, ba, conv_weight.astype(x.dtype), a_log, dt_bias, plan, pool)
         out = GatedRMSNorm(self.norm_eps, norm_before_gate=True, name="norm")(out, z)
         out = nn.Dense(x.shape[-1], use_bias=False, dtype=x.dtype, name="out_proj")(out.reshape(num_tokens, -1))
         return out, pool
+
+
+def _mix(cfg: GDNConfig, ops: ModelOps, qkvz: jax.Array, ba: jax.Array, conv_weight: jax.Array, a_log: jax.Array,
+         dt_bias: jax.Array, plan: DevicePlan, pool: RecurrentPool) -> tuple[jax.Array, jax.Array, RecurrentPool]:
+    """The mixer between its projections on the heads `cfg` counts -> (core out [T, HV, V], gate z [T, HV, V],
+    the pool after the step)."""
+    num_tokens = qkvz.shape[0]
+    z = qkvz[:, cfg.conv_dim :].reshape(num_tokens, cfg.num_v_heads, cfg.head_v_dim)
+    b, a = ba[:, : cfg.num_v_heads], ba[:, cfg.num_v_heads :]
+    # Gates in fp32, as HF: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias).
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    g = -jnp.exp(a_log) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias)
+    core = _core(cfg, ops, g, beta, jax.ShapeDtypeStruct(z.shape, z.dtype))
+    out, pool = recurrent_layer(qkvz[:, : cfg.conv_dim], Conv(conv_weight, None, ops.backend), core, plan, pool)
+    return out, z, pool
+
+
+def _core(cfg: GDNConfig, ops: ModelOps, g: jax.Array, beta: jax.Array, out_shape: jax.ShapeDtypeStruct) -> MixerCore:
+    num_tokens, backend = g.shape[0], ops.backend
+
+    def heads(mixed):
+        q = mixed[:, : cfg.key_dim].reshape(num_tokens, cfg.num_k_heads, cfg.head_k_dim)
+        k = mixed[:, cfg.key_dim : 2 * cfg.key_dim].reshape(num_tokens, cfg.num_k_heads, cfg.head_k_dim)
+        v = mixed[:, 2 * cfg.key_dim :].reshape(num_tokens, cfg.num_v_heads, cfg.head_v_dim)
+        return q, k, v, g, beta
+
+    def verify(mixed, cu, state, rings, slots, ring_start, committed, flush, max_query_len):
+        op = gdn_verify_snapshots if has_snapshots(rings) else gdn_verify
+        out, state, *rings = op(*heads(mixed), cu, state, *rings, slots, ring_start, committed, flush,
+                                max_query_len=max_query_len, backend=backend)
+        return out, state, tuple(rings)
+
+    return MixerCore(
+        prefill=lambda mixed, cu, state, slots, has_initial: ops.gdn_prefill(
+            *heads(mixed), cu, state, slots, has_initial, backend=backend),
+        verify=verify,
+        materialise=lambda state, rings, *copies: gdn_materialise(state, *rings, *copies, backend=backend),
+        out=out_shape)

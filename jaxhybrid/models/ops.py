@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import jax
+from jax.sharding import Mesh
+
+from jaxhybrid.distributed import tensor_parallel
+from jaxhybrid.distributed.tensor_parallel import AXIS, MixerConfig
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.gdn import gdn_prefill
 
@@ -17,6 +23,23 @@ class ModelOps:
     backend: str | None = None
     attention: Callable = ragged_paged_attention  # see pallas_kernels.attention
     gdn_prefill: Callable = gdn_prefill  # see pallas_kernels.gdn (training swaps in a fresh-rows form)
+    # tensor parallel: the mixers run on their local heads in shard_map over this mesh's "tp" axis
+    # (jaxhybrid.distributed.tensor_parallel); None: one device, no shard_map
+    mesh: Mesh | None = None
+
+    def local_heads(self, mixer: MixerConfig) -> tuple[MixerConfig, str | None]:
+        """The mixer's config on one device's heads, and the mesh axis its head axes split over (None: not
+        split, without a mesh or where tp does not divide its heads)."""
+        shards = 1 if self.mesh is None else tensor_parallel.head_shards(mixer, self.mesh.shape[AXIS])
+        return tensor_parallel.local_heads(mixer, shards), AXIS if shards > 1 else None
+
+    def on_local_heads(self, fn: Callable, in_specs: Any, out_specs: Any) -> Callable:
+        """`fn` run on each device's shards of its arguments (the specs name the "tp" axis where they split,
+        `jax.shard_map`); `fn` itself without a mesh. The kernels inside read and write only local heads."""
+        if self.mesh is None:
+            return fn
+        # check_vma=False: pallas_call has no replication rule (tpu-inference and maxtext wrap kernels so too)
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 DEFAULT_OPS = ModelOps()

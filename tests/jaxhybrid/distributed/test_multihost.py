@@ -1,10 +1,8 @@
 """Two local processes under `jax.distributed` (multihost.py): process 0 schedules and broadcasts its plans,
 process 1 follows, the engine runs tensor parallel over both processes' devices, and the output equals one
-process's (tp_worker.py's TP = 1 run, shared with the tensor parallel test; the same maths with the heads'
-partial sums added in another order)."""
+process's (tp_worker.py's TP = 1 run; the same maths with the heads' partial sums added in another order)."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -12,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.jaxhybrid.distributed.test_tensor_parallel import LOGPROB_ATOL, tp_runs
+from tests.jaxhybrid.distributed.test_tensor_parallel import LOGPROB_ATOL, split_axis, tp_runs, worker_env
 from tests.tolerances import assert_close
 
 ROOT = Path(__file__).parents[3]
@@ -25,7 +23,7 @@ def free_port() -> int:
 
 
 def test_two_processes_give_the_single_process_output():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    env = worker_env(1)
     worker, port = "tests.jaxhybrid.distributed.multihost_worker", str(free_port())
     processes = [subprocess.Popen([sys.executable, "-m", worker, port, str(rank)], env=env, cwd=ROOT, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
@@ -38,10 +36,10 @@ def test_two_processes_give_the_single_process_output():
         assert p.returncode == 0, err[-3000:]
     leader, follower = (json.loads(out.splitlines()[-1]) for out, _ in done)
     assert follower["steps"] == leader["steps"] > 0  # every step ran on both processes
-    one = tp_runs()["1"]
+    one = tp_runs("qwen3_next/reference=1")["qwen3_next/reference"]["1"]
     assert leader["tokens"] == one["tokens"]
     for key in ("logprobs", "prompt_logprobs"):
         assert_close(np.concatenate(leader[key]), np.concatenate(one[key]), LOGPROB_ATOL, key)
     # the pools span both processes' devices; each process holds its own shard
     assert leader["state_devices"] == 2 and leader["state_local_devices"] == 1
-    assert leader["state_spec"] == [None, "tp", None, None] and leader["param_spec"] == [None, "tp"]
+    assert split_axis(leader["specs"]["state"]) == 1 and split_axis(leader["specs"]["in_proj"]) == 1

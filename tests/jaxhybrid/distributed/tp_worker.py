@@ -1,15 +1,24 @@
-"""Run in a fresh process with 4 host devices (XLA_FLAGS set by the test): greedy tokens, their logprobs
-and prompt logprobs at tensor_parallel_size 1, 2 and 4 on the embedded model, and the pools' shardings."""
+"""Run in a fresh process with 4 host devices (XLA_FLAGS set by the test): for each `CASE=TP,TP,...` argument,
+greedy tokens, their logprobs and prompt logprobs at those tensor_parallel_sizes, and how the weights and
+pools are sharded. A case is a model and a kernel backend; the default model is Qwen3-Next-style with MTP."""
 
 import json
 import sys
+from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from jaxhybrid import LLM, SamplingParams
 from jaxhybrid.models.pools import KVPool, RecurrentPool
+from jaxhybrid.weights import DEFAULT_MODEL_DIR
+from pallas_kernels.conv1d import conv1d_prefill
 
-PROMPTS = ["def read_config(path):\n", "import os\nimport sys\n", "class Parser:\n    def __init__(self):\n"]
+MODELS = {"qwen3_next": DEFAULT_MODEL_DIR, "nemotron_h": Path(__file__).parents[2] / "fixtures" / "hf" / "nemotron_h"}
+# with a state cached every 16 tokens: the second prompt's decode crosses 16 (a materialisation), the last one
+# prefills in two chunks and publishes; the second call's prompt then starts from its cached 32-token prefix
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(100, 113)), list(range(30, 70))]
+REUSING_PROMPTS = [[*range(30, 66), 7, 8, 9]]
 
 
 def spec(array: jax.Array) -> list | None:
@@ -17,32 +26,64 @@ def spec(array: jax.Array) -> list | None:
     return list(array.sharding.spec) if hasattr(array.sharding, "spec") else None
 
 
-def make_llm(tp: int) -> LLM:
-    return LLM(tensor_parallel_size=tp, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96,
-               num_blocks=64, num_state_slots=16, token_buckets=(32,), row_buckets=(4,),
-               speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+def make_llm(tp: int, model: str = "qwen3_next", backend: str | None = None) -> LLM:
+    mtp = {"method": "mtp", "num_speculative_tokens": 2} if model == "qwen3_next" else None
+    return LLM(MODELS[model], skip_tokenizer_init=True, backend=backend, tensor_parallel_size=tp, max_num_seqs=4,
+               max_num_batched_tokens=32, max_model_len=96, num_blocks=64, num_state_slots=16, mamba_block_size=16,
+               token_buckets=(32,), row_buckets=(4,), speculative_config=mtp)
+
+
+def shardings(llm: LLM) -> dict:
+    """The specs of the first recurrent and attention layers' pools and params, and of an MLP kernel."""
+    runner, cfg = llm.engine.runner, llm.model.config
+    first = lambda kind: runner.params[f"layers_{next(i for i, kinds in enumerate(cfg.layers) if kind in kinds)}"][kind]
+    mixer, attention = first("gdn" if cfg.gdn else "mamba2"), first("attention")
+    pool = next(p for p in runner.state.layers if isinstance(p, RecurrentPool))
+    kv = next(p for p in runner.state.layers if isinstance(p, KVPool))
+    in_proj = mixer["in_proj_qkvz" if cfg.gdn else "in_proj"]["kernel"]
+    return {
+        "state": spec(pool.state), "window": spec(pool.window), "conv_ring": spec(pool.conv_ring),
+        "rings": [spec(r) for r in pool.rings], "kv": spec(kv.k), "mtp_kv": [spec(p.k) for p in runner.state.mtp],
+        "in_proj": spec(in_proj), "conv1d": spec(mixer["conv1d"]), "out_proj": spec(mixer["out_proj"]["kernel"]),
+        "q_proj": spec(attention["q_proj"]["kernel"]), "o_proj": spec(attention["o_proj"]["kernel"]),
+        "mlp": spec(first("mlp")["up_proj"]["kernel"]),
+    }
+
+
+def settle_interpret_mode() -> None:
+    """Interpret one tiny kernel before any engine: the first interpreted kernel registers a JAX config value,
+    which changes the tracing context between an engine's first two steps and compiles its step twice."""
+    conv1d_prefill(jnp.zeros((1, 8)), jnp.zeros((8, 4)), None, jnp.array([0, 1]), jnp.zeros((2, 3, 8)), jnp.array([1]),
+                   jnp.array([False]), backend="interpret")
 
 
 def generate(llm: LLM) -> dict:
-    """Greedy tokens, logprobs and prompt logprobs of PROMPTS, and how the pools and weights are sharded."""
-    params = SamplingParams(temperature=0, max_tokens=10, logprobs=1, prompt_logprobs=1, ignore_eos=True)
-    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    state = llm.engine.runner.state
-    recurrent = next(p for p in state.layers if isinstance(p, RecurrentPool))
-    kv = next(p for p in state.layers if isinstance(p, KVPool))
+    """Greedy tokens and logprobs of PROMPTS then REUSING_PROMPTS, PROMPTS' prompt logprobs (which would skip the
+    prefix cache), how many slot pages the steps copied and materialised, and how the pools and weights are split."""
+    greedy = dict(temperature=0, max_tokens=6, logprobs=1, ignore_eos=True)
+    first = llm.generate(PROMPTS, SamplingParams(**greedy, prompt_logprobs=1), use_tqdm=False)
+    outputs = first + llm.generate(REUSING_PROMPTS, SamplingParams(**greedy), use_tqdm=False)
+    stats = llm.engine.stats
+    state = next(p for p in llm.engine.runner.state.layers if isinstance(p, RecurrentPool)).state
     return {
         "tokens": [o.outputs[0].token_ids for o in outputs],
         "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)]
                      for o in outputs],
         "prompt_logprobs": [[p[t].logprob for p, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:], strict=True)]
-                            for o in outputs],
-        "state_spec": spec(recurrent.state), "kv_spec": spec(kv.k),
-        "state_devices": len(recurrent.state.sharding.device_set),
-        "state_local_devices": len(recurrent.state.addressable_shards),
-        "param_spec": spec(llm.engine.runner.params["layers_0"]["mlp"]["up_proj"]["kernel"]),
+                            for o in first],
+        "page_ops": {"hit_copies": stats.hit_copies, "publishes": stats.publishes,
+                     "materializations": stats.materializations},
+        "state_devices": len(state.sharding.device_set), "state_local_devices": len(state.addressable_shards),
+        "specs": shardings(llm),
     }
 
 
 if __name__ == "__main__":
     assert len(jax.devices()) == 4, jax.devices()
-    print(json.dumps({tp: generate(make_llm(tp)) for tp in map(int, sys.argv[1:])}))
+    settle_interpret_mode()
+    report = {}
+    for arg in sys.argv[1:]:  # e.g. nemotron_h/interpret=1,2,4
+        case, sizes = arg.split("=")
+        model, backend = case.split("/")
+        report[case] = {tp: generate(make_llm(int(tp), model, backend)) for tp in sizes.split(",")}
+    print(json.dumps(report))
