@@ -1,8 +1,8 @@
 """Tensor parallelism on 4 host devices (a subprocess: the device count is fixed when JAX starts): TP = 2 and 4
 give TP = 1's greedy tokens and logprobs with the Pallas kernels (interpreted, in shard_map) and with the
 reference ops, on a Qwen3-Next-style model (GDN, MTP) and a Nemotron-H-style one (Mamba2), through prefix
-hits, publishes and materialisations, with the weights and pools really split by heads; and the head-aligned
-conv layout, which needs no devices."""
+hits, publishes and materialisations, with the weights and pools really split by heads (4 ways on a model
+four heads wide); and the head-aligned conv layout, which needs no devices."""
 
 import dataclasses
 import functools
@@ -84,6 +84,18 @@ def test_weights_and_pools_split_by_heads_where_tp_divides_them(case):
     assert [split_axis(spec) for spec in two["rings"] + two["mtp_kv"]] == [1] * 3 + [2] * len(two["mtp_kv"])
     assert {name: split_axis(four[name]) for name in SPLIT_AXES} == {name: None for name in SPLIT_AXES} | {"mlp": 1}
     assert [split_axis(spec) for spec in four["rings"] + four["mtp_kv"]] == [None] * (3 + len(four["mtp_kv"]))
+
+
+def test_a_model_four_heads_wide_splits_every_mixer_four_ways():
+    runs = tp_runs("qwen3_next_wide/interpret=1,4")["qwen3_next_wide/interpret"]
+    one, four = runs["1"], runs["4"]
+    specs = four["specs"]
+    assert {name: split_axis(specs[name]) for name in SPLIT_AXES} == SPLIT_AXES
+    assert [split_axis(spec) for spec in specs["rings"] + specs["mtp_kv"]] == [1] * 3 + [2] * len(specs["mtp_kv"])
+    assert four["page_ops"] == one["page_ops"] and min(one["page_ops"].values()) > 0
+    assert four["tokens"] == one["tokens"]
+    for key in ("logprobs", "prompt_logprobs"):
+        assert_close(np.concatenate(four[key]), np.concatenate(one[key]), LOGPROB_ATOL, f"wide tp=4 {key}")
 
 
 def channels(offset: int, heads: range, head_dim: int) -> list[int]:

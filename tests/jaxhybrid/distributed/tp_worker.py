@@ -1,15 +1,20 @@
 """Run in a fresh process with 4 host devices (XLA_FLAGS set by the test): for each `CASE=TP,TP,...` argument,
 greedy tokens, their logprobs and prompt logprobs at those tensor_parallel_sizes, and how the weights and
-pools are sharded. A case is a model and a kernel backend; the default model is Qwen3-Next-style with MTP."""
+pools are sharded. A case is a model and a kernel backend; the default model is Qwen3-Next-style with MTP,
+`qwen3_next_wide` the same shape with 4 GDN key heads and 4 kv heads (random weights), which TP = 4 splits."""
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from jaxhybrid import LLM, SamplingParams
+from jaxhybrid.config import parse_hf_config
+from jaxhybrid.export import export_hf_checkpoint
+from jaxhybrid.model import init_params
 from jaxhybrid.models.pools import KVPool, RecurrentPool
 from jaxhybrid.weights import DEFAULT_MODEL_DIR
 from pallas_kernels.conv1d import conv1d_prefill
@@ -26,8 +31,17 @@ def spec(array: jax.Array) -> list | None:
     return list(array.sharding.spec) if hasattr(array.sharding, "spec") else None
 
 
+def write_wide_model(directory: Path) -> Path:
+    """The default model's config with every mixer 4 heads wide, random weights, as a HuggingFace checkpoint."""
+    config = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+    config |= {"linear_num_key_heads": 4, "linear_num_value_heads": 8, "num_attention_heads": 8,
+               "num_key_value_heads": 4}
+    export_hf_checkpoint(init_params(parse_hf_config(config)), config, directory)
+    return directory
+
+
 def make_llm(tp: int, model: str = "qwen3_next", backend: str | None = None) -> LLM:
-    mtp = {"method": "mtp", "num_speculative_tokens": 2} if model == "qwen3_next" else None
+    mtp = {"method": "mtp", "num_speculative_tokens": 2} if model.startswith("qwen3_next") else None
     return LLM(MODELS[model], skip_tokenizer_init=True, backend=backend, tensor_parallel_size=tp, max_num_seqs=4,
                max_num_batched_tokens=32, max_model_len=96, num_blocks=64, num_state_slots=16, mamba_block_size=16,
                token_buckets=(32,), row_buckets=(4,), speculative_config=mtp)
@@ -81,6 +95,7 @@ def generate(llm: LLM) -> dict:
 if __name__ == "__main__":
     assert len(jax.devices()) == 4, jax.devices()
     settle_interpret_mode()
+    MODELS["qwen3_next_wide"] = write_wide_model(Path(tempfile.mkdtemp()) / "wide")
     report = {}
     for arg in sys.argv[1:]:  # e.g. nemotron_h/interpret=1,2,4
         case, sizes = arg.split("=")
