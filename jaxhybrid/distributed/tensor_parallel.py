@@ -55,15 +55,19 @@ def make_mesh(size: int) -> Mesh:
     return Mesh(np.array(devices[:size]), (AXIS,))
 
 
+def _head_counts(mixer: MixerConfig) -> dict[str, int]:
+    """A mixer's head counts by config field, the smallest first (the others are multiples of it)."""
+    if isinstance(mixer, GDNConfig):
+        return dict(num_k_heads=mixer.num_k_heads, num_v_heads=mixer.num_v_heads)
+    if isinstance(mixer, Mamba2Config):
+        return dict(n_groups=mixer.n_groups, num_heads=mixer.num_heads)
+    return dict(num_kv_heads=mixer.num_kv_heads, num_heads=mixer.num_heads)
+
+
 def head_shards(mixer: MixerConfig, tp: int) -> int:
     """How many ways a mixer's heads split over `tp` devices: tp, or 1 (replicated) where tp does not
     divide its smallest head count."""
-    if isinstance(mixer, GDNConfig):
-        smallest = mixer.num_k_heads
-    elif isinstance(mixer, Mamba2Config):
-        smallest = mixer.n_groups
-    else:
-        smallest = mixer.num_kv_heads
+    smallest = next(iter(_head_counts(mixer).values()))
     return tp if smallest % tp == 0 else 1
 
 
@@ -74,12 +78,7 @@ def head_axis(mixer: MixerConfig, tp: int) -> str | None:
 
 def local_heads(mixer: MixerConfig, shards: int) -> MixerConfig:
     """The mixer's config on one device's heads, when its heads split `shards` ways."""
-    if isinstance(mixer, GDNConfig):
-        counts = dict(num_k_heads=mixer.num_k_heads, num_v_heads=mixer.num_v_heads)
-    elif isinstance(mixer, Mamba2Config):
-        counts = dict(num_heads=mixer.num_heads, n_groups=mixer.n_groups)
-    else:
-        counts = dict(num_heads=mixer.num_heads, num_kv_heads=mixer.num_kv_heads)
+    counts = _head_counts(mixer)
     return dataclasses.replace(mixer, **{name: count // shards for name, count in counts.items()})
 
 

@@ -13,8 +13,8 @@ from jaxhybrid.config import GDNConfig
 from jaxhybrid.distributed.tensor_parallel import recurrent_pool_specs
 from jaxhybrid.models.layers import GatedRMSNorm
 from jaxhybrid.models.ops import DEFAULT_OPS, ModelOps
-from jaxhybrid.models.pools import RecurrentPool, has_snapshots
-from jaxhybrid.models.recurrent import Conv, MixerCore, recurrent_layer
+from jaxhybrid.models.pools import RecurrentPool
+from jaxhybrid.models.recurrent import Conv, MixerCore, recurrent_layer, ring_verify
 from jaxhybrid.plan_transfer import DevicePlan
 from pallas_kernels.gdn import gdn_materialise, gdn_verify, gdn_verify_snapshots
 
@@ -76,15 +76,9 @@ def _core(cfg: GDNConfig, ops: ModelOps, g: jax.Array, beta: jax.Array, out_shap
         v = mixed[:, 2 * cfg.key_dim :].reshape(num_tokens, cfg.num_v_heads, cfg.head_v_dim)
         return q, k, v, g, beta
 
-    def verify(mixed, cu, state, rings, slots, ring_start, committed, flush, max_query_len):
-        op = gdn_verify_snapshots if has_snapshots(rings) else gdn_verify
-        out, state, *rings = op(*heads(mixed), cu, state, *rings, slots, ring_start, committed, flush,
-                                max_query_len=max_query_len, backend=backend)
-        return out, state, tuple(rings)
-
     return MixerCore(
         prefill=lambda mixed, cu, state, slots, has_initial: ops.gdn_prefill(
             *heads(mixed), cu, state, slots, has_initial, backend=backend),
-        verify=verify,
+        verify=ring_verify(gdn_verify, gdn_verify_snapshots, heads, backend),
         materialise=lambda state, rings, *copies: gdn_materialise(state, *rings, *copies, backend=backend),
         out=out_shape)

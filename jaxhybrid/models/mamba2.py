@@ -13,8 +13,8 @@ from jaxhybrid.config import Mamba2Config
 from jaxhybrid.distributed.tensor_parallel import recurrent_pool_specs
 from jaxhybrid.models.layers import GatedRMSNorm
 from jaxhybrid.models.ops import DEFAULT_OPS, ModelOps
-from jaxhybrid.models.pools import RecurrentPool, has_snapshots
-from jaxhybrid.models.recurrent import Conv, MixerCore, recurrent_layer
+from jaxhybrid.models.pools import RecurrentPool
+from jaxhybrid.models.recurrent import Conv, MixerCore, recurrent_layer, ring_verify
 from jaxhybrid.plan_transfer import DevicePlan
 from pallas_kernels.mamba2 import ssd_materialise, ssd_prefill, ssd_verify, ssd_verify_snapshots
 
@@ -82,15 +82,9 @@ def _core(cfg: Mamba2Config, ops: ModelOps, dt: jax.Array, a: jax.Array, d: jax.
         c = mixed[:, inner + groups_width :].reshape(num_tokens, cfg.n_groups, cfg.state_size)
         return xs, dt, a, b, c, d
 
-    def verify(mixed, cu, state, rings, slots, ring_start, committed, flush, max_query_len):
-        op = ssd_verify_snapshots if has_snapshots(rings) else ssd_verify
-        out, state, *rings = op(*inputs(mixed), cu, state, *rings, slots, ring_start, committed, flush,
-                                max_query_len=max_query_len, backend=backend)
-        return out, state, tuple(rings)
-
     return MixerCore(
         prefill=lambda mixed, cu, state, slots, has_initial: ssd_prefill(
             *inputs(mixed), cu, state, slots, has_initial, chunk_size=cfg.chunk_size, backend=backend),
-        verify=verify,
+        verify=ring_verify(ssd_verify, ssd_verify_snapshots, inputs, backend),
         materialise=lambda state, rings, *copies: ssd_materialise(state, *rings, a, *copies, backend=backend),
         out=out_shape)

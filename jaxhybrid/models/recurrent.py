@@ -35,6 +35,19 @@ class MixerCore(NamedTuple):
     out: jax.ShapeDtypeStruct  # the outputs' [T, ...] shape and dtype
 
 
+def ring_verify(replay_op: Callable, snapshot_op: Callable, inputs: Callable, backend: str | None) -> Callable:
+    """`MixerCore.verify` of a family's op pair: `replay_op` on ReplaySSM rings, `snapshot_op` on the snapshot
+    baseline's whole states; `inputs(conv_out)` gives the op's per-token arguments."""
+
+    def verify(mixed, cu, state, rings, slots, ring_start, committed, flush, max_query_len):
+        op = snapshot_op if has_snapshots(rings) else replay_op
+        out, state, *rings = op(*inputs(mixed), cu, state, *rings, slots, ring_start, committed, flush,
+                                max_query_len=max_query_len, backend=backend)
+        return out, state, tuple(rings)
+
+    return verify
+
+
 class Conv(NamedTuple):
     weight: jax.Array      # [D, Kc]
     bias: jax.Array | None
