@@ -22,6 +22,11 @@ tokens over the summed device times). Target (issue 15): p99 host/device <= 0.5 
 at least 5 ms (over the steps whose device time is), and one step ahead within 5% of the device-only bound
 there (loads whose median device step is).
 
+Core layouts (`--cores`): `split` starts XLA's threads on every core but the lowest and then moves the
+engine's thread alone to that one, so the device computes on its own cores as an accelerator does;
+`shared` leaves every thread on every core (the CPU "device" then competes with the host). The engines'
+processes run with MALLOC_TUNABLES below (`--glibc-tunables ''` for glibc's defaults).
+
 Prints a table, writes benchmarks/results/engine_overhead.json and engine_overhead.png (a timeline of
 a few hundred steps of each mode, and host/device per load).
 """
