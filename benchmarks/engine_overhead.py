@@ -215,35 +215,23 @@ def workloads(vocab: int, seed: int = 0) -> dict[str, list[list[tuple]]]:
     return out
 
 
-def device_cores() -> set[int]:
-    """The cores the split layout gives the device: all but the host's one (the lowest)."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
+def split_cores() -> tuple[int, set[int]]:
+    """The split layout's cores: the lowest for the host's thread, the rest for the device."""
+    host, *device = sorted(os.sched_getaffinity(0))
+    if not device:
         raise SystemExit("--cores split needs at least two cores")
-    return set(cores[1:])
+    return host, set(device)
 
 
 def threads_on(cores: set[int]) -> int:
     """This process's threads allowed on `cores` only."""
-    count = 0
-    for status in Path("/proc/self/task").glob("*/status"):
-        allowed = next(line for line in status.read_text().splitlines() if line.startswith("Cpus_allowed_list"))
-        count += _cpu_list(allowed.split(":")[1].strip()) <= cores
-    return count
-
-
-def _cpu_list(text: str) -> set[int]:
-    cores = set()
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        cores.update(range(int(first), int(last or first) + 1))
-    return cores
+    return sum(os.sched_getaffinity(int(task.name)) <= cores for task in Path("/proc/self/task").iterdir())
 
 
 def run_model(model: str | None, k: int, names: list[str], layout: str) -> tuple[list[dict], dict]:
     label = "embedded" if model is None else "random_40m"
     if layout == "split":  # XLA's threads start with the backend, below: they keep the device's cores
-        host_core, device = min(os.sched_getaffinity(0)), device_cores()
+        host_core, device = split_cores()
         os.sched_setaffinity(0, device)
     llm = LLM(model, speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None,
               num_blocks=3072, num_state_slots=2 * 256 + 16, max_num_seqs=256, max_num_batched_tokens=1024,
