@@ -11,10 +11,12 @@ written by `benchmarks/hf_peer.py write` through `--hf-python`).
 
 Per step: the device time (dispatch to completion, from the serial run, where nothing else runs), the
 host's time on the critical path (everything `Engine.step` does but wait for the device: schedule, the
-placeholder update and resolve, packing and dispatch, output processing), split by phase, and the wall
-time. The host time is given as wall time and as the host thread's CPU time: on a CPU "device" the
-step's computation runs on the same cores as the host thread, so one step ahead the host's wall time
-grows by the contention (a GPU's host keeps its cores); its CPU time is the work itself. A step's host
+placeholder update and resolve, packing and dispatch; in the serial run output processing too, which one
+step ahead runs on the output thread during the wait, and counts only where the engine's thread waits
+for it to finish), split by phase ("outputs" is the output thread's time), and the wall time. The host
+time is given as wall time and as the host thread's CPU time: on a CPU "device" the step's computation
+runs on the same cores as the host thread, so one step ahead the host's wall time grows by the
+contention (a GPU's host keeps its cores); its CPU time is the work itself. A step's host
 work is hidden when, as its dispatch returns, the step before is still running (`is_ready()` read on
 the host thread). Reported: p50/p99/max of each, host/device at p99, the hidden
 fraction, tokens/s of both runs, the ratio ahead/serial, and ahead against the device-only bound (the
@@ -285,7 +287,7 @@ def plot(rows: list[dict], timelines: dict, path: Path) -> None:
 
     # a decode load whose device step is a few times the host's work shows the gaps serial leaves
     key = "embedded K=0 decode_b64 split" if "embedded K=0 decode_b64 split" in timelines else next(iter(timelines))
-    fig, axes = plt.subplots(3, 1, figsize=(12, 10))
+    fig, axes = plt.subplots(3, 1, figsize=(12, 11))
     for ax, mode in zip(axes[:2], ("serial", "ahead"), strict=True):
         steps = dispatched(timelines[key][mode])[:300]
         t0 = steps[0]["start"]
@@ -303,7 +305,7 @@ def plot(rows: list[dict], timelines: dict, path: Path) -> None:
     axes[2].bar(x - 0.25, [r["device"]["p50_ms"] for r in rows], 0.25, label="device p50")
     axes[2].bar(x, [r["host_ahead"]["p99_ms"] for r in rows], 0.25, label="host p99, wall (one step ahead)")
     axes[2].bar(x + 0.25, [r["host_cpu_ahead"]["p99_ms"] for r in rows], 0.25, label="host p99, CPU time")
-    axes[2].set_xticks(x, labels, fontsize=7)
+    axes[2].set_xticks(x, labels, fontsize=6, rotation=60, ha="right")
     axes[2].set_yscale("log")
     axes[2].set_ylabel("ms per step")
     axes[2].legend()

@@ -5,10 +5,15 @@ device (`async_scheduling`, scheduler/resolve.py): it schedules and dispatches s
 step N's tokens, so the host's work hides behind the device's; the serial loop is a debugging switch.
 Around it the host turns a request into scheduler requests (one per completion, `n` of them, each with
 its packed sampling record and checkpoint), and the step's tokens into outputs: incremental text, stop
-strings, logprobs and metrics. The scheduler preempts under memory pressure by itself (recompute); an
-abort frees everything at once, or, for a request whose step is in flight, when that step's update has
-run. (Steps run on the device in dispatch order, each on the pools the one before returned, so a block
-or slot freed while a step is in flight may go to a request of the next step.)
+strings, logprobs and metrics. One step ahead, that output processing runs on a thread of its own while
+the engine's thread waits for the device: step N-1's outputs are processed during the wait for step N
+and handed out when `step()` returns, so the engine's thread only schedules, dispatches and updates. A
+request that a stop string (or a failure of its own) ended there is released by the scheduler on the
+engine's thread right after; tokens its later steps computed are dropped. The scheduler preempts under
+memory pressure by itself (recompute); an abort frees everything at once, or, for a request whose step
+is in flight, when that step's update has run. (Steps run on the device in dispatch order, each on the
+pools the one before returned, so a block or slot freed while a step is in flight may go to a request of
+the next step.)
 
 Failures stay as small as they can: a request whose output cannot be processed (its detokenizer
 raises, say) ends alone, with finish_reason "error". A step that raises (schedule, the device, update)
@@ -19,10 +24,12 @@ started end with "error", and those still waiting are queued again.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,6 +48,7 @@ from scheduler import BatchPlan, FinishReason, RowKind, SchedulerConfig
 
 log = logging.getLogger("jaxhybrid")
 
+OUTPUT_THREAD = "jaxhybrid-outputs"
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 
 
@@ -120,6 +128,11 @@ class Engine:
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.async_scheduling = async_scheduling
         self._in_flight: tuple[BatchPlan, StepOutput, scheduler.StepOutputs] | None = None
+        # one step ahead: the last resolved step, whose outputs are processed while the next one runs
+        self._unprocessed: tuple[BatchPlan, StepOutput, scheduler.StepResult, scheduler.StepOutputs] | None = None
+        self._processing: Future | None = None
+        self._output_thread = ThreadPoolExecutor(1, thread_name_prefix=OUTPUT_THREAD)
+        self._ended: list[str] = []  # sequences the output side ended; the scheduler may still hold them
         self.runner = Runner(model, config, max_logprobs=max_logprobs, mesh=mesh)
         self.max_logprobs = self.runner.num_logprobs
         self.scheduler = scheduler.init_state(config)
@@ -178,6 +191,7 @@ class Engine:
         for sequence_id, output in zip(request.sequences, request.outputs, strict=True):
             if not output.finished():
                 self._end(self._sequences[sequence_id], "abort", None)
+        self._release_ended()
         return self._snapshot(request)
 
     def reset_prefix_cache(self) -> None:
@@ -187,7 +201,8 @@ class Engine:
         self.scheduler = scheduler.init_state(self.config)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or self.scheduler.has_work() or self._in_flight is not None
+        return bool(self._requests) or self.scheduler.has_work() or self._in_flight is not None or (
+            self._unprocessed is not None)
 
     def load(self) -> EngineLoad:
         state, config = self.scheduler, self.config
@@ -208,31 +223,53 @@ class Engine:
             out = self.runner.dispatch(plan)
             result = self.runner.fetch(out)
             self.scheduler, outputs = scheduler.update(self.scheduler, plan, result)
-            return self._finish_step(plan, out, result, outputs)
+            request_outputs = self._finish_step(plan, out, result, outputs)
+            self._release_ended()
+            return request_outputs
         except Exception:
             log.exception("engine step %d failed; starting over with fresh pools", self.stats.steps)
             return self._start_over()
 
     def _step_ahead(self) -> list[RequestOutput]:
-        """Schedule and dispatch step N+1, then wait for N; N+1 runs while N's outputs are processed, N+1
-        is updated on placeholders and N+2 is scheduled (scheduler/resolve.py)."""
+        """Schedule and dispatch step N+1, then wait for N while N-1's outputs are processed on the output
+        thread; N+1 runs while N is resolved, N+1 is updated on placeholders and N+2 is scheduled
+        (scheduler/resolve.py). Returns N-1's outputs (and N's too when nothing runs after it)."""
         ahead = None
         if self.scheduler.has_work():
             plan = self._schedule()
             ahead = (plan, self.runner.dispatch(plan))
             gc.collect(0)  # while the device is busy: the cyclic collector stays off the critical path
-        request_outputs = []
+        if self._unprocessed is not None:
+            self._processing = self._output_thread.submit(self._finish_step, *self._unprocessed)
+            self._unprocessed = None
         if self._in_flight is not None:
             (plan, out, placeholder_outputs), self._in_flight = self._in_flight, None
-            result = self.runner.fetch(out)
+            result = self.runner.fetch(out)  # releases the GIL: the output thread runs meanwhile
             self.scheduler, outputs = scheduler.resolve(self.scheduler, placeholder_outputs, result)
-            request_outputs = self._finish_step(plan, out, result, outputs)
+            self._unprocessed = (plan, out, result, outputs)
         if ahead is not None:
             plan, out = ahead
             placeholders = scheduler.placeholder_result(plan, self.config.num_spec_tokens)
             self.scheduler, placeholder_outputs = scheduler.update(self.scheduler, plan, placeholders)
             self._in_flight = (plan, out, placeholder_outputs)
+        request_outputs = self._processed()
+        if self._in_flight is None and self._unprocessed is not None:  # nothing runs to hide it behind
+            (unprocessed, self._unprocessed) = (self._unprocessed, None)
+            request_outputs += self._finish_step(*unprocessed)
+        self._release_ended()
         return request_outputs
+
+    def _processed(self) -> list[RequestOutput]:
+        """The output thread's results (waits for them): it only runs while `step()` does."""
+        processing, self._processing = self._processing, None
+        return [] if processing is None else processing.result()
+
+    def _release_ended(self) -> None:
+        """Free in the scheduler the sequences the output side ended that it still runs (a stop string)."""
+        ended, self._ended = self._ended, []
+        for sequence_id in ended:
+            if sequence_id in self.scheduler.requests:
+                self.scheduler = scheduler.abort_request(self.scheduler, sequence_id)
 
     def _schedule(self) -> BatchPlan:
         self.scheduler, plan = scheduler.schedule(self.scheduler)
@@ -262,14 +299,16 @@ class Engine:
             except Exception:
                 log.exception("request %r failed while its output was processed", sequence.request.request_id)
                 if sequence.sequence_id in self._sequences:
-                    self._end(sequence, "error", None, released=outputs.finish_codes[i] != 0)
+                    self._end(sequence, "error", None)
             touched[sequence.request.request_id] = sequence.request
         return [self._snapshot(request) for request in touched.values()]
 
     def _start_over(self) -> list[RequestOutput]:
         """After a failed step: fresh pools and scheduler; started requests end with "error", the rest requeue."""
         self.stats.failed_steps += 1
-        self._in_flight = None
+        with contextlib.suppress(Exception):  # the output thread must be idle before the requests are ended
+            self._processed()
+        self._in_flight = self._unprocessed = None
         self.runner.reset_state()
         self.scheduler = scheduler.init_state(self.config)
         failed = []
@@ -281,8 +320,9 @@ class Engine:
                 continue
             for sequence_id, output in zip(request.sequences, request.outputs, strict=True):
                 if not output.finished():
-                    self._end(self._sequences[sequence_id], "error", None, released=True)
+                    self._end(self._sequences[sequence_id], "error", None)
             failed.append(self._snapshot(request))
+        self._ended = []  # the fresh scheduler never held them
         return failed
 
     # -- helpers ----------------------------------------------------------------------------------------------
@@ -397,22 +437,22 @@ class Engine:
                 delta = detokenizer.push([token])
                 output.text = detokenizer.text
                 if delta.stop is not None:  # later tokens of the step are dropped with the rest of the text
-                    self._end(sequence, "stop", delta.stop, released=reason is not None)
+                    self._end(sequence, "stop", delta.stop)
                     return
         if reason is not None:
             eos = set(self.model.config.eos_token_id)
             stop_token = tokens[-1] if reason is FinishReason.STOP and tokens[-1] not in eos else None
-            self._end(sequence, _FINISH[reason], stop_token, released=True)
+            self._end(sequence, _FINISH[reason], stop_token)
 
-    def _end(self, sequence: _Sequence, reason: str, stop_reason, *, released: bool = False) -> None:
+    def _end(self, sequence: _Sequence, reason: str, stop_reason) -> None:
+        """End a sequence's output (the scheduler lets it go in `_release_ended`, on the engine's thread)."""
         output, detokenizer = sequence.output, sequence.detokenizer
         output.finish_reason, output.stop_reason = reason, stop_reason
         if detokenizer is not None:
             detokenizer.flush()
             output.text = detokenizer.text
         sequence_id = sequence.sequence_id
-        if not released:
-            self.scheduler = scheduler.abort_request(self.scheduler, sequence_id)
+        self._ended.append(sequence_id)
         del self._sequences[sequence_id]
         self._logprob_sequences.discard(sequence_id)
         request = sequence.request

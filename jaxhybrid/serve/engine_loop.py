@@ -2,8 +2,9 @@
 `Engine`, so the scheduler and the device state never see two callers.
 
 Handlers put additions and aborts in an inbox; the thread drains it between steps, runs a step while
-any request is unfinished, and hands each `RequestOutput` to its request's asyncio queue through the
-event loop (`call_soon_threadsafe`). A request leaves the engine when it finishes or when its
+any request is unfinished, and hands the step's `RequestOutput`s to their requests' asyncio queues in
+one call into the event loop (`call_soon_threadsafe`, which wakes the loop through a pipe: once a step,
+not once a request). A request leaves the engine when it finishes or when its
 stream is closed early (a client disconnect cancels the handler, and closing the stream aborts it).
 """
 
@@ -16,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,7 +44,7 @@ class _Submission:
     params: SamplingParams
     cache_salt: str | None
     admitted: concurrent.futures.Future
-    deliver: Callable[[RequestOutput | BaseException], None]
+    stream: RequestStream
 
 
 class RequestStream:
@@ -51,8 +53,8 @@ class RequestStream:
     def __init__(self, owner: EngineLoop, request_id: str, num_sequences: int):
         self.request_id, self._owner, self._num_sequences = request_id, owner, num_sequences
         self._outputs: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        self.deliver = lambda output: loop.call_soon_threadsafe(self._outputs.put_nowait, output)
+        self.loop = asyncio.get_running_loop()
+        self.put = self._outputs.put_nowait  # on the event loop's thread only
         self.done = False
         owner._num_sequences += num_sequences
 
@@ -69,6 +71,11 @@ class RequestStream:
         if output.finished:
             self._release()
         return output
+
+    def deliver(self, output: RequestOutput | BaseException) -> None:
+        """From any thread."""
+        with contextlib.suppress(RuntimeError):  # the event loop is closed (shutdown)
+            self.loop.call_soon_threadsafe(self.put, output)
 
     def close(self) -> None:
         if not self.done:
@@ -90,7 +97,7 @@ class EngineLoop:
         self.draining = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake, self._stop = threading.Event(), threading.Event()
-        self._deliveries: dict[str, Callable] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._token_times: dict[str, tuple[float, int]] = {}  # request id -> (last token time, tokens so far)
         self._num_sequences = 0  # submitted and not yet ended, n counting n (the event loop's count)
         self._busy = False
@@ -120,7 +127,7 @@ class EngineLoop:
             raise QueueFull(f"{self._num_sequences} sequences are queued or running (max {self.max_queued})")
         stream = RequestStream(self, request_id, params.n)
         admitted = concurrent.futures.Future()
-        self._submit(("add", _Submission(request_id, prompt, params, cache_salt, admitted, stream.deliver)))
+        self._submit(("add", _Submission(request_id, prompt, params, cache_salt, admitted, stream)))
         try:
             await asyncio.wrap_future(admitted)
         except BaseException:
@@ -154,16 +161,15 @@ class EngineLoop:
                 outputs = self.engine.step()
                 self._last_progress = time.monotonic()
                 self.metrics.observe_engine(self.engine.load(), self.engine.stats)
-                for output in outputs:
-                    self._deliver(output)
+                self._deliver(outputs)
             self._drain_inbox()
-            for request_id in list(self._deliveries):
+            for request_id in list(self._streams):
                 self._abort(request_id)
         except BaseException as error:  # a bug outside the engine's own recovery: fail everyone, /health 503
             log.exception("the engine thread died")
             self._error = error
-            for deliver in self._deliveries.values():
-                deliver(EngineUnavailable("the engine has stopped"))
+            for stream in self._streams.values():
+                stream.deliver(EngineUnavailable("the engine has stopped"))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -179,31 +185,45 @@ class EngineLoop:
             except Exception as error:  # bad input: the caller's 400; nothing was queued
                 item.admitted.set_exception(error)
                 continue
-            self._deliveries[item.request_id] = item.deliver
+            self._streams[item.request_id] = item.stream
             item.admitted.set_result(None)
 
     def _abort(self, request_id: str) -> None:
-        deliver = self._deliveries.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
         output = self.engine.abort(request_id)
         self._token_times.pop(request_id, None)
         if output is not None:
             self.metrics.observe_finished(output)
-            if deliver is not None:
-                deliver(output)
+            if stream is not None:
+                stream.deliver(output)
 
-    def _deliver(self, output: RequestOutput) -> None:
-        now, count = time.time(), sum(len(c.token_ids) for c in output.outputs)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their streams, one call into each event loop (in practice one loop)."""
+        batches = defaultdict(list)
+        now = time.time()
+        for output in outputs:
+            stream = self._route(output, now)
+            if stream is not None:
+                batches[stream.loop].append((stream.put, output))
+        for loop, batch in batches.items():
+            with contextlib.suppress(RuntimeError):  # the event loop is closed (shutdown)
+                loop.call_soon_threadsafe(_put_all, batch)
+
+    def _route(self, output: RequestOutput, now: float) -> RequestStream | None:
+        """Its stream (the metrics see it on the way); None once the stream is gone."""
+        count = sum(len(c.token_ids) for c in output.outputs)
         last = self._token_times.get(output.request_id)
         if last is not None and count > last[1]:
             self.metrics.itl.observe(now - last[0])
         if output.finished:
             self._token_times.pop(output.request_id, None)
             self.metrics.observe_finished(output)
-            deliver = self._deliveries.pop(output.request_id, None)
-        else:
-            if count and (last is None or count > last[1]):
-                self._token_times[output.request_id] = (now, count)
-            deliver = self._deliveries.get(output.request_id)
-        if deliver is not None:
-            with contextlib.suppress(RuntimeError):  # the event loop is closed (shutdown)
-                deliver(output)
+            return self._streams.pop(output.request_id, None)
+        if count and (last is None or count > last[1]):
+            self._token_times[output.request_id] = (now, count)
+        return self._streams.get(output.request_id)
+
+
+def _put_all(batch: list[tuple[Callable, RequestOutput]]) -> None:
+    for put, output in batch:
+        put(output)

@@ -1,15 +1,18 @@
 """One step ahead of the device (scheduler/resolve.py) on the embedded model, with and without MTP drafts: a
 request that ends by eos, a stop token, a stop string or max_tokens emits exactly what the serial loop emits
 (the end is noticed one step late, and the tokens computed past it never leak out), and an abort while a
-step is in flight frees everything once that step has completed."""
+step is in flight frees everything once that step has completed. Output processing (detokenization, stop
+strings) runs on the output thread while steps are dispatched."""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 
 from jaxhybrid import LLM, SamplingParams
+from jaxhybrid.engine import OUTPUT_THREAD
 from scheduler.invariants import check_drained
 from tests.jaxhybrid.test_llm import ANCHOR, CANDIDATES
 
@@ -80,3 +83,28 @@ def test_an_abort_while_a_step_is_in_flight_frees_everything_once_it_completes(l
     assert engine.step() == []  # it completes: its tokens are dropped
     assert not engine.has_unfinished_requests() and engine._in_flight is None
     assert not check_drained(engine.scheduler) and engine.load()[:4] == (0, 0, 0.0, 0.0)
+
+
+def test_detokenization_runs_on_the_output_thread_while_steps_run(llm, monkeypatch):
+    """Every decode before the last dispatch happens on the output thread (the engine's thread processes
+    outputs itself only once nothing runs: the last step's)."""
+    engine = llm.engine
+    engine.async_scheduling = True
+    decoded_on, decode, dispatch = [], engine.tokenizer.decode, engine.runner.dispatch
+    decodes_at_dispatch = []
+
+    def recording_decode(*args, **kwargs):
+        decoded_on.append(threading.current_thread().name)
+        return decode(*args, **kwargs)
+
+    def recording_dispatch(plan):
+        decodes_at_dispatch.append(len(decoded_on))
+        return dispatch(plan)
+
+    monkeypatch.setattr(engine.tokenizer, "decode", recording_decode)
+    monkeypatch.setattr(engine.runner, "dispatch", recording_dispatch)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([ANCHOR + c for c in CANDIDATES[:3]], params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == NEW_TOKENS and o.outputs[0].text for o in outputs)
+    before_last_dispatch = decoded_on[:decodes_at_dispatch[-1]]
+    assert before_last_dispatch and set(before_last_dispatch) == {f"{OUTPUT_THREAD}_0"}

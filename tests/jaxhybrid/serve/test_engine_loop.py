@@ -101,3 +101,29 @@ def test_a_failed_step_is_a_500_and_the_server_keeps_serving(serve, llm, monkeyp
         assert 'jaxhybrid:engine_failed_steps_total{model_name="tiny"} 2.0' in metrics
 
     serve(body)
+
+
+def test_a_steps_outputs_reach_the_event_loop_in_one_call(serve, llm, monkeypatch):
+    """Two streams decoding together: each step that has outputs wakes the event loop once, with both."""
+    outputs_per_step, step = [], llm.engine.step
+
+    def counting_step():
+        outputs = step()
+        if outputs:
+            outputs_per_step.append(len(outputs))
+        return outputs
+
+    monkeypatch.setattr(llm.engine, "step", counting_step)
+    calls = []
+
+    async def body(client: httpx.AsyncClient) -> None:
+        loop = asyncio.get_running_loop()
+        threadsafe = loop.call_soon_threadsafe
+        monkeypatch.setattr(loop, "call_soon_threadsafe", lambda callback, *args: (
+            calls.append(len(args[0]) if callback.__name__ == "_put_all" else None), threadsafe(callback, *args))[1])
+        long = {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, "stream": True}
+        responses = await asyncio.gather(*(client.post("/v1/completions", json=long) for _ in range(2)))
+        assert [r.status_code for r in responses] == [200, 200]
+
+    serve(body)
+    assert [c for c in calls if c is not None] == outputs_per_step and max(outputs_per_step) >= 2
