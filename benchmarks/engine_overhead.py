@@ -29,8 +29,8 @@ engine's thread alone to that one, so the device computes on its own cores as an
 `shared` leaves every thread on every core (the CPU "device" then competes with the host). The engines'
 processes run with MALLOC_TUNABLES below (`--glibc-tunables ''` for glibc's defaults).
 
-Prints a table, writes benchmarks/results/engine_overhead.json and engine_overhead.png (a timeline of
-a few hundred steps of each mode, and host/device per load).
+Prints a table, writes benchmarks/results/engine_overhead.json and engine_overhead.png (another stem with
+`--name`; the plot: a timeline of a few hundred steps of each mode, and host/device per load).
 """
 
 from __future__ import annotations
@@ -326,6 +326,7 @@ def main() -> None:
                              "as with an accelerator; shared: every thread on every core")
     parser.add_argument("--glibc-tunables", default=MALLOC_TUNABLES,
                         help="GLIBC_TUNABLES for the engines' processes ('' for glibc's defaults)")
+    parser.add_argument("--name", default="engine_overhead", help="results file stem in benchmarks/results/")
     parser.add_argument("--one", nargs=4, metavar=("MODEL", "K", "CORES", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:  # one (model, K, cores) in this process; the driver below runs each in its own
@@ -352,9 +353,9 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     meta = {"jax": jax.__version__, "backend": jax.default_backend(), "machine": platform.machine(),
             "cpu_count": os.cpu_count(), "glibc_tunables": args.glibc_tunables}
-    (RESULTS / "engine_overhead.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
-    print(f"wrote {RESULTS / 'engine_overhead.json'}")
-    plot(rows, timelines, RESULTS / "engine_overhead.png")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    print(f"wrote {RESULTS / args.name}.json")
+    plot(rows, timelines, RESULTS / f"{args.name}.png")
 
 
 if __name__ == "__main__":
