@@ -254,7 +254,7 @@ class Engine:
             self._in_flight = (plan, out, placeholder_outputs)
         request_outputs = self._processed()
         if self._in_flight is None and self._unprocessed is not None:  # nothing runs to hide it behind
-            (unprocessed, self._unprocessed) = (self._unprocessed, None)
+            unprocessed, self._unprocessed = self._unprocessed, None
             request_outputs += self._finish_step(*unprocessed)
         self._release_ended()
         return request_outputs
