@@ -201,8 +201,7 @@ class Engine:
         self.scheduler = scheduler.init_state(self.config)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or self.scheduler.has_work() or self._in_flight is not None or (
-            self._unprocessed is not None)
+        return bool(self._requests) or self.scheduler.has_work() or self._in_flight is not None
 
     def load(self) -> EngineLoad:
         state, config = self.scheduler, self.config
@@ -215,7 +214,7 @@ class Engine:
         """Run one step; returns the outputs of the requests that gained tokens or finished in it (one step
         ahead: the step before's, while this one runs)."""
         try:
-            if self.async_scheduling:
+            if self.async_scheduling or self._in_flight is not None:  # switched to serial: drain the ahead loop
                 return self._step_ahead()
             if not self.scheduler.has_work():
                 return []
@@ -322,7 +321,6 @@ class Engine:
                 if not output.finished():
                     self._end(self._sequences[sequence_id], "error", None)
             failed.append(self._snapshot(request))
-        self._ended = []  # the fresh scheduler never held them
         return failed
 
     # -- helpers ----------------------------------------------------------------------------------------------
