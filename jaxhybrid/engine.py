@@ -7,9 +7,12 @@ Around it the host turns a request into scheduler requests (one per completion, 
 its packed sampling record and checkpoint), and the step's tokens into outputs: incremental text, stop
 strings, logprobs and metrics. One step ahead, that output processing runs on a thread of its own while
 the engine's thread waits for the device: step N-1's outputs are processed during the wait for step N
-and handed out when `step()` returns, so the engine's thread only schedules, dispatches and updates. A
-request that a stop string (or a failure of its own) ended there is released by the scheduler on the
-engine's thread right after; tokens its later steps computed are dropped. The scheduler preempts under
+and handed out when `step()` returns, or, if they take longer than that, when the next `step()` does (the
+engine's thread waits for them only before it hands the thread the next step's), so the engine's thread
+only schedules, dispatches and updates. A request that a stop string (or a failure of its own) ended
+there is released by the scheduler on the engine's thread after; tokens its later steps computed are
+dropped. The output side owns the request tables: the engine's thread only adds to them, and `abort`
+waits for the output thread (the lock). The scheduler preempts under
 memory pressure by itself (recompute); an abort frees everything at once, or, for a request whose step
 is in flight, when that step's update has run. (Steps run on the device in dispatch order, each on the
 pools the one before returned, so a block or slot freed while a step is in flight may go to a request of
@@ -28,7 +31,9 @@ import contextlib
 import gc
 import itertools
 import logging
+import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -132,7 +137,8 @@ class Engine:
         self._unprocessed: tuple[BatchPlan, StepOutput, scheduler.StepResult, scheduler.StepOutputs] | None = None
         self._processing: Future | None = None
         self._output_thread = ThreadPoolExecutor(1, thread_name_prefix=OUTPUT_THREAD)
-        self._ended: list[str] = []  # sequences the output side ended; the scheduler may still hold them
+        self._outputs_lock = threading.Lock()  # held while outputs are processed, and by abort
+        self._ended: deque[str] = deque()  # sequences the output side ended; the scheduler may still hold them
         self.runner = Runner(model, config, max_logprobs=max_logprobs, mesh=mesh)
         self.max_logprobs = self.runner.num_logprobs
         self.scheduler = scheduler.init_state(config)
@@ -185,14 +191,16 @@ class Engine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; returns its final output (finish_reason "abort"), None if it is unknown."""
-        request = self._requests.get(request_id)
-        if request is None:
-            return None
-        for sequence_id, output in zip(request.sequences, request.outputs, strict=True):
-            if not output.finished():
-                self._end(self._sequences[sequence_id], "abort", None)
+        with self._outputs_lock:
+            request = self._requests.get(request_id)
+            if request is None:
+                return None
+            for sequence_id, output in zip(request.sequences, request.outputs, strict=True):
+                if not output.finished():
+                    self._end(self._sequences[sequence_id], "abort", None)
+            final = self._snapshot(request)
         self._release_ended()
-        return self._snapshot(request)
+        return final
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix state and checkpoint (vLLM's `reset_prefix_cache`); an idle engine only."""
@@ -232,13 +240,15 @@ class Engine:
     def _step_ahead(self) -> list[RequestOutput]:
         """Schedule and dispatch step N+1, then wait for N while N-1's outputs are processed on the output
         thread; N+1 runs while N is resolved, N+1 is updated on placeholders and N+2 is scheduled
-        (scheduler/resolve.py). Returns N-1's outputs (and N's too when nothing runs after it)."""
-        ahead = None
+        (scheduler/resolve.py). Returns the outputs processed by then: N-1's, else N-2's (and N's too when
+        nothing runs after it)."""
+        ahead, request_outputs = None, []
         if self.scheduler.has_work():
             plan = self._schedule()
             ahead = (plan, self.runner.dispatch(plan))
             gc.collect(0)  # while the device is busy: the cyclic collector stays off the critical path
         if self._unprocessed is not None:
+            request_outputs = self._processed()  # one step at a time: N-2's, done unless it outlasted a step
             self._processing = self._output_thread.submit(self._finish_step, *self._unprocessed)
             self._unprocessed = None
         if self._in_flight is not None:
@@ -251,22 +261,28 @@ class Engine:
             placeholders = scheduler.placeholder_result(plan, self.config.num_spec_tokens)
             self.scheduler, placeholder_outputs = scheduler.update(self.scheduler, plan, placeholders)
             self._in_flight = (plan, out, placeholder_outputs)
-        request_outputs = self._processed()
-        if self._in_flight is None and self._unprocessed is not None:  # nothing runs to hide it behind
-            unprocessed, self._unprocessed = self._unprocessed, None
-            request_outputs += self._finish_step(*unprocessed)
+        if self._in_flight is None:  # nothing runs to hide output processing behind: finish it now
+            request_outputs += self._processed()
+            if self._unprocessed is not None:
+                unprocessed, self._unprocessed = self._unprocessed, None
+                request_outputs += self._finish_step(*unprocessed)
+        elif self._processing is not None and self._processing.done():
+            request_outputs += self._processed()
         self._release_ended()
         return request_outputs
 
     def _processed(self) -> list[RequestOutput]:
-        """The output thread's results (waits for them): it only runs while `step()` does."""
+        """The output thread's results (waits for them). A snapshot taken before an abort that has ended its
+        request since is dropped: the abort returned the request's final output."""
         processing, self._processing = self._processing, None
-        return [] if processing is None else processing.result()
+        if processing is None:
+            return []
+        return [output for output in processing.result() if output.finished or output.request_id in self._requests]
 
     def _release_ended(self) -> None:
         """Free in the scheduler the sequences the output side ended that it still runs (a stop string)."""
-        ended, self._ended = self._ended, []
-        for sequence_id in ended:
+        while self._ended:
+            sequence_id = self._ended.popleft()
             if sequence_id in self.scheduler.requests:
                 self.scheduler = scheduler.abort_request(self.scheduler, sequence_id)
 
@@ -278,6 +294,11 @@ class Engine:
     def _finish_step(self, plan: BatchPlan, out: StepOutput, result: scheduler.StepResult,
                      outputs: scheduler.StepOutputs) -> list[RequestOutput]:
         """A step's outputs: tokens, text, stop strings and logprobs, request by request."""
+        with self._outputs_lock:
+            return self._process(plan, out, result, outputs)
+
+    def _process(self, plan: BatchPlan, out: StepOutput, result: scheduler.StepResult,
+                 outputs: scheduler.StepOutputs) -> list[RequestOutput]:
         reported = to_host(out.logprobs) if self._wants_logprobs(plan) else None
         self._count(plan, result, outputs)
         touched = {}

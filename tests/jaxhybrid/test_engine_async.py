@@ -108,3 +108,43 @@ def test_detokenization_runs_on_the_output_thread_while_steps_run(llm, monkeypat
     assert all(len(o.outputs[0].token_ids) == NEW_TOKENS and o.outputs[0].text for o in outputs)
     before_last_dispatch = decoded_on[:decodes_at_dispatch[-1]]
     assert before_last_dispatch and set(before_last_dispatch) == {f"{OUTPUT_THREAD}_0"}
+
+
+def test_output_processing_that_outlasts_a_step_holds_up_nothing_and_an_abort_outdates_it(llm, monkeypatch):
+    """The output thread is held inside a decode: `step()` returns meanwhile (the outputs come with a later
+    step), an abort then waits for that processing, and the snapshot it made of the aborted request never
+    reaches the caller after the abort's final output."""
+    engine, gate, entered = llm.engine, threading.Event(), threading.Event()
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = [ANCHOR + c for c in CANDIDATES[:2]]
+    serial = generate(llm, False, prompts, params)
+    decode = engine.tokenizer.decode
+
+    def gated_decode(*args, **kwargs):
+        if threading.current_thread().name.startswith(OUTPUT_THREAD) and not gate.is_set():
+            entered.set()
+            assert gate.wait(20), "the engine's thread waited for the output thread"
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "decode", gated_decode)
+    engine.async_scheduling = True
+    for name, prompt in zip("kept aborted".split(), prompts, strict=True):
+        engine.add_request(name, llm.parse_prompt(prompt), params)
+    for _ in range(8):  # bounded: prefills, then the first decode steps
+        assert engine.step() == []  # nothing is processed yet: the output thread stops at its first decode
+        if entered.is_set():
+            break
+    assert entered.is_set() and not gate.is_set()  # step() returned while the output thread was held
+    gate.set()
+    final = engine.abort("aborted")
+    assert final.finished and final.outputs[0].finish_reason == "abort" and final.outputs[0].token_ids
+    seen = {"kept": [], "aborted": []}
+    for _ in range(4 * NEW_TOKENS):
+        if not engine.has_unfinished_requests():
+            break
+        for output in engine.step():
+            seen[output.request_id].append(output)
+    assert seen["aborted"] == []
+    assert seen["kept"][-1].outputs[0].token_ids == serial[0].outputs[0].token_ids
+    assert seen["kept"][-1].outputs[0].text == serial[0].outputs[0].text
+    assert not check_drained(engine.scheduler) and engine.load()[:4] == (0, 0, 0.0, 0.0)
