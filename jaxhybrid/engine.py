@@ -11,8 +11,8 @@ and handed out when `step()` returns, or, if they take longer than that, when th
 engine's thread waits for them only before it hands the thread the next step's), so the engine's thread
 only schedules, dispatches and updates. A request that a stop string (or a failure of its own) ended
 there is released by the scheduler on the engine's thread after; tokens its later steps computed are
-dropped. The output side owns the request tables: the engine's thread only adds to them, and `abort`
-waits for the output thread (the lock). The scheduler preempts under
+dropped. The output side owns the request tables: the engine's thread only adds requests and marks them
+scheduled, and `abort` waits for the output thread (the lock). The scheduler preempts under
 memory pressure by itself (recompute); an abort frees everything at once, or, for a request whose step
 is in flight, when that step's update has run. (Steps run on the device in dispatch order, each on the
 pools the one before returned, so a block or slot freed while a step is in flight may go to a request of
