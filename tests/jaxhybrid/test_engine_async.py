@@ -115,6 +115,7 @@ def test_output_processing_that_outlasts_a_step_holds_up_nothing_and_an_abort_ou
     step), an abort then waits for that processing, and the snapshot it made of the aborted request never
     reaches the caller after the abort's final output."""
     engine, gate, entered = llm.engine, threading.Event(), threading.Event()
+    settled = threading.Event()  # the output thread is held in a decode, or has finished the step it was handed
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     prompts = [ANCHOR + c for c in CANDIDATES[:2]]
     serial = generate(llm, False, prompts, params)
@@ -123,7 +124,8 @@ def test_output_processing_that_outlasts_a_step_holds_up_nothing_and_an_abort_ou
     def gated_decode(*args, **kwargs):
         if threading.current_thread().name.startswith(OUTPUT_THREAD) and not gate.is_set():
             entered.set()
-            assert gate.wait(20), "the engine's thread waited for the output thread"
+            settled.set()
+            assert gate.wait(60), "the engine's thread waited for the output thread"
         return decode(*args, **kwargs)
 
     monkeypatch.setattr(engine.tokenizer, "decode", gated_decode)
@@ -131,7 +133,12 @@ def test_output_processing_that_outlasts_a_step_holds_up_nothing_and_an_abort_ou
     for name, prompt in zip("kept aborted".split(), prompts, strict=True):
         engine.add_request(name, llm.parse_prompt(prompt), params)
     for _ in range(8):  # bounded: prefills, then the first decode steps
+        settled.clear()
         assert engine.step() == []  # nothing is processed yet: the output thread stops at its first decode
+        handed = engine._processing  # the step handed to the output thread as this one was dispatched
+        if handed is not None:  # however slowly that thread runs: it is held, or done, before the next step
+            handed.add_done_callback(lambda _: settled.set())
+            assert settled.wait(60)
         if entered.is_set():
             break
     assert entered.is_set() and not gate.is_set()  # step() returned while the output thread was held
