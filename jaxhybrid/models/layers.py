@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxhybrid.config import ModelConfig, MoEConfig
+from jaxhybrid.models.experts import ExpertWeights, routed_experts
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
@@ -116,8 +117,7 @@ def _sigmoid_group_router(logits: jax.Array, bias: jax.Array, cfg: MoEConfig) ->
 class MoE(nn.Module):
     """Routed experts plus a shared expert (Qwen3-Next: SwiGLU with a sigmoid gate; Nemotron-H: relu² MLP).
 
-    Experts are stacked `[E, in, out]` and every token is combined densely with zero weight for unrouted
-    experts: exact, simple, and fine for the model sizes the CPU path runs; the GPU path will group tokens.
+    Experts are stacked `[E, in, out]`; each token runs through its top-k experts only (`routed_experts`).
     """
 
     cfg: MoEConfig
@@ -126,7 +126,7 @@ class MoE(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        cfg, num_tokens = self.cfg, x.shape[0]
+        cfg = self.cfg
         router = self.param("router", nn.initializers.normal(0.02), (x.shape[-1], cfg.num_experts), jnp.float32)
         logits = x.astype(jnp.float32) @ router
         if cfg.router == "softmax":
@@ -134,11 +134,10 @@ class MoE(nn.Module):
         else:
             bias = self.param("e_score_correction_bias", nn.initializers.zeros, (cfg.num_experts,), jnp.float32)
             weights, experts = _sigmoid_group_router(logits, bias, cfg)
-        combine = jnp.zeros((num_tokens, cfg.num_experts), jnp.float32)
-        combine = combine.at[jnp.arange(num_tokens)[:, None], experts].add(weights)
         routed_in = x if cfg.latent_size is None else nn.Dense(
             cfg.latent_size, use_bias=self.use_bias, dtype=x.dtype, name="fc1_latent_proj")(x)
-        routed = self._experts(routed_in, combine)
+        routed = routed_experts(routed_in, weights, experts, self._expert_weights(routed_in.shape[-1]),
+                                lambda h: _activation(self.activation, h))
         if cfg.latent_size is not None:
             routed = nn.Dense(x.shape[-1], use_bias=self.use_bias, dtype=x.dtype, name="fc2_latent_proj")(routed)
         shared = MLP(cfg.shared_intermediate_size, self.activation, self.use_bias, name="shared_expert")(x)
@@ -147,19 +146,14 @@ class MoE(nn.Module):
             shared = jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype) * shared
         return routed + shared
 
-    def _experts(self, x: jax.Array, combine: jax.Array) -> jax.Array:
-        cfg, dim = self.cfg, x.shape[-1]
-        init = nn.initializers.normal(0.02)
+    def _expert_weights(self, dim: int) -> ExpertWeights:
+        cfg, init = self.cfg, nn.initializers.normal(0.02)
         up = self.param("up_proj", init, (cfg.num_experts, dim, cfg.intermediate_size), jnp.float32)
         down = self.param("down_proj", init, (cfg.num_experts, cfg.intermediate_size, dim), jnp.float32)
-        hidden = jnp.einsum("td,edi->tei", x, up.astype(x.dtype))
+        gate = None
         if self.activation == "silu":
             gate = self.param("gate_proj", init, (cfg.num_experts, dim, cfg.intermediate_size), jnp.float32)
-            hidden = jax.nn.silu(jnp.einsum("td,edi->tei", x, gate.astype(x.dtype))) * hidden
-        else:
-            hidden = _activation(self.activation, hidden)
-        out = jnp.einsum("tei,eid,te->td", hidden, down.astype(x.dtype), combine.astype(x.dtype))
-        return out
+        return ExpertWeights(up, down, gate)
 
 
 def make_ffn(kind: str, cfg: ModelConfig, name: str) -> nn.Module:
