@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import numbers
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,6 +16,7 @@ from tqdm import tqdm
 
 from jaxhybrid.distributed.tensor_parallel import make_mesh
 from jaxhybrid.engine import Engine, Prompt
+from jaxhybrid.generation_config import read_generation_config, sampling_defaults
 from jaxhybrid.memory import size_pools
 from jaxhybrid.model import Model
 from jaxhybrid.outputs import RequestOutput
@@ -29,6 +32,19 @@ log = logging.getLogger("jaxhybrid")
 
 CPU_MEMORY_BUDGET = 512 * 2**20  # pool bytes on a platform that reports no device memory
 PromptInput = str | Sequence[int] | dict
+PROMPT_KEYS = {"prompt", "prompt_token_ids", "messages", "checkpoint_position", "cache_salt"}
+DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+          "half": jnp.float16}
+
+
+def checkpoint_dtype(directory: Path, dtype: str) -> jnp.dtype:
+    """vLLM's `dtype`: "auto" is the checkpoint's own (config.json `dtype` / `torch_dtype`; float32 if unset)."""
+    if dtype == "auto":
+        config = json.loads((directory / "config.json").read_text()) if (directory / "config.json").is_file() else {}
+        dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+    return jnp.dtype(DTYPES[dtype])
 
 
 def speculative_tokens(speculative_config: dict | None) -> int:
@@ -76,7 +92,7 @@ class LLM:
                  max_model_len: int | None = None, seed: int = 0, gpu_memory_utilization: float = 0.9,
                  num_blocks: int | None = None, num_state_slots: int | None = None, replayssm_window: int | None = None,
                  block_size: int = 16, mamba_block_size: int = 64, max_logprobs: int = 20,
-                 dtype: str = "float32", backend: str | None = None, token_buckets: tuple[int, ...] = (),
+                 dtype: str = "auto", backend: str | None = None, token_buckets: tuple[int, ...] = (),
                  row_buckets: tuple[int, ...] = (), bucket_growth: int = 2, tensor_parallel_size: int = 1,
                  precompile: bool = False, compilation_cache_dir: str | None = None, async_scheduling: bool = True):
         from jaxhybrid.models.ops import ModelOps
@@ -85,8 +101,9 @@ class LLM:
             jax.config.update("jax_compilation_cache_dir", str(compilation_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         directory = Path(model) if model is not None else DEFAULT_MODEL_DIR
-        self.model: Model = load_model(directory, dtype=jnp.dtype(dtype), ops=ModelOps(backend=backend),
-                                       block_size=block_size)
+        dtype = checkpoint_dtype(directory, dtype)
+        self.model: Model = load_model(directory, dtype=dtype, ops=ModelOps(backend=backend), block_size=block_size)
+        self.generation_defaults = sampling_defaults(read_generation_config(directory))
         cfg = self.model.config
         self.tokenizer = None if skip_tokenizer_init else Tokenizer.from_pretrained(Path(tokenizer or directory))
         k = speculative_tokens(speculative_config)
@@ -101,7 +118,7 @@ class LLM:
             sizes = size_pools(cfg, device_memory_budget(gpu_memory_utilization, self.model.params),
                                block_size=block_size, ring_size=ring_size, num_spec_tokens=k,
                                max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                               dtype_bytes=jnp.dtype(dtype).itemsize)
+                               dtype_bytes=dtype.itemsize)
             num_blocks, num_state_slots, max_num_seqs = (num_blocks or sizes.num_blocks,
                                                          num_state_slots or sizes.num_state_slots, sizes.max_num_seqs)
             log.info("pools: %s", sizes.describe())
@@ -129,6 +146,10 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the checkpoint's generation_config.json settings over SamplingParams' defaults."""
+        return SamplingParams(**self.generation_defaults)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix state and checkpoint (between jobs; no request may be running)."""
         self.engine.reset_prefix_cache()
@@ -137,6 +158,9 @@ class LLM:
         """Text, token ids, `{"prompt": text}`, `{"prompt_token_ids": ids}` (optionally with
         "checkpoint_position") or `{"messages": [...]}` (the chat template) -> the engine's Prompt."""
         if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - PROMPT_KEYS)
+            if unknown:
+                raise ValueError(f"prompt dict keys {unknown} are not supported (known: {sorted(PROMPT_KEYS)})")
             if "messages" in prompt:
                 return self.parse_prompt(self._require_tokenizer("chat").apply_chat_template(prompt["messages"]))
             if "prompt" in prompt:
@@ -152,6 +176,10 @@ class LLM:
     def _token_prompt(self, token_ids: Sequence[int], checkpoint_position: int | None) -> Prompt:
         if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
             raise ValueError(f"prompt_token_ids must be a list of integers, got {type(token_ids).__name__}")
+        wrong = next((t for t in token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
+        if wrong is not None:  # before the marker is looked for: 7.0 is no marker id
+            raise ValueError(f"prompt_token_ids must be a list of integers, got {wrong!r}")
+        token_ids = [int(t) for t in token_ids]
         if checkpoint_position is not None:  # checked with the request, by the scheduler
             return Prompt(tuple(token_ids), checkpoint_position)
         marker = self.tokenizer.token_id("<|mamba_checkpoint|>") if self.tokenizer else None
@@ -172,6 +200,7 @@ class LLM:
         single = isinstance(prompts, str | dict) or (isinstance(prompts, Sequence) and prompts and
                                                      isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
+        sampling_params = sampling_params or self.get_default_sampling_params()
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
@@ -180,7 +209,8 @@ class LLM:
             for prompt, p in zip(prompts, params, strict=True):
                 ids.append(f"{self._counter}")
                 self._counter += 1
-                self.engine.add_request(ids[-1], self.parse_prompt(prompt), p or SamplingParams())
+                self.engine.add_request(ids[-1], self.parse_prompt(prompt), p or self.get_default_sampling_params(),
+                                        cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None)
         except ValueError:  # nothing of this call stays queued
             for request_id in ids:
                 self.engine.abort(request_id)

@@ -166,7 +166,9 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._check_params(params)
-        seed = int(self._seeds.integers(2**32)) if params.seed is None else params.seed
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
+        seed = int(self._seeds.integers(2**63)) if params.seed is None else params.seed
         request = _Request(request_id, prompt, params, [], [], None if params.prompt_logprobs is None else [None],
                            RequestMetrics(time.time()), seed, cache_salt)
         for index in range(params.n):
@@ -361,8 +363,9 @@ class Engine:
         room = self.config.max_model_len - len(prompt.token_ids)
         max_tokens = room if params.max_tokens is None else params.max_tokens
         limits = params.scheduler_params(max(max_tokens, 0), eos[0] if eos else None)
-        limits = scheduler.SamplingParams(limits.max_tokens, limits.eos_token_id,
-                                          limits.stop_token_ids + tuple(eos[1:]), limits.ignore_eos)
+        if not params.ignore_eos:  # the checkpoint's other eos ids stop it too, unless eos is ignored
+            limits = scheduler.SamplingParams(limits.max_tokens, limits.eos_token_id,
+                                              limits.stop_token_ids + tuple(eos[1:]), limits.ignore_eos)
         # prompt logprobs from the checkpoint on: the positions before it are computed once, by the producer
         logits_from = None if params.prompt_logprobs is None else (prompt.checkpoint_position or 0)
         return scheduler.Request(sequence_id, prompt.token_ids, limits, prompt.checkpoint_position, cache_salt,
@@ -420,10 +423,8 @@ class Engine:
         top_ids, top = reported.top_ids[entry], reported.top[entry]
         position = {int(t): Logprob(float(lp), rank + 1, decode(int(t)))
                     for rank, (t, lp) in enumerate(zip(top_ids[:num_top], top[:num_top], strict=True))}
-        if token not in position:
-            rank = int(np.searchsorted(-top, -reported.sampled[entry], side="right")) + 1
-            position[token] = Logprob(float(reported.sampled[entry]), rank, decode(token))
-        return position
+        sampled = Logprob(float(reported.sampled[entry]), int(reported.sampled_rank[entry]), decode(token))
+        return {token: sampled, **position}  # vLLM's order: the token first, a top entry's rank wins
 
     def _record_prompt_logprobs(self, plan: BatchPlan, reported: Logprobs, touched: dict) -> None:
         """Prefill rows' logits at prompt positions p give the logprob of prompt token p + 1."""
@@ -446,22 +447,31 @@ class Engine:
         output, detokenizer, request = sequence.output, sequence.detokenizer, sequence.request
         if request.metrics.first_token_time is None and tokens:
             request.metrics.first_token_time = time.time()
+        # vLLM: the text of a token that stopped the request (eos or a stop token id) is left out
+        texts = len(tokens) - (reason is FinishReason.STOP and not request.params.include_stop_str_in_output)
         for j, token in enumerate(tokens):
             output.token_ids.append(token)
             if entries is not None:
                 position = self._position(reported, entries[j], token, request.params.logprobs)
                 output.logprobs.append(position)
                 output.cumulative_logprob += position[token].logprob
-            if detokenizer is not None:
+            if detokenizer is not None and j < texts:
                 delta = detokenizer.push([token])
                 output.text = detokenizer.text
                 if delta.stop is not None:  # later tokens of the step are dropped with the rest of the text
                     self._end(sequence, "stop", delta.stop)
                     return
         if reason is not None:
-            eos = set(self.model.config.eos_token_id)
-            stop_token = tokens[-1] if reason is FinishReason.STOP and tokens[-1] not in eos else None
-            self._end(sequence, _FINISH[reason], stop_token)
+            stop_reason = self._stop_reason(request.params, tokens[-1]) if reason is FinishReason.STOP else None
+            self._end(sequence, _FINISH[reason], stop_reason)
+
+    def _stop_reason(self, params: SamplingParams, token: int) -> int | None:
+        """vLLM's: None for the eos token, else the stop token id (the checkpoint's other eos ids count as
+        stop token ids, unless eos is ignored)."""
+        eos = self.model.config.eos_token_id
+        if eos and token == eos[0] and not params.ignore_eos:
+            return None
+        return token if token in params.stop_token_ids or (token in eos and not params.ignore_eos) else None
 
     def _end(self, sequence: _Sequence, reason: str, stop_reason) -> None:
         """End a sequence's output (the scheduler lets it go in `_release_ended`, on the engine's thread)."""

@@ -37,7 +37,7 @@ ENGINE_FLAGS: dict[str, dict] = {
     "--block-size": dict(type=int, default=16),
     "--mamba-block-size": dict(type=int, default=64),
     "--max-logprobs": dict(type=int, default=20),
-    "--dtype": dict(default="float32"),
+    "--dtype": dict(default="auto", help="\"auto\": the checkpoint's own; float32, bfloat16 or float16"),
     "--tensor-parallel-size": dict(type=int, default=1),
     "--token-buckets": dict(type=int, nargs="+", default=None, help="step token buckets (default: a ladder)"),
     "--row-buckets": dict(type=int, nargs="+", default=None),

@@ -351,7 +351,7 @@ def _logprobs(logits: jax.Array, plan: DevicePlan, sampled: jax.Array, num_top: 
 
 def _no_logprobs(num_entries: int, num_top: int) -> Logprobs:
     return Logprobs(jnp.zeros(num_entries), jnp.zeros((num_entries, num_top), jnp.int32),
-                    jnp.zeros((num_entries, num_top)))
+                    jnp.zeros((num_entries, num_top)), jnp.zeros(num_entries, jnp.int32))
 
 
 def _draft(module: HybridLM, variables: Any, hidden: jax.Array, plan: DevicePlan, sampled: jax.Array,

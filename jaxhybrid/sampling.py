@@ -25,7 +25,8 @@ ROW_DTYPE = np.dtype([
     ("repetition_penalty", "<f4"),  # 1: off (prompt and output tokens)
     ("presence_penalty", "<f4"),    # 0: off (output tokens)
     ("frequency_penalty", "<f4"),   # 0: off (output tokens)
-    ("seed", "<u4"),
+    ("seed", "<u4"),                # the low 32 bits of the request's 64-bit seed
+    ("seed_high", "<u4"),           # ... and the high 32 bits
     ("logprobs", "<i4"),            # 1: the step reports this row's logprobs
     ("prompt_len", "<i4"),          # positions before it hold the prompt (penalties)
 ])
@@ -44,6 +45,7 @@ class SamplingRows(NamedTuple):
     presence_penalty: jax.Array
     frequency_penalty: jax.Array
     seed: jax.Array
+    seed_high: jax.Array
     logprobs: jax.Array
     prompt_len: jax.Array
 
@@ -66,13 +68,14 @@ def pack_row(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p
              seed: int = 0, logprobs: bool = False, prompt_len: int = 0) -> bytes:
     """One request's settings as `Request.row_data` bytes."""
     record = np.array([(temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty,
-                        seed & 0xFFFFFFFF, int(logprobs), prompt_len)], ROW_DTYPE)
+                        seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, int(logprobs), prompt_len)], ROW_DTYPE)
     return record.tobytes()
 
 
-def row_keys(seeds: jax.Array, positions: jax.Array, draw: int) -> jax.Array:
-    """One PRNG key per logit from (seed, position, draw): independent of the batch it runs in."""
-    base = jax.vmap(jax.random.key)(seeds.astype(jnp.uint32))
+def row_keys(rows: SamplingRows, positions: jax.Array, draw: int) -> jax.Array:
+    """One PRNG key per logit from (64-bit seed, position, draw): independent of the batch it runs in."""
+    base = jax.vmap(lambda low, high: jax.random.fold_in(jax.random.key(low), high))(
+        rows.seed.astype(jnp.uint32), rows.seed_high.astype(jnp.uint32))
     return jax.vmap(lambda key, position: jax.random.fold_in(jax.random.fold_in(key, position), draw))(
         base, positions.astype(jnp.uint32))
 
@@ -123,21 +126,24 @@ def _apply_filters(logits: jax.Array, rows: SamplingRows) -> jax.Array:
 def sample(logits: jax.Array, rows: SamplingRows, positions: jax.Array) -> jax.Array:
     """[N, V] logits (penalties already applied) -> [N] i32 tokens: argmax where temperature is 0."""
     filtered = filtered_logits(logits, rows)
-    drawn = jax.vmap(jax.random.categorical)(row_keys(rows.seed, positions, _DRAW_SAMPLE), filtered)
+    drawn = jax.vmap(jax.random.categorical)(row_keys(rows, positions, _DRAW_SAMPLE), filtered)
     return jnp.where(rows.temperature > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 
 
 class Logprobs(NamedTuple):
-    sampled: jax.Array  # [N] f32 logprob of each chosen token
-    top_ids: jax.Array  # [N, n] i32 the n most likely tokens, most likely first
-    top: jax.Array      # [N, n] f32 their logprobs
+    sampled: jax.Array       # [N] f32 logprob of each chosen token
+    top_ids: jax.Array       # [N, n] i32 the n most likely tokens, most likely first
+    top: jax.Array           # [N, n] f32 their logprobs
+    sampled_rank: jax.Array  # [N] i32 the chosen token's rank in the whole vocabulary (ties share the last)
 
 
 def logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> Logprobs:
     """Logprobs of the model's raw distribution (before penalties and temperature, as vLLM reports)."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     top, top_ids = jax.lax.top_k(logp, num_top)
-    return Logprobs(jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top)
+    sampled = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    rank = jnp.sum(logp >= sampled[:, None], axis=-1, dtype=jnp.int32)  # vLLM's: tokens at least as likely
+    return Logprobs(sampled, top_ids.astype(jnp.int32), top, rank)
 
 
 class Verified(NamedTuple):
@@ -168,11 +174,11 @@ def verify_random(target_logits: jax.Array, draft_probs: jax.Array, drafts: jax.
     q = draft_probs
     p_draft = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
     q_draft = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
-    u = jax.vmap(jax.random.uniform)(row_keys(per_logit.seed, logit_positions, _DRAW_ACCEPT)).reshape(num_rows, width)
+    u = jax.vmap(jax.random.uniform)(row_keys(per_logit, logit_positions, _DRAW_ACCEPT)).reshape(num_rows, width)
     accept = u[:, :-1] * q_draft < p_draft  # u < p/q without dividing by a zero q
     residual = jnp.maximum(p[:, :-1] - q, 0.0)
     residual = jnp.concatenate([residual, p[:, -1:]], axis=1)  # after K acceptances: the bonus from p_K
-    keys = row_keys(per_logit.seed, logit_positions, _DRAW_RESIDUAL)
+    keys = row_keys(per_logit, logit_positions, _DRAW_RESIDUAL)
     choices = jax.vmap(jax.random.categorical)(keys, jnp.log(flat(residual))).reshape(num_rows, width)
     verified = _accept(accept, drafts, choices.astype(jnp.int32))
     greedy = verify_greedy(target_logits, drafts)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import scheduler
 from jaxhybrid.sampling import pack_row
 
-MAX_SEED = 2**63 - 1
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # vLLM takes any int64 (and torch any uint64)
 
 
 def _is_int(value) -> bool:
@@ -71,8 +71,8 @@ class SamplingParams:
              "in [-2, 2]"),
             ("frequency_penalty", _is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
              "in [-2, 2]"),
-            ("seed", self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
-             f"an integer in [0, {MAX_SEED}] or None"),
+            ("seed", self.seed is None or (_is_int(self.seed) and MIN_SEED <= self.seed <= MAX_SEED),
+             f"an integer in [{MIN_SEED}, {MAX_SEED}] or None"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
             ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "integers >= 0"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "a bool"),

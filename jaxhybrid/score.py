@@ -156,7 +156,7 @@ def _batch_work(llm: LLM, line: dict, index: int, model: str, created: int, seed
     request.check()
     if request.stream:
         raise BadRequest("stream is not available in a batch job", "body.stream")
-    params = _seeded(request.params(), seed * 1_000_003 + index)
+    params = _seeded(request.params(llm.generation_defaults), seed * 1_000_003 + index)
     response_id = f"{'cmpl' if url == '/v1/completions' else 'chatcmpl'}-{index}"
     if isinstance(request, ChatCompletionRequest):
         text = protocol.render_chat(llm, request.messages, request.add_generation_prompt, "body.messages")

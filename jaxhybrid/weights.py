@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -14,6 +15,7 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxhybrid.config import GDNConfig, ModelConfig, load_config, parse_hf_config
+from jaxhybrid.generation_config import eos_token_ids, read_generation_config
 from jaxhybrid.model import Model, abstract_params
 
 Path_ = tuple[str, ...]
@@ -235,7 +237,9 @@ def load_model(path: str | Path | None = None, dtype: Any = jnp.float32, **model
         params = restore_params(directory / "params", config, dtype)
     else:
         params = convert_checkpoint(lambda: _iter_tensors(_checkpoint_files(directory)), config, dtype)
-    model = Model(config, params, **model_kwargs)
+    extra_eos = [t for t in eos_token_ids(read_generation_config(directory)) if t not in config.eos_token_id]
+    model = Model(dataclasses.replace(config, eos_token_id=config.eos_token_id + tuple(extra_eos)), params,
+                  **model_kwargs)
     model.hf_config = json.loads((directory / "config.json").read_text())
     return model
 

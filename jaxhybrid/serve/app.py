@@ -138,7 +138,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = ()) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         name = _check_model(state, body.model)
         body.check()
-        params = body.params()
+        params = body.params(state.llm.generation_defaults)
         prompts = [protocol.prompt_for(state.llm, p, params) for p in body.prompts()]
         if body.echo and any(p.text is None for p in prompts):
             protocol.require_tokenizer(state.llm, "echo")  # before any work starts
@@ -151,7 +151,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = ()) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         name = _check_model(state, body.model)
         body.check()
-        params = body.params()
+        params = body.params(state.llm.generation_defaults)
         text = protocol.render_chat(state.llm, body.messages, body.add_generation_prompt)
         prompt = protocol.prompt_for(state.llm, text, params)
         streams = await _add_all(state, protocol.new_id("chatcmpl"), [prompt], params, body.cache_salt)

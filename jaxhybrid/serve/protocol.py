@@ -77,9 +77,10 @@ class _Request(BaseModel):
         if self.stream and self.prompt_logprobs is not None:
             raise BadRequest("prompt_logprobs is not available when streaming", "prompt_logprobs")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None) -> SamplingParams:
-        """vLLM's defaults where a field is null; a broken rule is a 400 naming its field."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                        defaults: dict[str, Any]) -> SamplingParams:
+        """`defaults` (the checkpoint's generation config), then vLLM's, where a field is null; a broken rule
+        is a 400 naming its field."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         values = dict(n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                       top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
@@ -88,6 +89,7 @@ class _Request(BaseModel):
                       ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       include_stop_str_in_output=self.include_stop_str_in_output,
                       skip_special_tokens=self.skip_special_tokens)
+        values = {k: defaults[k] if v is None and k in defaults and k != "max_tokens" else v for k, v in values.items()}
         try:
             return SamplingParams(**{k: v for k, v in values.items() if v is not None or k in _NULLABLE})
         except ValueError as error:
@@ -120,11 +122,11 @@ class CompletionRequest(_Request):
             return [self.prompt]
         return list(self.prompt)
 
-    def params(self) -> SamplingParams:
+    def params(self, defaults: dict[str, Any]) -> SamplingParams:
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
         # echo with logprobs reports the prompt's logprobs too (vLLM)
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else self.prompt_logprobs
-        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs, defaults)
 
 
 class ChatCompletionRequest(_Request):
@@ -142,11 +144,11 @@ class ChatCompletionRequest(_Request):
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
 
-    def params(self) -> SamplingParams:
+    def params(self, defaults: dict[str, Any]) -> SamplingParams:
         # unset: whatever fits in max_model_len (the engine resolves None)
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+        return self.sampling_params(max_tokens, logprobs, self.prompt_logprobs, defaults)
 
 
 class TokenizeRequest(BaseModel):

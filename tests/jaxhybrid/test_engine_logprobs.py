@@ -36,6 +36,10 @@ def _check_position(position: dict, reference: np.ndarray, token: int, atol: flo
         assert_close(logprob.logprob, reference[token_id], atol, f"{what} token {token_id}")
     best = min(position.items(), key=lambda item: item[1].rank)
     assert best[1].rank == 1 and reference[best[0]] >= reference.max() - 2 * atol, what
+    # vLLM's rank in the whole vocabulary: the tokens at least as likely, up to ties within the rounding
+    value = reference[token]
+    surely_above, maybe_above = int((reference > value + 2 * atol).sum()), int((reference >= value - 2 * atol).sum())
+    assert surely_above + 1 <= position[token].rank <= maybe_above, (what, position[token].rank)
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])

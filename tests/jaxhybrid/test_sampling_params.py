@@ -18,8 +18,8 @@ def test_defaults_are_vllms():
 @pytest.mark.parametrize("field, value", [
     ("n", 0), ("max_tokens", -1), ("max_tokens", 2.0), ("temperature", -0.5), ("temperature", float("nan")),
     ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 2.5), ("min_p", 1.2), ("repetition_penalty", 0.0),
-    ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("seed", -1), ("seed", True), ("stop", ("",)),
-    ("stop_token_ids", (1, -3)), ("ignore_eos", 1), ("logprobs", -1), ("prompt_logprobs", 1.0),
+    ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", True),
+    ("stop", ("",)),    ("stop_token_ids", (1, -3)), ("ignore_eos", 1), ("logprobs", -1), ("prompt_logprobs", 1.0),
 ])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be"):
@@ -31,6 +31,6 @@ def test_the_scheduler_gets_stop_conditions_and_the_device_a_record():
                        presence_penalty=0.5, frequency_penalty=-0.25, stop_token_ids=[5, 6], ignore_eos=True)
     assert p.scheduler_params(12, eos_token_id=0) == scheduler.SamplingParams(12, 0, (5, 6), True)
     record = np.frombuffer(p.row_data(seed=2**40 + 3, prompt_len=5), ROW_DTYPE)[0]
-    assert record["top_k"] == 0 and record["seed"] == 3  # -1 means off, as 0; seeds fold to 32 bits
+    assert record["top_k"] == 0 and (record["seed"], record["seed_high"]) == (3, 2**8)  # top_k -1: off, as 0
     rows = SamplingRows.from_records(np.frombuffer(p.row_data(seed=9, prompt_len=5), np.uint8).reshape(1, -1))
     np.testing.assert_allclose([float(f[0]) for f in rows[:7]], [0.7, 0.9, 0, 0.05, 1.1, 0.5, -0.25], rtol=1e-6)

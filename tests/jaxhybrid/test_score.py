@@ -4,6 +4,7 @@ byte-identical output file."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -85,16 +86,12 @@ def test_openai_batch_lines(llm):
     logprobs = echo["response"]["body"]["choices"][0]["logprobs"]["token_logprobs"]
     assert logprobs[0] is None
     assert_logprobs_close(llm, logprobs[1:], llm.tokenizer.encode(PROMPT), 0)
-    greedy = llm.generate(PROMPT, llm_params(5), use_tqdm=False)[0].outputs[0].text
+    # the request leaves repetition_penalty unset: the checkpoint's generation config sets it, as for LLM
+    defaults = dataclasses.replace(llm.get_default_sampling_params(), temperature=0, max_tokens=5)
+    greedy = llm.generate(PROMPT, defaults, use_tqdm=False)[0].outputs[0].text
     assert gen["response"]["body"]["choices"][0]["text"] == greedy
     assert chat["response"]["body"]["object"] == "chat.completion"
     assert chat["response"]["body"]["usage"]["completion_tokens"] == 3
-
-
-def llm_params(max_tokens: int):
-    from jaxhybrid import SamplingParams
-
-    return SamplingParams(temperature=0, max_tokens=max_tokens)
 
 
 def test_bad_lines_become_error_lines_and_the_job_goes_on(llm):

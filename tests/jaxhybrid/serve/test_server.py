@@ -75,7 +75,7 @@ def test_chat_uses_the_template(server, client):
 
 
 def test_raw_stream_is_well_formed_sse(server):
-    response = post(server, "/v1/completions", {"prompt": CODE, "max_tokens": 5, "stream": True,
+    response = post(server, "/v1/completions", {"prompt": CODE, "max_tokens": 5, "stream": True, "ignore_eos": True,
                                                  "stream_options": {"include_usage": True}})
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
     events = sse_events(response)
@@ -84,7 +84,9 @@ def test_raw_stream_is_well_formed_sse(server):
 
 
 def test_logprobs_and_echo_scoring(server, client):
-    out = client.completions.create(model="tiny", prompt=CODE, max_tokens=4, temperature=0, logprobs=3)
+    # without the checkpoint's repetition penalty: greedy then picks the token the raw logprobs rank first
+    out = client.completions.create(model="tiny", prompt=CODE, max_tokens=4, temperature=0, logprobs=3,
+                                    extra_body={"repetition_penalty": 1.0})
     logprobs = out.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4
     for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
@@ -99,7 +101,8 @@ def test_logprobs_and_echo_scoring(server, client):
     assert len(choice.logprobs.token_logprobs) == scored.usage.prompt_tokens
     assert all(lp < 0 for lp in choice.logprobs.token_logprobs[1:])
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-                                          temperature=0, logprobs=True, top_logprobs=2)
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"repetition_penalty": 1.0})
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
