@@ -354,6 +354,10 @@ class Engine:
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"SamplingParams.{name} must be at most max_logprobs={self.max_logprobs}, "
                                  f"got {value}")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be token ids in [0, {vocab}), "
+                             f"got {list(params.stop_token_ids)}")
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer (this engine runs with skip_tokenizer_init)")
 

@@ -8,6 +8,7 @@ fields we know but do not implement (`logit_bias`, `min_tokens`, `suffix`, `best
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any
@@ -168,10 +169,12 @@ class DetokenizeRequest(BaseModel):
 
 def as_bad_request(error: Exception) -> BadRequest:
     """A ValueError from the engine or `SamplingParams` as a 400 naming its field where the message does."""
-    message = str(error)
+    message = re.sub(r"^request '[^']*': ", "", str(error))  # the engine's ids are no business of the client
     param = None
     if message.startswith("SamplingParams."):
         param = message.split()[0].removeprefix("SamplingParams.")
+    elif message.startswith("cache_salt"):
+        param = "cache_salt"
     elif "token id" in message or "prompt" in message:
         param = "prompt"
     elif "checkpoint" in message or "marker" in message:
@@ -304,8 +307,8 @@ def completion_response(body: CompletionRequest, finals: list[RequestOutput], mo
                 if body.echo:
                     tokens, positions = output.prompt_token_ids + tokens, output.prompt_logprobs + positions
                 choice["logprobs"] = completion_logprobs(tokens, positions, 0)
-            if body.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+            choice["prompt_logprobs"] = (None if body.prompt_logprobs is None  # vLLM: null, never absent
+                                         else prompt_logprobs_json(output.prompt_logprobs))
             choices.append(choice)
     choices.sort(key=lambda c: c["index"])
     return {**envelope("text_completion", response_id or new_id("cmpl"), model, created), "choices": choices,
@@ -323,6 +326,5 @@ def chat_response(body: ChatCompletionRequest, final: RequestOutput, model: str,
         choices.append(choice)
     reply = {**envelope("chat.completion", response_id or new_id("chatcmpl"), model, created), "choices": choices,
              "usage": usage([final])}
-    if body.prompt_logprobs is not None:
-        reply["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
+    reply["prompt_logprobs"] = None if body.prompt_logprobs is None else prompt_logprobs_json(final.prompt_logprobs)
     return reply

@@ -161,6 +161,8 @@ BAD = [
     ({"prompt": CODE, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": CODE, "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
     ({"prompt": CODE, "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"prompt": CODE, "stop_token_ids": [10**6]}, "stop_token_ids"),
+    ({"prompt": CODE, "cache_salt": ""}, "cache_salt"),
     ({}, "prompt"),
 ]
 
@@ -172,6 +174,15 @@ def test_bad_input_is_a_400_naming_the_field(server, body, param):
     error = response.json()["error"]
     assert error["code"] == 400 and error["type"] == "BadRequestError" and error["message"]
     assert error["param"] == param, error
+    assert "request '" not in error["message"]  # the engine's internal request ids stay inside
+
+
+def test_unrequested_prompt_logprobs_are_null_not_absent(server, client):
+    completion = post(server, "/v1/completions", {"prompt": CODE, "max_tokens": 2}).json()
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 2}).json()
+    assert completion["choices"][0]["prompt_logprobs"] is None and chat["prompt_logprobs"] is None
+    assert "prompt_logprobs" in completion["choices"][0] and "prompt_logprobs" in chat
 
 
 def test_bad_chat_and_unknown_model(server):
