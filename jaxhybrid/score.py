@@ -166,7 +166,7 @@ def _batch_work(llm: LLM, line: dict, index: int, model: str, created: int, seed
     prompts = [protocol.prompt_for(llm, p, params) for p in request.prompts()]
     echoed = [protocol.prompt_text(llm, p, "body.echo") for p in prompts] if request.echo else None
     return _Work([(p, params) for p in prompts], lambda finals: protocol.completion_response(
-        request, finals, model, echoed, response_id, created))
+        request, finals, model, echoed, response_id, created, protocol.token_decoder(llm)))
 
 
 @dataclass

@@ -280,7 +280,7 @@ async def _completion_response(state: ServerState, streams: list[RequestStream],
                                body: CompletionRequest, name: str) -> dict:
     finals = await _finals(streams)
     texts = [protocol.prompt_text(state.llm, p) for p in prompts] if body.echo else None
-    return protocol.completion_response(body, finals, name, texts)
+    return protocol.completion_response(body, finals, name, texts, decode=protocol.token_decoder(state.llm))
 
 
 async def _chat_response(streams: list[RequestStream], body: ChatCompletionRequest, name: str) -> dict:
@@ -323,7 +323,7 @@ class _Deltas:
 async def _completion_chunks(state: ServerState, streams: list[RequestStream], prompts: list[Prompt],
                              body: CompletionRequest, name: str) -> AsyncIterator[dict]:
     head = protocol.envelope("text_completion", protocol.new_id("cmpl"), name)
-    deltas, finals = _Deltas(), {}
+    deltas, finals, sent_chars = _Deltas(), {}, {}  # sent_chars: a choice's text streamed so far, echo included
     async for i, output in _merged(streams):
         _check_output(output)
         finals[i] = output
@@ -334,12 +334,14 @@ async def _completion_chunks(state: ServerState, streams: list[RequestStream], p
             if new is None:
                 continue
             text, start, end = new
-            if body.echo and first:
-                text = protocol.prompt_text(state.llm, prompts[i]) + text
+            echoed = protocol.prompt_text(state.llm, prompts[i]) if body.echo and first else ""
+            offset = sent_chars.get(index, 0) + len(echoed)  # text offsets run on across chunks (vLLM)
+            text = echoed + text
+            sent_chars[index] = sent_chars.get(index, 0) + len(text)
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
             if completion.logprobs is not None:
                 choice["logprobs"] = protocol.completion_logprobs(completion.token_ids[start:end],
-                                                                  completion.logprobs[start:end], 0)
+                                                                  completion.logprobs[start:end], offset)
             if completion.finished():
                 choice.update(protocol.finish_fields(completion))
             yield {**head, "choices": [choice]}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -202,23 +203,31 @@ def _token_text(position: PositionLogprobs, token: int) -> str:
     return decoded if decoded is not None else f"token_id:{token}"
 
 
-def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], offset: int) -> dict:
-    """The completions `logprobs` object for tokens [their positions], text offsets counted from `offset`."""
+def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], offset: int,
+                        decode: Callable[[int], str] | None = None) -> dict:
+    """The completions `logprobs` object for tokens [their positions], text offsets counted from `offset`; a
+    token without a position (the first of an echoed prompt) is named by `decode`, with null logprobs."""
     result = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
     for token, position in zip(token_ids, positions, strict=True):
-        if position is None:  # the first prompt token has nothing before it
-            result["tokens"].append(None)
+        if position is None:
+            text = decode(token) if decode is not None else ""
             result["token_logprobs"].append(None)
             result["top_logprobs"].append(None)
-            result["text_offset"].append(offset)
-            continue
-        text = _token_text(position, token)
+        else:
+            text = _token_text(position, token)
+            result["token_logprobs"].append(_clamp(position[token].logprob))
+            result["top_logprobs"].append({_token_text(position, t): _clamp(lp.logprob)
+                                           for t, lp in position.items()})
         result["tokens"].append(text)
-        result["token_logprobs"].append(_clamp(position[token].logprob))
-        result["top_logprobs"].append({_token_text(position, t): _clamp(lp.logprob) for t, lp in position.items()})
         result["text_offset"].append(offset)
         offset += len(text)
     return result
+
+
+def token_decoder(llm: LLM) -> Callable[[int], str] | None:
+    """One token's text, special tokens included (None without a tokenizer)."""
+    tokenizer = llm.get_tokenizer()
+    return None if tokenizer is None else lambda token: tokenizer.decode([token], skip_special_tokens=False)
 
 
 def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], num_top: int) -> dict:
@@ -267,7 +276,7 @@ def prompt_text(llm: LLM, prompt: Prompt, param: str = "echo") -> str:
     """A prompt's text for echo: as sent, or decoded from its token ids."""
     if prompt.text is not None:
         return prompt.text
-    return require_tokenizer(llm, param).decode(list(prompt.token_ids))
+    return require_tokenizer(llm, param).decode(list(prompt.token_ids), skip_special_tokens=False)
 
 
 def prompt_for(llm: LLM, prompt: str | list[int] | dict, params: SamplingParams) -> Prompt:
@@ -293,9 +302,9 @@ def prompt_for(llm: LLM, prompt: str | list[int] | dict, params: SamplingParams)
 
 def completion_response(body: CompletionRequest, finals: list[RequestOutput], model: str,
                         echoed: list[str] | None = None, response_id: str | None = None,
-                        created: int | None = None) -> dict:
+                        created: int | None = None, decode: Callable[[int], str] | None = None) -> dict:
     """The `text_completion` object of finished requests, one per prompt; `echoed` holds the prompts' texts
-    when the body asks for echo."""
+    when the body asks for echo, `decode` names an echoed prompt's first token."""
     choices = []
     for i, output in enumerate(finals):
         prefix = echoed[i] if body.echo else ""
@@ -306,7 +315,7 @@ def completion_response(body: CompletionRequest, finals: list[RequestOutput], mo
                 tokens, positions = completion.token_ids, completion.logprobs
                 if body.echo:
                     tokens, positions = output.prompt_token_ids + tokens, output.prompt_logprobs + positions
-                choice["logprobs"] = completion_logprobs(tokens, positions, 0)
+                choice["logprobs"] = completion_logprobs(tokens, positions, 0, decode)
             choice["prompt_logprobs"] = (None if body.prompt_logprobs is None  # vLLM: null, never absent
                                          else prompt_logprobs_json(output.prompt_logprobs))
             choices.append(choice)

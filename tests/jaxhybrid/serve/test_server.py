@@ -258,3 +258,33 @@ def test_metrics_count_what_happened(server, client):
     for series in ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
                    "inter_token_latency_seconds_count", "prefix_cache_queries_total", "cache_config_info"):
         assert f"jaxhybrid:{series}" in text
+
+
+def _offsets_follow_tokens(logprobs: dict, start: int = 0) -> None:
+    """vLLM's text offsets: each token starts where the one before ended."""
+    lengths = [len(token) for token in logprobs["tokens"]]
+    assert logprobs["text_offset"] == [start + sum(lengths[:j]) for j in range(len(lengths))]
+
+
+def test_text_offsets_run_on_across_stream_chunks_and_through_an_echoed_prompt(server):
+    body = {"prompt": CODE, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    whole = post(server, "/v1/completions", body).json()["choices"][0]
+    _offsets_follow_tokens(whole["logprobs"])
+    chunks = [e["choices"][0] for e in sse_events(post(server, "/v1/completions", {**body, "stream": True}))]
+    streamed = {key: [v for c in chunks for v in c["logprobs"][key]] for key in ("tokens", "text_offset")}
+    assert streamed == {key: whole["logprobs"][key] for key in ("tokens", "text_offset")}
+
+    echoed = post(server, "/v1/completions", {**body, "echo": True}).json()["choices"][0]
+    assert all(isinstance(token, str) for token in echoed["logprobs"]["tokens"])  # the first one too
+    assert echoed["logprobs"]["token_logprobs"][0] is None
+    _offsets_follow_tokens(echoed["logprobs"])
+    assert "".join(echoed["logprobs"]["tokens"]) == echoed["text"]
+    echoed_stream = [e["choices"][0] for e in sse_events(post(server, "/v1/completions",
+                                                              {**body, "echo": True, "stream": True}))]
+    assert echoed_stream[0]["logprobs"]["text_offset"][0] == len(CODE)  # after the echoed prompt
+
+
+def test_echo_of_token_ids_keeps_special_tokens(server):
+    ids = [1] + httpx.post(f"{server.url}/tokenize", json={"prompt": "hi"}).json()["tokens"] + [2]  # im_start/end
+    out = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 1, "echo": True}).json()
+    assert out["choices"][0]["text"].startswith("<|im_start|>hi<|im_end|>"), out
