@@ -150,9 +150,17 @@ class LLM:
         """vLLM's: the checkpoint's generation_config.json settings over SamplingParams' defaults."""
         return SamplingParams(**self.generation_defaults)
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix state and checkpoint (between jobs; no request may be running)."""
+    @property
+    def llm_engine(self) -> Engine:
+        """vLLM's name for the engine (`add_request`, `step`, `abort`, ...)."""
+        return self.engine
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix state and checkpoint; False (and nothing forgotten) while requests run."""
+        if self.engine.has_unfinished_requests():
+            return False
         self.engine.reset_prefix_cache()
+        return True
 
     def parse_prompt(self, prompt: PromptInput) -> Prompt:
         """Text, token ids, `{"prompt": text}`, `{"prompt_token_ids": ids}` (optionally with
@@ -228,11 +236,16 @@ class LLM:
                             [c if isinstance(c, str) else list(c) for c in candidates], top_logprobs, reuse)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """`generate` over conversations rendered with the checkpoint's chat template."""
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """`generate` over conversations rendered with the checkpoint's chat template (or `chat_template`),
+        with vLLM's options: `continue_final_message` lets the model carry on the last message."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([{"messages": m} for m in conversations], sampling_params, use_tqdm=use_tqdm)
+        tokenizer = self._require_tokenizer("chat")
+        prompts = [tokenizer.apply_chat_template(m, add_generation_prompt, continue_final_message, chat_template,
+                                                 **(chat_template_kwargs or {})) for m in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -34,6 +34,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -203,6 +204,11 @@ class Engine:
             final = self._snapshot(request)
         self._release_ended()
         return final
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """vLLM's `LLMEngine.abort_request`: `abort` each of them."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.abort(request_id)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix state and checkpoint (vLLM's `reset_prefix_cache`); an idle engine only."""

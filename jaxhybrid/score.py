@@ -159,7 +159,8 @@ def _batch_work(llm: LLM, line: dict, index: int, model: str, created: int, seed
     params = _seeded(request.params(llm.generation_defaults), seed * 1_000_003 + index)
     response_id = f"{'cmpl' if url == '/v1/completions' else 'chatcmpl'}-{index}"
     if isinstance(request, ChatCompletionRequest):
-        text = protocol.render_chat(llm, request.messages, request.add_generation_prompt, "body.messages")
+        text = protocol.render_chat(llm, request.messages, request.add_generation_prompt, "body.messages",
+                                    request.continue_final_message)
         prompt = protocol.prompt_for(llm, text, params)
         return _Work([(prompt, params)], lambda finals: protocol.chat_response(
             request, finals[0], model, response_id, created))

@@ -59,11 +59,18 @@ class Tokenizer:
             return ParsedPrompt(tuple(ids), None, ())
         return parse_checkpoint_marker(ids, marker, hash_unit)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render chat `messages` ({"role", "content"} dicts) with the checkpoint's chat template, in the
-        sandboxed Jinja environment HuggingFace uses; a bad message or template raises ValueError."""
-        if self.chat_template is None:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            **template_kwargs) -> str:
+        """Render chat `messages` ({"role", "content"} dicts) with the checkpoint's chat template (or
+        `chat_template`), in the sandboxed Jinja environment HuggingFace uses; `continue_final_message` ends
+        the text right after the last message's content, as HuggingFace does, so the model carries on with
+        it. A bad message or template raises ValueError."""
+        template = chat_template or self.chat_template
+        if template is None:
             raise ValueError("this checkpoint has no chat_template: send a text prompt instead")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(
                     message.get("content"), str):
@@ -71,10 +78,22 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, eos_token=self.eos_token)
+            text = env.from_string(template).render(
+                **template_kwargs, messages=messages, add_generation_prompt=add_generation_prompt,
+                eos_token=self.eos_token)
         except TemplateError as error:
             raise ValueError(f"chat template: {error}") from error
+        if not continue_final_message:
+            return text
+        final = messages[-1]["content"] if messages else ""
+        final = final if final in text else final.strip()
+        if not final or final not in text:
+            raise ValueError("continue_final_message: the last message's content is not in the rendered chat")
+        return text[:text.rindex(final) + len(final)]
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """The tokenizer's own token strings (`Ġis`, not `" is"`), as HF `convert_ids_to_tokens`."""
+        return [self._tok.id_to_token(t) for t in ids]
 
 
 def _raise_template_error(message: str) -> None:

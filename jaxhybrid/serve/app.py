@@ -119,12 +119,11 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = ()) -> FastAPI:
         tokenizer = protocol.require_tokenizer(state.llm, "prompt")
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("send exactly one of prompt and messages", "prompt")
-        text = body.prompt if body.messages is None else protocol.render_chat(state.llm, body.messages, True)
+        text = body.prompt if body.messages is None else protocol.render_chat(
+            state.llm, body.messages, body.add_generation_prompt, "messages", body.continue_final_message)
         ids = tokenizer.encode(text)
-        reply = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
-        if body.return_token_strs:
-            reply["token_strs"] = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-        return reply
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+                "token_strs": tokenizer.token_strs(ids) if body.return_token_strs else None}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
@@ -152,7 +151,8 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = ()) -> FastAPI:
         name = _check_model(state, body.model)
         body.check()
         params = body.params(state.llm.generation_defaults)
-        text = protocol.render_chat(state.llm, body.messages, body.add_generation_prompt)
+        text = protocol.render_chat(state.llm, body.messages, body.add_generation_prompt, "messages",
+                                    body.continue_final_message)
         prompt = protocol.prompt_for(state.llm, text, params)
         streams = await _add_all(state, protocol.new_id("chatcmpl"), [prompt], params, body.cache_salt)
         if body.stream:

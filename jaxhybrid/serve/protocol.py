@@ -138,6 +138,7 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def check(self) -> None:
         super().check()
@@ -160,6 +161,8 @@ class TokenizeRequest(BaseModel):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(BaseModel):
@@ -264,10 +267,12 @@ def require_tokenizer(llm: LLM, param: str) -> Tokenizer:
     return llm.tokenizer
 
 
-def render_chat(llm: LLM, messages: list[dict], add_generation_prompt: bool, param: str = "messages") -> str:
+def render_chat(llm: LLM, messages: list[dict], add_generation_prompt: bool, param: str = "messages",
+                continue_final_message: bool = False) -> str:
     """`messages` through the checkpoint's chat template; a bad message or template is a 400."""
     try:
-        return require_tokenizer(llm, param).apply_chat_template(messages, add_generation_prompt)
+        return require_tokenizer(llm, param).apply_chat_template(messages, add_generation_prompt,
+                                                                 continue_final_message)
     except ValueError as error:
         raise BadRequest(str(error), param) from error
 

@@ -137,3 +137,30 @@ def test_the_checkpoints_sampling_defaults_give_text_that_does_not_loop(llm):
         tokens = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
         plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0].outputs[0]
         assert len(set(tokens)) >= len(tokens) // 2 > len(set(plain.token_ids)), (tokens, plain.token_ids)
+
+
+def test_chat_takes_vllms_template_options(llm):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def read"}]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    carried = llm.chat(messages, params, add_generation_prompt=False, continue_final_message=True,
+                       use_tqdm=False)[0]
+    assert llm.tokenizer.decode(carried.prompt_token_ids, skip_special_tokens=False).endswith("def read")
+    template = "{% for m in messages %}{{ greeting }} {{ m['content'] }}\n{% endfor %}"
+    own = llm.chat(messages[:1], params, chat_template=template, chat_template_kwargs={"greeting": "Dear"},
+                   use_tqdm=False)[0]
+    assert own.prompt == "Dear hi\n"
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(messages, params, continue_final_message=True, use_tqdm=False)
+
+
+def test_vllm_names_for_the_engine_and_the_prefix_cache(llm):
+    engine = llm.llm_engine
+    engine.add_request("held", llm.parse_prompt(PROMPT), GREEDY)
+    assert llm.reset_prefix_cache() is False  # a request runs: nothing is forgotten
+    engine.abort_request(["held"])  # vLLM's LLMEngine.abort_request
+    assert engine.abort("held") is None  # gone already
+    for _ in range(4):  # bounded: a step in flight finishes the abort
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert llm.reset_prefix_cache() is True
