@@ -166,7 +166,8 @@ def _rope(cfg: dict[str, Any], head_dim: int) -> tuple[int, float]:
     return int(head_dim * factor), float(theta)
 
 
-def _eos(cfg: dict[str, Any]) -> tuple[int, ...]:
+def eos_token_ids(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """A config's (config.json or generation_config.json) `eos_token_id`, one id or a list, as a tuple."""
     eos = cfg.get("eos_token_id")
     if eos is None:
         return ()
@@ -226,7 +227,7 @@ def _parse_qwen(cfg: dict[str, Any], model_type: str) -> ModelConfig:
             rotary_dim=rotary_dim, rope_theta=theta, qk_norm=True, output_gate=True,
             bias=cfg.get("attention_bias", False),
         ),
-        moe=moe, mtp_layers=((ATTENTION, mtp_ffn),) * num_mtp, eos_token_id=_eos(cfg),
+        moe=moe, mtp_layers=((ATTENTION, mtp_ffn),) * num_mtp, eos_token_id=eos_token_ids(cfg),
     )
 
 
@@ -287,7 +288,7 @@ def _parse_nemotron(cfg: dict[str, Any]) -> ModelConfig:
         intermediate_size=cfg.get("intermediate_size") or 0, mlp_activation="relu2",
         mlp_bias=cfg.get("mlp_bias", False), tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        mamba2=mamba, attention=attention, moe=moe, eos_token_id=_eos(cfg),
+        mamba2=mamba, attention=attention, moe=moe, eos_token_id=eos_token_ids(cfg),
     )
 
 

@@ -18,13 +18,6 @@ def read_generation_config(directory: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def eos_token_ids(generation_config: dict[str, Any]) -> tuple[int, ...]:
-    eos = generation_config.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(int(t) for t in eos) if isinstance(eos, list) else (int(eos),)
-
-
 def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
     """The SamplingParams fields the checkpoint sets, by our (vLLM's) names."""
     return {ours: generation_config[theirs] for theirs, ours in SAMPLING_FIELDS.items()

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from jaxhybrid.config import GDNConfig, ModelConfig, load_config, parse_hf_config
-from jaxhybrid.generation_config import eos_token_ids, read_generation_config
+from jaxhybrid.config import GDNConfig, ModelConfig, eos_token_ids, load_config, parse_hf_config
+from jaxhybrid.generation_config import read_generation_config
 from jaxhybrid.model import Model, abstract_params
 
 Path_ = tuple[str, ...]
