@@ -125,6 +125,13 @@ def _update_prefills(edit: StateEdit, plan: BatchPlan, result: StepResult, live:
     return outputs
 
 
+def aborting_mask(aborting: tuple[str, ...], request_ids: tuple[str, ...]) -> np.ndarray:
+    """[n] bool: which of `request_ids` are aborting (none, the usual case, costs one allocation)."""
+    if not aborting:
+        return np.zeros(len(request_ids), bool)
+    return np.fromiter(map(set(aborting).__contains__, request_ids), bool, len(request_ids))
+
+
 def _subset(live: _Live, mask: np.ndarray) -> _Live:
     keep = mask.nonzero()[0]
     index = keep + live.index.start if type(live.index) is slice else live.index[keep]

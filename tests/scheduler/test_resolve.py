@@ -14,6 +14,7 @@ from scheduler import (
     Request,
     RowKind,
     SamplingParams,
+    SchedulerConfig,
     StepResult,
     abort_request,
     add_request,
@@ -28,7 +29,8 @@ from scheduler.invariants import check_drained, check_invariants
 from scheduler.plan import BatchPlan
 from scheduler.replay import ring_rows
 from scheduler.slots import SlotKind
-from tests.scheduler.helpers import make_config
+from scheduler.state import TokenLog
+from tests.scheduler.helpers import make_config, result_for
 
 EOS, VOCAB, MAX_STEPS = 2, 50, 400
 
@@ -278,3 +280,34 @@ def test_a_placeholder_needs_a_result_that_has_its_row():
     with pytest.raises(ValueError, match="placeholders name rows"):
         resolve(state, pending, StepResult(np.zeros((0, 1), np.int32), np.zeros(0, np.int32),
                                            np.zeros((0, 0), np.int32)))
+
+
+def test_resolving_no_outputs_with_an_abort_in_flight():
+    """A prefill chunk emits nothing: resolve gets empty outputs while an aborted request's step runs."""
+    cfg = SchedulerConfig(block_size=16, mamba_block_size=16, max_num_batched_tokens=16)
+    state = add_request(init_state(cfg), Request("a", tuple(range(1, 60)), SamplingParams(max_tokens=4)))
+    state, first = schedule(state)
+    state, pending = update(state, first, placeholder_result(first, 0))
+    state, second = schedule(state)
+    state = abort_request(state, "a")
+    state, outputs = resolve(state, pending, result_for(first, 0, token=9))
+    assert len(pending) == len(outputs) == 0
+    state, later = update(state, second, placeholder_result(second, 0))
+    assert len(later) == 0 and check_drained(state) == []
+
+
+def test_a_request_aborted_before_resolve_publishes_its_real_tokens_only():
+    """The step in flight still computes the aborted request's last token: its block and boundary state are
+    published, under the key of the real token, never the placeholder's."""
+    cfg = make_config(block_size=4, mamba_block_size=4)
+    state = add_request(init_state(cfg), Request("a", (5, 6, 7), SamplingParams(max_tokens=8)))
+    state, first = schedule(state)
+    state, pending = update(state, first, placeholder_result(first, 0))
+    state, second = schedule(state)
+    state = abort_request(state, "a")
+    state, outputs = resolve(state, pending, result_for(first, 0, token=40))
+    assert len(outputs) == 0  # aborted: it emits nothing more
+    state, _ = update(state, second, placeholder_result(second, 0))
+    placeholder, real = (TokenLog.create(tokens, 4).hashes[0] for tokens in ([5, 6, 7, -1], [5, 6, 7, 40]))
+    assert placeholder not in state.blocks.hash_to_block and real in state.blocks.hash_to_block
+    assert [m.key for m in state.materializations] == [real]
