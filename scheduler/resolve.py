@@ -22,8 +22,9 @@ late: valid only while the ring has not been flushed since, schedule.py), ends t
 the outputs `update` would have returned. A request aborted while step N+1 is in flight gets the same
 bookkeeping but emits nothing: N+1 computes its last token, so that token must be real.
 
-A placeholder is never part of a published key: blocks are published only once computed, and a
-placeholder is the token after the computed ones until `resolve`.
+A placeholder is never part of a published key: blocks are published only once computed, a placeholder
+is the token after the computed ones until `resolve`, and a row whose request is aborting (aborted, or
+ended by `resolve`, while its step runs) commits no token in `update`, so none lands below the count.
 """
 
 from __future__ import annotations

@@ -296,6 +296,53 @@ def test_resolving_no_outputs_with_an_abort_in_flight():
     assert len(later) == 0 and check_drained(state) == []
 
 
+def _ends_at_eos_before_max_tokens(state, cfg):
+    """eos comes one token before max_tokens: resolve ends the request while the next step, which reaches
+    max_tokens on a placeholder, is in flight."""
+    state = add_request(state, Request("x", (5, 6, 7), SamplingParams(max_tokens=2, eos_token_id=EOS)))
+    state, a = schedule(state)
+    state, pending_a = update(state, a, placeholder_result(a, 0))
+    state, b = schedule(state)
+    state, _ = resolve(state, pending_a, result_for(a, 0, token=EOS))
+    state, pending_b = update(state, b, placeholder_result(b, 0))
+    return resolve(state, pending_b, result_for(b, 0, token=9))[0]
+
+
+def _aborted_as_it_reaches_max_tokens(state, cfg):
+    state = add_request(state, Request("x", (5, 6, 7), SamplingParams(max_tokens=2)))
+    state, a = schedule(state)
+    state, pending_a = update(state, a, placeholder_result(a, 0))
+    state, b = schedule(state)
+    state = abort_request(state, "x")
+    state, _ = resolve(state, pending_a, result_for(a, 0, token=9))
+    state, pending_b = update(state, b, placeholder_result(b, 0))
+    return resolve(state, pending_b, result_for(b, 0, token=9))[0]
+
+
+def _aborted_as_its_prefill_samples_its_only_token(state, cfg):
+    state = add_request(state, Request("x", (5, 6, 7), SamplingParams(max_tokens=1)))
+    state, a = schedule(state)
+    state = abort_request(state, "x")
+    state, pending = update(state, a, placeholder_result(a, 0))
+    return resolve(state, pending, result_for(a, 0, token=9))[0]
+
+
+@pytest.mark.parametrize("run", [_ends_at_eos_before_max_tokens, _aborted_as_it_reaches_max_tokens,
+                                 _aborted_as_its_prefill_samples_its_only_token])
+def test_an_end_on_a_placeholder_of_a_request_that_ended_meanwhile_leaves_nothing(run):
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128, num_blocks=32,
+                          num_state_slots=8)
+    state = run(init_state(cfg), cfg)
+    assert dict(state.unresolved_ends) == {} and check_drained(state) == []
+
+
+@pytest.mark.parametrize("name", ["unresolved_ends", "parked_tokens", "logs", "row_of"])
+def test_check_drained_names_every_map_left_over(name):
+    state = init_state(make_config())
+    getattr(state, name)["ghost"] = 1  # written from outside: what a leak would leave
+    assert any(name in problem for problem in check_drained(state))
+
+
 def test_a_request_aborted_before_resolve_publishes_its_real_tokens_only():
     """The step in flight still computes the aborted request's last token: its block and boundary state are
     published, under the key of the real token, never the placeholder's."""
@@ -311,3 +358,27 @@ def test_a_request_aborted_before_resolve_publishes_its_real_tokens_only():
     placeholder, real = (TokenLog.create(tokens, 4).hashes[0] for tokens in ([5, 6, 7, -1], [5, 6, 7, 40]))
     assert placeholder not in state.blocks.hash_to_block and real in state.blocks.hash_to_block
     assert [m.key for m in state.materializations] == [real]
+
+
+def test_a_stop_among_accepted_drafts_publishes_no_placeholder():
+    """K = 2: resolve cuts at a stop token (the first of two accepted drafts) while the next step runs, so the
+    request computed past its last token; that step's update must not commit its placeholder below the count."""
+    cfg = make_config(block_size=4, mamba_block_size=4, num_spec_tokens=2, ring_size=4)
+    state = add_request(init_state(cfg), Request("a", (5, 6, 7, 8, 9), SamplingParams(20, EOS)))
+
+    def result(plan, sampled, accepted):
+        rows = plan.row_bucket
+        return StepResult(np.tile(np.array(sampled, np.int32), (rows, 1)), np.full(rows, accepted, np.int32),
+                          np.full((rows, 2), 30, np.int32))
+    state, prefill = schedule(state)
+    state, pending = update(state, prefill, placeholder_result(prefill, 2))
+    state, verify = schedule(state)
+    state, _ = resolve(state, pending, result(prefill, [20, 0, 0], 0))
+    state, pending = update(state, verify, placeholder_result(verify, 2))
+    state, last = schedule(state)
+    state, outputs = resolve(state, pending, result(verify, [EOS, 30, 31], 2))
+    assert [(o.new_token_ids, o.finish_reason.value) for o in outputs] == [((EOS,), "stop")]
+    state, _ = update(state, last, placeholder_result(last, 2))
+    real = set(TokenLog.create([5, 6, 7, 8, 9, 20, EOS], 4).hashes)
+    assert state.blocks.hash_to_block and set(state.blocks.hash_to_block) <= real
+    assert check_drained(state) == []
