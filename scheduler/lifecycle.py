@@ -7,6 +7,7 @@ commits them and hands the state back under a new generation, an exception rolls
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from hashlib import blake2b
 
 import numpy as np
@@ -50,6 +51,7 @@ class StateEdit:
         for part in self._parts[:3]:  # the maps keep undo logs from their first write
             part.begin()
         self._log_marks: dict[str, tuple[TokenLog, tuple[int, int]]] = {}
+        self._replace_undos: list[Callable[[], None]] = []  # TokenLog.replace's undos, in order
         self.hash_marks: list[tuple[list[bytes], int]] = []  # keys chained over row tails, and their old lengths
         self.claims = dict(data.claims)
         self._waiting, self._waiting_copy = data.waiting, None
@@ -68,6 +70,8 @@ class StateEdit:
         if error is not None and self._data.generation == self._generation:  # raised before `freeze`
             for part in self._parts:
                 part.rollback()
+            for undo in reversed(self._replace_undos):  # before the truncations: see TokenLog.replace
+                undo()
             for log, mark in self._log_marks.values():
                 log.truncate(mark)
             for hashes, length in reversed(self.hash_marks):
@@ -79,6 +83,10 @@ class StateEdit:
         if request_id not in self._log_marks:
             self._log_marks[request_id] = (log, log.mark())
         return log
+
+    def replace_token(self, request_id: str, position: int, token: int) -> None:
+        """Overwrite a token of the request's log (undone if the transition raises)."""
+        self._replace_undos.append(self.logs[request_id].replace(position, token, self.cfg.hash_unit))
 
     @property
     def waiting(self) -> tuple[str, ...] | list[str]:

@@ -128,7 +128,7 @@ def _write_token(edit: StateEdit, rid: str, token: int) -> None:
     position = edit.num_tokens(rid) - 1
     log, row, unit = edit.logs[rid], edit.row_of.get(rid), edit.cfg.log_unit
     if position < log.length:  # its log block filled (or the request was preempted): in the log
-        log.replace(position, token, edit.cfg.hash_unit)
+        edit.replace_token(rid, position, token)
     if row is not None and position >= int(edit.rows.num_tokens[row]) // unit * unit:
         edit.rows.edit("tail")[row, position % unit] = token
 

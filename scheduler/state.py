@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -158,19 +159,24 @@ class TokenLog:
             parent = self.hashes[-1] if self.hashes else self.root
             self.hashes += chain_hashes(parent, self.slice(first, last), hash_unit)
 
-    def replace(self, position: int, token: int, hash_unit: int) -> None:
+    def replace(self, position: int, token: int, hash_unit: int) -> Callable[[], None]:
         """Overwrite the token at `position` (a placeholder resolved, resolve.py) and re-chain the keys of
-        its unit and those after it in the log."""
-        i = bisect.bisect_right(self.ends, position)
-        chunk = self.chunks[i].copy()
+        its unit and those after it in the log. Returns its undo, for a transition that raises."""
+        i, unit = bisect.bisect_right(self.ends, position), position // hash_unit
+        old_chunk, old_keys = self.chunks[i], self.hashes[unit:]
+        chunk = old_chunk.copy()
         chunk[position - (self.ends[i - 1] if i else 0)] = token
         self.chunks[i] = frozen(chunk)
-        unit = position // hash_unit
         if len(self.hashes) > unit:
             del self.hashes[unit:]
             parent = self.hashes[-1] if self.hashes else self.root
             self.hashes += chain_hashes(parent, self.slice(unit * hash_unit, self.length // hash_unit * hash_unit),
                                         hash_unit)
+
+        def undo() -> None:
+            self.chunks[i] = old_chunk
+            self.hashes[unit:] = old_keys  # in place: the list is shared with undo marks (StateEdit.hash_marks)
+        return undo
 
     def mark(self) -> tuple[int, int]:
         """Where the log ends now, for `truncate` (a transition that raises undoes its appends)."""

@@ -26,6 +26,7 @@ from scheduler import (
 )
 from scheduler.fake_device import FP_ROOT, FakeDevice, fold
 from scheduler.invariants import check_drained, check_invariants
+from scheduler.lifecycle import StateEdit
 from scheduler.plan import BatchPlan
 from scheduler.replay import ring_rows
 from scheduler.slots import SlotKind
@@ -382,3 +383,25 @@ def test_a_stop_among_accepted_drafts_publishes_no_placeholder():
     real = set(TokenLog.create([5, 6, 7, 8, 9, 20, EOS], 4).hashes)
     assert state.blocks.hash_to_block and set(state.blocks.hash_to_block) <= real
     assert check_drained(state) == []
+
+
+def test_a_resolve_that_raises_undoes_its_token_replacements(monkeypatch):
+    """The placeholder sits in a full log block (resolve replaces it there and re-chains the block's key):
+    a resolve that raises at its very end leaves the log as it was, and a retry then resolves it."""
+    cfg = make_config()
+    prompt = tuple(range(3, 18))
+    state = add_request(init_state(cfg), Request("a", prompt, SamplingParams(3, EOS)))
+    state, plan = schedule(state)
+    state, pending = update(state, plan, placeholder_result(plan, 0))
+    state, _ = schedule(state)
+    before = (state.logs["a"].slice(0, 16).tolist(), list(state.logs["a"].hashes))
+
+    def broken(edit):
+        raise RuntimeError("freeze failed")
+    monkeypatch.setattr(StateEdit, "freeze", broken)
+    with pytest.raises(RuntimeError, match="freeze failed"):
+        resolve(state, pending, result_for(plan, 0, token=40))
+    monkeypatch.undo()
+    assert (state.logs["a"].slice(0, 16).tolist(), list(state.logs["a"].hashes)) == before
+    state, _ = resolve(state, pending, result_for(plan, 0, token=40))
+    assert state.logs["a"].slice(0, 16).tolist() == list(prompt) + [40]
