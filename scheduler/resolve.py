@@ -36,7 +36,7 @@ import numpy as np
 from scheduler.history import append_tokens
 from scheduler.journal import frozen
 from scheduler.lifecycle import StateEdit, end_request, max_len
-from scheduler.plan import BatchPlan, StepResult
+from scheduler.plan import BatchPlan, StepResult, check_result_rows
 from scheduler.request import STOP_CODE, StepOutputs
 from scheduler.state import SchedulerState, num_logged
 from scheduler.update import aborting_mask, cut_at_stops, materialize_crossed_boundaries
@@ -52,14 +52,17 @@ def placeholder_result(plan: BatchPlan, num_spec_tokens: int) -> StepResult:
 
 def resolve(state: SchedulerState, outputs: StepOutputs, result: StepResult) -> tuple[SchedulerState, StepOutputs]:
     """Put step N's real tokens (`result`) where `outputs`, from `update` on `placeholder_result`, left
-    placeholders. Raises ValueError (state unchanged) if a placeholder has no row in `result`."""
-    width = result.sampled_token_ids.shape[1]
+    placeholders. Raises ValueError (state unchanged) if a placeholder has no row in `result`, or `result`
+    does not fit the config as `update` checks it."""
+    num_spec_tokens = state.config.num_spec_tokens
+    width = 1 + num_spec_tokens
     placeholders = outputs.token_ids[:, 0]
     emitted = (outputs.num_new_tokens > 0) & (placeholders < 0)
     plan_rows = np.where(emitted, (-1 - placeholders) // width, 0)
     if emitted.any() and plan_rows.max() >= len(result.sampled_token_ids):
         raise ValueError(f"resolve: placeholders name rows up to {int(plan_rows.max())}, the result has "
                          f"{len(result.sampled_token_ids)}")
+    check_result_rows(result, int(plan_rows.max(initial=-1)) + 1, num_spec_tokens)
     tokens, accepted = outputs.token_ids.copy(), np.zeros(len(placeholders), np.int32)
     drafts = np.zeros((len(placeholders), width - 1), np.int32)
     if emitted.any():

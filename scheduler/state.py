@@ -28,7 +28,7 @@ import numpy as np
 from scheduler.blocks import BlockPool
 from scheduler.checkpoints import Claim
 from scheduler.config import SchedulerConfig
-from scheduler.journal import UndoArray, UndoMap, frozen
+from scheduler.journal import UndoArray, UndoMap, frozen, set_writable
 from scheduler.prefix_cache import ROOT_HASH, chain_hashes
 from scheduler.replay import materialize_count
 from scheduler.slots import SlotPool
@@ -76,6 +76,7 @@ class Rows:
         self._tables = {"block_table": UndoArray(np.zeros((size, cfg.max_blocks_per_request), np.int32)),
                         "tail": UndoArray(np.zeros((size, cfg.log_unit + cfg.num_spec_tokens), np.int32))}
         self._saved = None
+        self.lock()
 
     @property
     def block_table(self) -> np.ndarray:
@@ -91,6 +92,8 @@ class Rows:
 
     def begin(self) -> None:
         self._saved = (self.ints.copy(), self.bools.copy(), self.drafts.copy(), self.data.copy())
+        set_writable(self._saved, False)
+        set_writable((self.ints, self.bools, self.drafts, self.data), True)
 
     def rollback(self) -> None:
         self.ints, self.bools, self.drafts, self.data = self._saved
@@ -101,6 +104,11 @@ class Rows:
         self._saved = None
         for table in self._tables.values():
             table.commit()
+        self.lock()
+
+    def lock(self) -> None:
+        """Make the small buffers read-only until the next `begin` (the tables' views always are)."""
+        set_writable((self.ints, self.bools, self.drafts, self.data), False)
 
     def clear(self, rows: np.ndarray) -> None:
         # block_table, drafts and tail are only read below num_blocks, after a sample or after
@@ -148,6 +156,11 @@ class TokenLog:
     @property
     def length(self) -> int:
         return self.ends[-1] if self.ends else 0
+
+    def __deepcopy__(self, memo) -> TokenLog:
+        log = TokenLog(self.root)  # chunks are read-only, never written in place: a copy shares them
+        log.chunks, log.ends, log.hashes = list(self.chunks), list(self.ends), list(self.hashes)
+        return log
 
     def extend(self, tokens: np.ndarray, hash_unit: int) -> None:
         """Append the read-only `tokens` (kept, not copied) and hash the hash units they complete."""
@@ -317,7 +330,11 @@ class SchedulerState:
         return copy.deepcopy(self)
 
     def __deepcopy__(self, memo) -> SchedulerState:
-        return SchedulerState(copy.deepcopy(self.live(), memo))
+        data = copy.deepcopy(self.live(), memo)
+        data.rows.lock()  # numpy copies are writable
+        data.slots.lock()
+        frozen(data.running_rows)
+        return SchedulerState(data)
 
 
 def init_state(config: SchedulerConfig) -> SchedulerState:

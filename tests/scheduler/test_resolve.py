@@ -405,3 +405,20 @@ def test_a_resolve_that_raises_undoes_its_token_replacements(monkeypatch):
     assert (state.logs["a"].slice(0, 16).tolist(), list(state.logs["a"].hashes)) == before
     state, _ = resolve(state, pending, result_for(plan, 0, token=40))
     assert state.logs["a"].slice(0, 16).tolist() == list(prompt) + [40]
+
+
+@pytest.mark.parametrize("accepted, width, message", [(5, 3, "num_accepted"), (-1, 3, "num_accepted"),
+                                                      (0, 2, "sampled_token_ids")])
+def test_resolve_checks_its_result_as_update_does(accepted, width, message):
+    cfg = make_config(num_spec_tokens=2, ring_size=4)
+    state = add_request(init_state(cfg), Request("a", (3, 4, 5), SamplingParams(8)))
+    state, prefill = schedule(state)
+    state, pending = update(state, prefill, placeholder_result(prefill, 2))
+    state, _ = schedule(state)
+    rows = prefill.row_bucket
+    bad = StepResult(np.full((rows, width), 9, np.int32), np.full(rows, accepted, np.int32),
+                     np.zeros((rows, 2), np.int32))
+    with pytest.raises(ValueError, match=message):
+        resolve(state, pending, bad)
+    state, outputs = resolve(state, pending, result_for(prefill, 2, token=9))  # the state is still whole
+    assert [o.new_token_ids for o in outputs] == [(9,)]
