@@ -24,7 +24,7 @@ from scheduler import (
     schedule,
     update,
 )
-from scheduler.fake_device import FP_ROOT, FakeDevice, fold
+from scheduler.fake_device import FP_ROOT, FakeDevice, device_plan, fold
 from scheduler.invariants import check_drained, check_invariants
 from scheduler.lifecycle import StateEdit
 from scheduler.plan import BatchPlan
@@ -70,24 +70,6 @@ def device_result(plan: BatchPlan, k: int) -> StepResult:
             sampled[r, 0] = token_at(rid, last)
         drafts[r] = [draft_at(rid, last + 1 + j) for j in range(k)]
     return StepResult(sampled, accepted, drafts)
-
-
-def with_tokens(plan: BatchPlan, previous: StepResult | None) -> BatchPlan:
-    """The plan as the device sees it (what the runner's jitted step does first): placeholder P(r, 0) is the
-    last token row r emitted in the step before, P(r, j) its draft j, and a verify row that starts with
-    P(r, 0) moves on by the drafts row r accepted."""
-    if previous is None or (plan.token_ids >= 0).all():
-        return plan
-    width = previous.sampled_token_ids.shape[1]
-    rows = np.arange(len(previous.num_accepted))
-    carried = np.concatenate([previous.sampled_token_ids[rows, previous.num_accepted][:, None],
-                              previous.draft_token_ids], axis=1).reshape(-1)
-    real = lambda tokens: np.where(tokens < 0, carried[np.maximum(-1 - tokens, 0)], tokens)
-    first = plan.token_ids[np.minimum(plan.cu_seqlens[:-1], plan.token_bucket - 1)]
-    moved = (plan.row_kind == RowKind.VERIFY) & (first < 0)
-    shift = np.where(moved, previous.num_accepted[np.where(moved, (-1 - first) // width, 0)], 0).astype(np.int32)
-    return plan._replace(token_ids=real(plan.token_ids), draft_token_ids=real(plan.draft_token_ids),
-                         context_lens=plan.context_lens + shift, ring_committed=plan.ring_committed + shift)
 
 
 class Run:
@@ -158,9 +140,9 @@ class Run:
                 self.record(outputs)
                 pending = None
             if plan is not None:
-                device_plan = with_tokens(plan, last)
-                self.device.run(self.state, device_plan)  # after resolve: the logs hold the real tokens
-                last = device_result(device_plan, self.k)
+                on_device = device_plan(plan, last)
+                self.device.run(self.state, on_device)  # after resolve: the logs hold the real tokens
+                last = device_result(on_device, self.k)
                 self.accepted += int(last.num_accepted.sum())
                 self.state, pending = update(self.state, plan, placeholder_result(plan, self.k))
                 assert not check_invariants(self.state), check_invariants(self.state)
