@@ -80,13 +80,13 @@ def _decode_rows(p: Pass) -> tuple[list[str], np.ndarray]:
     """Running requests past their prefill, oldest first, as many as `_num_decode_rows` says."""
     running, all_rows = p.edit.running, p.edit.running_rows()
     decoding = p.edit.rows.prefill_done[all_rows]
-    index = decoding.nonzero()[0][:_num_decode_rows(p, decoding)]
+    index = decoding.nonzero()[0][:_num_decode_rows(p, decoding, all_rows)]
     if len(index) == len(running):
         return list(running), all_rows
     return list(map(running.__getitem__, index.tolist())), all_rows[index]
 
 
-def _num_decode_rows(p: Pass, decoding: np.ndarray) -> int:
+def _num_decode_rows(p: Pass, decoding: np.ndarray, all_rows: np.ndarray) -> int:
     """How many decode rows run, oldest first: as many as the budgets hold, except that rows admitted after
     the oldest running prefill leave it the least its next chunk needs, if the rows before it leave that."""
     q = p.query_len
@@ -96,7 +96,7 @@ def _num_decode_rows(p: Pass, decoding: np.ndarray) -> int:
     older = int(decoding.argmin())  # the oldest running prefill's place: every row before it decodes
     if older >= fit:
         return fit
-    tokens, logits = _prefill_reserve(p, p.edit.running[older], int(p.edit.running_rows()[older]))
+    tokens, logits = _prefill_reserve(p, p.edit.running[older], int(all_rows[older]))
     tokens_left, logits_left = p.budget - older * q, p.logits_budget - older * q
     if tokens_left < tokens or logits_left < logits:
         return fit  # it cannot run this step whatever the younger rows do
