@@ -3,6 +3,8 @@ the bound's step property over random accepted configs and workloads."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,14 +21,15 @@ def _starvation_case(logits: bool) -> list[tuple[int, int]]:
                           max_num_batched_tokens=256 if logits else 20, max_num_logits=20)
     driver = Driver(cfg)
     driver.add(Request("P", tuple(range(100, 164)), SamplingParams(4), logits_from=0 if logits else None))
-    turn = (lambda i: range(3, 12)) if logits else (lambda i: [5 + i % 50])
-    arrivals = iter(range(10_000))
-    for i in [next(arrivals) for _ in range(20)]:
-        driver.add(Request(f"t{i}", tuple(turn(i)), SamplingParams(16)))
+    arrivals = itertools.count()
+
+    def arrive(count: int) -> None:
+        for i in itertools.islice(arrivals, count):
+            driver.add(Request(f"t{i}", tuple(range(3, 12)) if logits else (5 + i % 50,), SamplingParams(16)))
+    arrive(20)
     chunks = []
     for _ in range(30):
-        for i in [next(arrivals) for _ in range(2)]:
-            driver.add(Request(f"t{i}", tuple(turn(i)), SamplingParams(16)))
+        arrive(2)
         plan = driver.step(accepted=1)
         chunks.append(driver.chunks(plan).get("P"))
         if driver.state.rows.prefill_done[driver.state.row_of["P"]]:
