@@ -1,5 +1,5 @@
-"""Event logs: record what drives a scheduler (requests added, aborts, preemptions, step results) and
-replay them.
+"""Event logs: record what drives a scheduler (requests added, aborts, preemptions, step results, and one
+step ahead the placeholder results and the real ones `resolve` puts in) and replay them.
 
 The transitions are functions of their inputs (no clocks, no hidden globals), so replaying a log on a
 fresh `init_state(config)` reproduces every plan and every output bit for bit. A log keeps a digest
@@ -20,6 +20,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.lifecycle import abort_request, add_request, preempt_request
 from scheduler.plan import BatchPlan, StepResult
 from scheduler.request import Request, SamplingParams, StepOutputs
+from scheduler.resolve import resolve
 from scheduler.schedule import schedule
 from scheduler.state import SchedulerState, init_state
 from scheduler.update import update
@@ -75,10 +76,15 @@ class EventLog:
 
     def update(self, state: SchedulerState, plan: BatchPlan, result: StepResult) -> tuple[SchedulerState, StepOutputs]:
         state, outputs = update(state, plan, result)
-        arrays = {name: getattr(result, name).tolist() for name in ("sampled_token_ids", "num_accepted",
-                                                                     "draft_token_ids")}
-        self.events.append({"update": arrays, "outputs": outputs_digest(outputs)})
+        self.events.append({"update": _result_to_json(result), "outputs": outputs_digest(outputs)})
         return state, outputs
+
+    def resolve(self, state: SchedulerState, outputs: StepOutputs, result: StepResult
+                ) -> tuple[SchedulerState, StepOutputs]:
+        """`resolve` the outputs of the last `update` (the order one step ahead: schedule N+1, resolve N)."""
+        state, resolved = resolve(state, outputs, result)
+        self.events.append({"resolve": _result_to_json(result), "outputs": outputs_digest(resolved)})
+        return state, resolved
 
     def to_json(self) -> dict:
         return {"config": dataclasses.asdict(self.config), "events": self.events}
@@ -102,35 +108,52 @@ def load_logs(path: Path | str) -> list[EventLog]:
 
 def replay(log: EventLog) -> list[str]:
     """Re-run the log on a fresh state; the places where a plan or an output differs (empty: bit-identical)."""
-    state, plan, problems = init_state(log.config), None, []
+    run = _Replay(init_state(log.config))
     for index, event in enumerate(log.events):
         try:
-            state, plan = _apply(log, state, plan, event, index, problems)
+            run.apply(event, index)
         except (ValueError, KeyError, RuntimeError) as error:  # the log no longer fits what the run does
-            return problems + [f"event {index}: {type(error).__name__}: {error}"]
-    return problems
+            return run.problems + [f"event {index}: {type(error).__name__}: {error}"]
+    return run.problems
 
 
-def _apply(log: EventLog, state: SchedulerState, plan: BatchPlan | None, event: dict, index: int,
-           problems: list[str]) -> tuple[SchedulerState, BatchPlan | None]:
-    if "add" in event:
-        state = add_request(state, _request_from_json(event["add"]))
-    elif "abort" in event:
-        state = abort_request(state, event["abort"])
-    elif "preempt" in event:
-        state = preempt_request(state, event["preempt"])
-    elif "schedule" in event:
-        state, plan = schedule(state)
-        if plan_digest(plan) != event["schedule"]:
-            problems.append(f"event {index}: plan {plan.step_id} differs")
-    else:
-        result = StepResult(*(np.array(event["update"][name], np.int32).reshape(shape) for name, shape in (
-            ("sampled_token_ids", (plan.row_bucket, -1)), ("num_accepted", (-1,)),
-            ("draft_token_ids", (plan.row_bucket, log.config.num_spec_tokens)))))
-        state, outputs = update(state, plan, result)
-        if outputs_digest(outputs) != event["outputs"]:
-            problems.append(f"event {index}: outputs of step {plan.step_id} differ")
-    return state, plan
+class _Replay:
+    """A replay's state, its last plan and the outputs of its last `update` (what a `resolve` event resolves)."""
+
+    def __init__(self, state: SchedulerState) -> None:
+        self.state, self.plan, self.outputs, self.problems = state, None, None, []
+
+    def apply(self, event: dict, index: int) -> None:
+        if "add" in event:
+            self.state = add_request(self.state, _request_from_json(event["add"]))
+        elif "abort" in event:
+            self.state = abort_request(self.state, event["abort"])
+        elif "preempt" in event:
+            self.state = preempt_request(self.state, event["preempt"])
+        elif "schedule" in event:
+            self.state, self.plan = schedule(self.state)
+            self._compare(plan_digest(self.plan), event["schedule"], f"event {index}: plan {self.plan.step_id} differs")
+        elif "update" in event:
+            self.state, self.outputs = update(self.state, self.plan, _result_from_json(event["update"]))
+            self._compare(outputs_digest(self.outputs), event["outputs"],
+                          f"event {index}: outputs of step {self.plan.step_id} differ")
+        else:
+            self.state, resolved = resolve(self.state, self.outputs, _result_from_json(event["resolve"]))
+            self._compare(outputs_digest(resolved), event["outputs"], f"event {index}: resolved outputs differ")
+
+    def _compare(self, digest: str, recorded: str, problem: str) -> None:
+        if digest != recorded:
+            self.problems.append(problem)
+
+
+def _result_to_json(result: StepResult) -> dict:
+    return {name: getattr(result, name).tolist() for name in ("sampled_token_ids", "num_accepted", "draft_token_ids")}
+
+
+def _result_from_json(data: dict) -> StepResult:
+    # nested lists keep their shape, [R, 0] drafts included
+    return StepResult(*(np.array(data[name], np.int32) for name in ("sampled_token_ids", "num_accepted",
+                                                                     "draft_token_ids")))
 
 
 def _request_to_json(request: Request) -> dict:

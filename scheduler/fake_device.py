@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.plan import BatchPlan, RowKind
+import numpy as np
+
+from scheduler.plan import BatchPlan, RowKind, StepResult
 from scheduler.slots import SlotKind
 from scheduler.state import SchedulerState
 
@@ -33,6 +35,24 @@ class SlotTag:
 
     def copy(self) -> SlotTag:
         return SlotTag(self.s0, dict(self.ring))
+
+
+def device_plan(plan: BatchPlan, previous: StepResult | None) -> BatchPlan:
+    """The plan as the device runs it one step ahead (what the runner's jitted step does first, resolve.py):
+    placeholder P(r, 0) is the last token row r of the step before emitted, P(r, j) its draft j, and a
+    verify row that starts with P(r, 0) moves on by the drafts row r accepted. `previous`: that step's result."""
+    if previous is None or (plan.token_ids >= 0).all():
+        return plan
+    width = previous.sampled_token_ids.shape[1]
+    rows = np.arange(len(previous.num_accepted))
+    carried = np.concatenate([previous.sampled_token_ids[rows, previous.num_accepted][:, None],
+                              previous.draft_token_ids], axis=1).reshape(-1)
+    real = lambda tokens: np.where(tokens < 0, carried[np.maximum(-1 - tokens, 0)], tokens)
+    first = plan.token_ids[np.minimum(plan.cu_seqlens[:-1], plan.token_bucket - 1)]
+    moved = (plan.row_kind == RowKind.VERIFY) & (first < 0)
+    shift = np.where(moved, previous.num_accepted[np.where(moved, (-1 - first) // width, 0)], 0).astype(np.int32)
+    return plan._replace(token_ids=real(plan.token_ids), draft_token_ids=real(plan.draft_token_ids),
+                         context_lens=plan.context_lens + shift, ring_committed=plan.ring_committed + shift)
 
 
 class FakeDevice:

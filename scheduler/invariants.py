@@ -94,14 +94,23 @@ def _queues(state: SchedulerState) -> list[str]:
     return errors
 
 
+# every per-request map and queue the state keeps: all empty once every request has ended
+_REQUEST_MAPS = ("requests", "waiting", "running", "row_of", "logs", "parked_tokens", "unresolved_ends", "claims",
+                 "materializations", "aborting")
+
+
 def check_drained(state: SchedulerState) -> list[str]:
-    """Once every request has ended, the pools must be back to their initial free counts."""
+    """Once every request has ended and every step is updated and resolved, the pools must be back to their
+    initial free counts and every per-request map empty."""
     errors = check_invariants(state)
     if state.blocks.num_free != state.config.num_blocks - 1:
         errors.append(f"{state.config.num_blocks - 1 - state.blocks.num_free} KV blocks still referenced")
     busy = np.flatnonzero((state.slots.kind[1:] != SlotKind.FREE) & (state.slots.kind[1:] != SlotKind.CACHED))
     if busy.size:
         errors.append(f"state slots {busy + 1} still held")
-    if state.claims or state.materializations or state.requests:
-        errors.append("claims, materialisations or requests left over")
+    left = [name for name in _REQUEST_MAPS if getattr(state, name)]
+    if left:
+        errors.append(f"left over in {', '.join(left)}")
+    if state.in_flight is not None:
+        errors.append(f"step {state.in_flight.step_id} is still in flight")
     return errors

@@ -20,6 +20,13 @@ def frozen(array: np.ndarray) -> np.ndarray:
     return array
 
 
+def set_writable(arrays, writable: bool) -> None:
+    """Open a state's arrays for a transition's writes, or close them again: between transitions they are
+    read-only, so nothing a caller reads from a state can write into it."""
+    for array in arrays:
+        array.setflags(write=writable)
+
+
 _MISSING = object()
 
 
@@ -106,7 +113,7 @@ class UndoArray:
         self._array, self.view, self._undo = array, frozen(array.view()), []
 
     def __getitem__(self, index) -> np.ndarray:
-        return self._array[index]
+        return self.view[index]  # reads never hand out a writable view
 
     def __setitem__(self, index, values) -> None:
         self._undo.append((index, self._array[index].copy()))

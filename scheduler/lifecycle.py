@@ -7,6 +7,7 @@ commits them and hands the state back under a new generation, an exception rolls
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from hashlib import blake2b
 
 import numpy as np
@@ -16,7 +17,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.history import park_tails
 from scheduler.journal import frozen
 from scheduler.prefix_cache import KEY_BYTES, root_hash
-from scheduler.request import Request, is_int
+from scheduler.request import Request, SamplingParams, is_int, is_int_type
 from scheduler.slots import NULL_SLOT
 from scheduler.state import (
     COMMITTED,
@@ -50,6 +51,7 @@ class StateEdit:
         for part in self._parts[:3]:  # the maps keep undo logs from their first write
             part.begin()
         self._log_marks: dict[str, tuple[TokenLog, tuple[int, int]]] = {}
+        self._replace_undos: list[Callable[[], None]] = []  # TokenLog.replace's undos, in order
         self.hash_marks: list[tuple[list[bytes], int]] = []  # keys chained over row tails, and their old lengths
         self.claims = dict(data.claims)
         self._waiting, self._waiting_copy = data.waiting, None
@@ -68,6 +70,8 @@ class StateEdit:
         if error is not None and self._data.generation == self._generation:  # raised before `freeze`
             for part in self._parts:
                 part.rollback()
+            for undo in reversed(self._replace_undos):  # before the truncations: see TokenLog.replace
+                undo()
             for log, mark in self._log_marks.values():
                 log.truncate(mark)
             for hashes, length in reversed(self.hash_marks):
@@ -79,6 +83,10 @@ class StateEdit:
         if request_id not in self._log_marks:
             self._log_marks[request_id] = (log, log.mark())
         return log
+
+    def replace_token(self, request_id: str, position: int, token: int) -> None:
+        """Overwrite a token of the request's log (undone if the transition raises)."""
+        self._replace_undos.append(self.logs[request_id].replace(position, token, self.cfg.hash_unit))
 
     @property
     def waiting(self) -> tuple[str, ...] | list[str]:
@@ -147,6 +155,9 @@ def _validate_request(state: SchedulerState, request: Request) -> None:
         raise ValueError(f"request_id must be a str, got {rid!r}")
     if rid in state.requests:
         raise ValueError(f"request_id {rid!r} is already in use")
+    if not isinstance(request.sampling_params, SamplingParams):
+        raise ValueError(f"request {rid!r}: sampling_params must be a SamplingParams, got "
+                         f"{request.sampling_params!r:.60}")
     if num_prompt == 0:
         raise ValueError(f"request {rid!r}: prompt_token_ids is empty")
     if num_prompt >= cfg.max_model_len:
@@ -155,19 +166,31 @@ def _validate_request(state: SchedulerState, request: Request) -> None:
     _validate_token_ids(request, cfg.vocab_size)
     _validate_checkpoint(request, cfg.hash_unit)
     _validate_logits_and_row_data(request, cfg.row_data_bytes)
-    if request.cache_salt is not None and not isinstance(request.cache_salt, str):
-        raise ValueError(f"request {rid!r}: cache_salt must be a str or None, got {request.cache_salt!r}")
+    if request.cache_salt is not None and not _is_utf8_str(request.cache_salt):
+        raise ValueError(f"request {rid!r}: cache_salt must be a str (UTF-8 encodable) or None, got "
+                         f"{request.cache_salt!r:.60}")
     need = -(-(max_len(cfg, request) + cfg.num_spec_tokens) // cfg.block_size)
     if need > cfg.num_blocks - 1:
         raise ValueError(f"request {rid!r} can never fit: it needs {need} KV blocks at its longest and the "
                          f"pool has {cfg.num_blocks - 1}")
 
 
+def _is_utf8_str(value) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode()  # as root_hash digests it
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
 def _validate_token_ids(request: Request, vocab_size: int | None) -> None:
+    kinds = set(map(type, request.prompt_token_ids))  # one C-level pass; a bool is an int to numpy
+    if not all(map(is_int_type, kinds)):
+        raise ValueError(f"request {request.request_id!r}: prompt_token_ids must be integers, got "
+                         f"{sorted(kind.__name__ for kind in kinds)} values")
     tokens = np.asarray(request.prompt_token_ids)
-    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-        raise ValueError(f"request {request.request_id!r}: prompt_token_ids must be integers, got {tokens.dtype} "
-                         f"values")
     high = np.iinfo(np.int32).max if vocab_size is None else vocab_size
     if tokens.min() < 0 or tokens.max() >= high:
         bad = int(tokens[(tokens < 0) | (tokens >= high)][0])

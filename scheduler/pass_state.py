@@ -48,6 +48,11 @@ def chunk_limits(p: Pass, logits_from: int, start: int) -> tuple[int, int]:
             min(cfg.max_num_batched_tokens, cfg.max_num_logits + free))
 
 
+def chunk_logits(start: int, end: int, logits_from: int) -> int:
+    """Logits a prefill chunk [start, end) asks for: one per position from `logits_from` on."""
+    return max(end - max(start, logits_from), 0)
+
+
 def make_room(p: Pass, rid: str, row: int, end: int) -> bool:
     """Give `rid` KV blocks up to `end`, preempting the newest unscheduled running requests;
     if only `rid` itself is left to preempt, it is preempted and False is returned."""
@@ -73,7 +78,7 @@ def emit_prefill(p: Pass, rid: str, row: int, start: int, n: int) -> None:
     """Add the chunk [start, start + n) of `rid` to the plan, publishing its end state if cacheable."""
     edit, end = p.edit, start + n
     prefill_end = int(edit.rows.prefill_end[row])
-    num_logits = max(end - max(start, int(edit.rows.logits_from[row])), 0)
+    num_logits = chunk_logits(start, end, int(edit.rows.logits_from[row]))
     phase = _publish_chunk_end(p, rid, row, end) if edit.cfg.align else 2
     log = edit.logs[rid]  # a prefill reads only tokens below prefill_end, all in the log
     samples = end == prefill_end

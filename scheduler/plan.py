@@ -124,9 +124,8 @@ class StepResult:
     draft_token_ids: np.ndarray
 
 
-def check_step_result(plan: BatchPlan, result: StepResult, num_spec_tokens: int) -> None:
-    """Raise ValueError if `result` cannot belong to `plan`."""
-    rows = plan.num_rows
+def check_result_rows(result: StepResult, rows: int, num_spec_tokens: int) -> None:
+    """Raise ValueError unless `result` has `rows` rows of 1 + K tokens, K drafts and num_accepted in [0, K]."""
     if result.sampled_token_ids.shape[0] < rows or result.sampled_token_ids.shape[1] != 1 + num_spec_tokens:
         raise ValueError(f"sampled_token_ids shape {result.sampled_token_ids.shape} does not fit "
                          f"{rows} rows x {1 + num_spec_tokens}")
@@ -135,6 +134,13 @@ def check_step_result(plan: BatchPlan, result: StepResult, num_spec_tokens: int)
         raise ValueError(f"num_accepted must be in [0, {num_spec_tokens}] for {rows} rows")
     if result.draft_token_ids.shape[0] < rows or result.draft_token_ids.shape[1] != num_spec_tokens:
         raise ValueError(f"draft_token_ids shape {result.draft_token_ids.shape} does not fit K={num_spec_tokens}")
+
+
+def check_step_result(plan: BatchPlan, result: StepResult, num_spec_tokens: int) -> None:
+    """Raise ValueError if `result` cannot belong to `plan`."""
+    rows = plan.num_rows
+    check_result_rows(result, rows, num_spec_tokens)
+    accepted = result.num_accepted[:rows]
     echoed = np.arange(num_spec_tokens, dtype=accepted.dtype) < accepted[:, None]
     mismatch = echoed & (result.sampled_token_ids[:rows, :num_spec_tokens] != plan.draft_token_ids[:rows])
     if mismatch.any():

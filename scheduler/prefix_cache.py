@@ -5,8 +5,11 @@ so key i names the whole prefix [0, (i+1) h) and two requests share it iff they 
 A collision-resistant digest matters in a shared server: with a weak one, one user can craft a prompt
 whose blocks collide with another's and read that prompt's KV and recurrent state as a prefix hit
 (vLLM met this class of bug and moved to SHA-256). The chain starts at `root_hash(cache_salt)`:
-requests share prefixes only under the same salt, so tenants can keep theirs apart. Nothing is
-randomised per process, so keys, and with them every scheduling decision, are the same across runs.
+requests share prefixes only under the same salt, so tenants can keep theirs apart. The salt is
+digested under its own BLAKE2b personalisation, a different hash function from the chain's: a salt
+whose bytes spell `parent || unit` would otherwise name that unit's key and let its tenant hit another
+tenant's prefix a block late. Nothing is randomised per process, so keys, and with them every
+scheduling decision, are the same across runs.
 
 A hit at position p needs the KV blocks [0, p) cached and a READY state slot keyed by key p/h - 1
 (I1: that slot holds exactly the state after p tokens). Hits are taken only where such a state
@@ -29,13 +32,14 @@ from scheduler.slots import SlotKind, SlotPool
 
 KEY_BYTES = 32
 ROOT_HASH = blake2b(b"jaxhybrid prefix cache", digest_size=KEY_BYTES).digest()  # parent of an unsalted first block
+SALT_PERSON = b"jaxhybrid salt"  # the salt's own domain: no salt digest equals a chain key H(parent || unit)
 
 
 def root_hash(cache_salt: str | None) -> bytes:
     """The parent of a request's first block: prefixes are shared only between requests of one salt."""
     if cache_salt is None:
         return ROOT_HASH
-    return blake2b(ROOT_HASH + cache_salt.encode(), digest_size=KEY_BYTES).digest()
+    return blake2b(cache_salt.encode(), digest_size=KEY_BYTES, person=SALT_PERSON).digest()
 
 
 def chain_hashes(parent: bytes, tokens: np.ndarray, unit: int) -> list[bytes]:

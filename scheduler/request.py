@@ -12,7 +12,11 @@ import numpy as np
 
 def is_int(value) -> bool:
     """A Python or numpy integer, not a bool or a float that happens to be whole."""
-    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+    return is_int_type(type(value))
+
+
+def is_int_type(kind: type) -> bool:
+    return issubclass(kind, int | np.integer) and not issubclass(kind, bool | np.bool_)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +76,15 @@ class Request:
     cache_salt: str | None = None
     logits_from: int | None = None
     row_data: bytes = b""
+
+    def __post_init__(self) -> None:
+        # the request owns its prompt: a caller's list may change after the request is made
+        try:
+            prompt = tuple(self.prompt_token_ids)
+        except TypeError:
+            raise TypeError(f"Request.prompt_token_ids must be a sequence of token ids, "
+                            f"got {self.prompt_token_ids!r:.60}") from None
+        object.__setattr__(self, "prompt_token_ids", prompt)
 
     @property
     def num_prompt_tokens(self) -> int:

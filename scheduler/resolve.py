@@ -19,8 +19,12 @@ token log and its keys), adds the a accepted tokens (cut at a stop token and at 
 computed count and trackers by a, asks for the Mamba boundary states the accepted tokens crossed (a step
 late: valid only while the ring has not been flushed since, schedule.py), ends the requests that stopped
 (a request the step in flight still runs is released by that step's update, like an abort) and returns
-the outputs `update` would have returned. A placeholder is never part of a published key: blocks are
-published only once computed, and a placeholder is the token after the computed ones until `resolve`.
+the outputs `update` would have returned. A request aborted while step N+1 is in flight gets the same
+bookkeeping but emits nothing: N+1 computes its last token, so that token must be real.
+
+A placeholder is never part of a published key: blocks are published only once computed, a placeholder
+is the token after the computed ones until `resolve`, and a row whose request is aborting (aborted, or
+ended by `resolve`, while its step runs) commits no token in `update`, so none lands below the count.
 """
 
 from __future__ import annotations
@@ -32,10 +36,10 @@ import numpy as np
 from scheduler.history import append_tokens
 from scheduler.journal import frozen
 from scheduler.lifecycle import StateEdit, end_request, max_len
-from scheduler.plan import BatchPlan, StepResult
+from scheduler.plan import BatchPlan, StepResult, check_result_rows
 from scheduler.request import STOP_CODE, StepOutputs
 from scheduler.state import SchedulerState, num_logged
-from scheduler.update import cut_at_stops, materialize_crossed_boundaries
+from scheduler.update import aborting_mask, cut_at_stops, materialize_crossed_boundaries
 
 
 def placeholder_result(plan: BatchPlan, num_spec_tokens: int) -> StepResult:
@@ -48,14 +52,17 @@ def placeholder_result(plan: BatchPlan, num_spec_tokens: int) -> StepResult:
 
 def resolve(state: SchedulerState, outputs: StepOutputs, result: StepResult) -> tuple[SchedulerState, StepOutputs]:
     """Put step N's real tokens (`result`) where `outputs`, from `update` on `placeholder_result`, left
-    placeholders. Raises ValueError (state unchanged) if a placeholder has no row in `result`."""
-    width = result.sampled_token_ids.shape[1]
+    placeholders. Raises ValueError (state unchanged) if a placeholder has no row in `result`, or `result`
+    does not fit the config as `update` checks it."""
+    num_spec_tokens = state.config.num_spec_tokens
+    width = 1 + num_spec_tokens
     placeholders = outputs.token_ids[:, 0]
     emitted = (outputs.num_new_tokens > 0) & (placeholders < 0)
     plan_rows = np.where(emitted, (-1 - placeholders) // width, 0)
     if emitted.any() and plan_rows.max() >= len(result.sampled_token_ids):
         raise ValueError(f"resolve: placeholders name rows up to {int(plan_rows.max())}, the result has "
                          f"{len(result.sampled_token_ids)}")
+    check_result_rows(result, int(plan_rows.max(initial=-1)) + 1, num_spec_tokens)
     tokens, accepted = outputs.token_ids.copy(), np.zeros(len(placeholders), np.int32)
     drafts = np.zeros((len(placeholders), width - 1), np.int32)
     if emitted.any():
@@ -66,43 +73,40 @@ def resolve(state: SchedulerState, outputs: StepOutputs, result: StepResult) -> 
     with StateEdit(state) as edit:
         rows = np.fromiter(map(edit.row_of.get, outputs.request_ids, repeat(-1)), np.int64, len(codes))
         ending = emitted & (codes == 0)  # rows that went on: they may stop now
-        fast = _in_tails(edit, rows, ending & (rows >= 0), outputs.request_ids)
+        fast = _in_tails(edit, rows, ending & (rows >= 0))
         _cut_fast(edit, rows[fast], tokens[fast], accepted[fast], keep, codes, fast)
         tail = edit.rows.edit("tail")
         tail.put(rows[fast] * tail.view.shape[1] + (edit.rows.num_tokens[rows[fast]] - 1) % edit.cfg.log_unit,
                  tokens[fast, 0])
-        dropped = np.zeros(len(codes), bool)
+        gone = np.zeros(len(codes), bool)
         for i in (ending & ~fast).nonzero()[0].tolist():  # the rest, one by one: log-resident, parked, stop ids
             rid = outputs.request_ids[i]
-            if rid not in edit.requests or rid in edit.aborting:
-                dropped[i] = True  # aborted since: it emits nothing more
+            if rid not in edit.requests:
+                gone[i] = True  # aborted since: nothing of it is left
                 continue
             keep[i], codes[i] = _cut_one(edit, rid, tokens[i], accepted[i])
             _write_token(edit, rid, tokens[i, 0])
-        running = ending & ~dropped & (rows >= 0)
+        running = ending & ~gone & (rows >= 0)
         _commit_running(edit, outputs, running, rows, placeholders, tokens, keep, codes, accepted, drafts)
-        for i in (ending & ~dropped & (rows < 0) & (keep > 1)).nonzero()[0].tolist():  # parked: the log alone
+        for i in (ending & ~gone & (rows < 0) & (keep > 1)).nonzero()[0].tolist():  # parked: the log alone
             rid = outputs.request_ids[i]
             edit.writable_log(rid).extend(frozen(tokens[i, 1:keep[i]].copy()), edit.cfg.hash_unit)
             edit.parked[rid] += int(keep[i]) - 1
         for i in (outputs.finish_codes != 0).nonzero()[0].tolist():  # ended in the step (max_len)
             stops = edit.unresolved_ends.pop(outputs.request_ids[i], frozenset())
             codes[i] = STOP_CODE if emitted[i] and int(tokens[i, 0]) in stops else codes[i]
-        for i in (ending & ~dropped & (codes != 0)).nonzero()[0].tolist():
+        kept = (~gone & ~aborting_mask(edit.aborting, outputs.request_ids)).nonzero()[0]  # before those ending now
+        for i in (ending & ~gone & (codes != 0)).nonzero()[0].tolist():
             end_request(edit, outputs.request_ids[i])
-        kept = (~dropped).nonzero()[0]
         return edit.freeze(), StepOutputs(tuple(outputs.request_ids[i] for i in kept.tolist()), frozen(tokens[kept]),
                                           frozen(keep[kept]), frozen(codes[kept]))
 
 
-def _in_tails(edit: StateEdit, rows: np.ndarray, candidates: np.ndarray, request_ids: tuple[str, ...]) -> np.ndarray:
+def _in_tails(edit: StateEdit, rows: np.ndarray, candidates: np.ndarray) -> np.ndarray:
     """Entries whose placeholder sits in their running row's tail and that stop at eos alone: the usual case."""
     table, safe = edit.rows, np.maximum(rows, 0)
     position = table.num_tokens[safe] - 1  # where each placeholder is: the last committed token
-    fast = candidates & (position >= num_logged(table, safe, edit.cfg.log_unit)) & ~table.has_stop[safe]
-    if edit.aborting:
-        fast &= np.array([rid not in edit.aborting for rid in request_ids])
-    return fast
+    return candidates & (position >= num_logged(table, safe, edit.cfg.log_unit)) & ~table.has_stop[safe]
 
 
 def _cut_fast(edit: StateEdit, rows: np.ndarray, tokens: np.ndarray, accepted: np.ndarray, keep: np.ndarray,
@@ -127,7 +131,7 @@ def _write_token(edit: StateEdit, rid: str, token: int) -> None:
     position = edit.num_tokens(rid) - 1
     log, row, unit = edit.logs[rid], edit.row_of.get(rid), edit.cfg.log_unit
     if position < log.length:  # its log block filled (or the request was preempted): in the log
-        log.replace(position, token, edit.cfg.hash_unit)
+        edit.replace_token(rid, position, token)
     if row is not None and position >= int(edit.rows.num_tokens[row]) // unit * unit:
         edit.rows.edit("tail")[row, position % unit] = token
 

@@ -1,8 +1,9 @@
 """schedule(state) -> (state, BatchPlan): decode rows, materialisations, prefill chunks, admission.
 
 Theory of operation. One pass spends the token budget in a fixed order:
-  1. running decode/verify rows (vectorised, 1 + K tokens each, oldest first); if their new KV
-     blocks do not fit, the newest running request is preempted (recompute) until they do;
+  1. running decode/verify rows (vectorised, 1 + K tokens each, oldest first), leaving the oldest
+     running prefill its reserve (below); if their new KV blocks do not fit, the newest running
+     request is preempted (recompute) until they do;
   2. materialisations asked for by the last `update` (pure slot work, no tokens);
   3. running prefill rows, oldest first, each cut by the align split (`split.py`);
   4. waiting requests, FCFS: prefix hit or checkpoint role first, then the split, then capacity.
@@ -12,6 +13,24 @@ Theory of operation. One pass spends the token budget in a fixed order:
 Every cache slot written by the step is PENDING until `update`, so nothing reads a state before
 the step that writes it has run; only a paired consumer reads a checkpoint in the same step, and it
 runs in phase 2 after its producer.
+
+Progress bound for running prefills. Running requests are served in admission order, as vLLM's running
+queue serves them: a decode row of a request admitted after the oldest running prefill P does not take
+what P's next chunk needs. That least chunk is need(P) = min(N - start, bs - start mod bs) tokens in
+align mode (the rest of the prefill, or up to the next Mamba block boundary), 1 token in sub-block or
+"none" mode, and the logits of its positions from `logits_from` on (`split.min_budget`, which
+split_chunk meets with any budget from need(P) on, test_split). Decode rows admitted before P still
+go first, and younger ones are held back only in a step where P can then run. So, unless P is
+preempted (memory pressure; recompute preemption requeues it):
+  * the oldest running request is scheduled in every step: a decode row fits any accepted config
+    (max_num_batched_tokens, max_num_logits >= 1 + K), and so does need(P) (at most a whole step's
+    chunk cap), before any younger row;
+  * in every step a running prefill P is not scheduled, a request admitted before it is, so W(P), the
+    tokens those requests may still compute (the sum of max_len - num_computed), shrinks by at least
+    one; admission and readmission append to the running queue, so nothing adds to W(P);
+  * hence P is scheduled within W(P) + 1 <= (max_num_seqs - 1) * max_model_len + 1 steps of any
+    step, and within one step once it is the oldest running request. test_progress.py checks the
+    step property over random accepted configs and workloads.
 """
 
 from __future__ import annotations
@@ -21,11 +40,11 @@ import numpy as np
 from scheduler.admit import admit_waiting
 from scheduler.assemble import Copies, DecodeBatch, assemble
 from scheduler.lifecycle import StateEdit, preempt
-from scheduler.pass_state import Pass, chunk_limits, emit_prefill, make_room
+from scheduler.pass_state import Pass, chunk_limits, chunk_logits, emit_prefill, make_room
 from scheduler.plan import BatchPlan
 from scheduler.replay import flush_flags
 from scheduler.slots import SlotKind
-from scheduler.split import SplitInput, split_chunk
+from scheduler.split import SplitInput, min_budget, split_chunk
 from scheduler.state import (
     COMMITTED,
     LAST_TOKEN,
@@ -58,12 +77,37 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, BatchPlan]:
 
 
 def _decode_rows(p: Pass) -> tuple[list[str], np.ndarray]:
-    """Running requests past their prefill, oldest first, as many as the budget holds."""
+    """Running requests past their prefill, oldest first, as many as `_num_decode_rows` says."""
     running, all_rows = p.edit.running, p.edit.running_rows()
-    index = p.edit.rows.prefill_done[all_rows].nonzero()[0][:min(p.budget, p.logits_budget) // p.query_len]
+    decoding = p.edit.rows.prefill_done[all_rows]
+    index = decoding.nonzero()[0][:_num_decode_rows(p, decoding, all_rows)]
     if len(index) == len(running):
         return list(running), all_rows
     return list(map(running.__getitem__, index.tolist())), all_rows[index]
+
+
+def _num_decode_rows(p: Pass, decoding: np.ndarray, all_rows: np.ndarray) -> int:
+    """How many decode rows run, oldest first: as many as the budgets hold, except that rows admitted after
+    the oldest running prefill leave it the least its next chunk needs, if the rows before it leave that."""
+    q = p.query_len
+    fit = min(p.budget, p.logits_budget) // q
+    if decoding.all():
+        return fit
+    older = int(decoding.argmin())  # the oldest running prefill's place: every row before it decodes
+    if older >= fit:
+        return fit
+    tokens, logits = _prefill_reserve(p, p.edit.running[older], int(all_rows[older]))
+    tokens_left, logits_left = p.budget - older * q, p.logits_budget - older * q
+    if tokens_left < tokens or logits_left < logits:
+        return fit  # it cannot run this step whatever the younger rows do
+    return older + min(tokens_left - tokens, logits_left - logits) // q
+
+
+def _prefill_reserve(p: Pass, rid: str, row: int) -> tuple[int, int]:
+    """Tokens and logits of the least chunk with which running prefill `rid` is scheduled (split.min_budget)."""
+    start = int(p.edit.rows.num_computed[row])
+    need = min_budget(_split_input(p, rid, row, start))
+    return need, chunk_logits(start, start + need, int(p.edit.rows.logits_from[row]))
 
 
 def _schedule_decodes(p: Pass) -> DecodeBatch:

@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ring-size", type=int, default=16)
     ap.add_argument("--checkpoint-fraction", type=float, default=0.33)
     ap.add_argument("--abort-fraction", type=float, default=0.1)
+    ap.add_argument("--ahead", action="store_true", help="one step ahead: update on placeholders, resolve later")
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--prompt-len", type=int, default=49)
     ap.add_argument("--record", metavar="FILE", help="write the event log of every seed (JSON lines)")
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                         abort_fraction=args.abort_fraction)
     total, logs = Report(), [] if args.record else None
     for seed in range(args.seeds):
-        total.add(run_seed(cfg, workload, seed, logs))
+        total.add(run_seed(cfg, workload, seed, logs, args.ahead))
     if args.record:
         save_logs(logs, args.record)
     if args.verbose:

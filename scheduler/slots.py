@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler.journal import UndoMap
+from scheduler.journal import UndoMap, set_writable
 
 NULL_SLOT = 0
 _NEVER = np.iinfo(np.int64).max  # LRU age of a slot that cannot be evicted
@@ -48,9 +48,12 @@ class SlotPool:
         self.pinned: set[int] = set()
         self.evicted: list = []
         self._saved = None
+        self.lock()
 
     def begin(self) -> None:
         self._saved = (self.kind.copy(), self.stamp.copy(), self.num_free_or_cached)
+        set_writable(self._saved[:2], False)
+        set_writable((self.kind, self.stamp), True)
         self.pinned, self.evicted = set(), []
 
     def rollback(self) -> None:
@@ -62,6 +65,11 @@ class SlotPool:
         self._saved = None
         self.hash_to_slot.commit()
         self.slot_to_hash.commit()
+        self.lock()
+
+    def lock(self) -> None:
+        """Make `kind` and `stamp` read-only until the next `begin`."""
+        set_writable((self.kind, self.stamp), False)
 
     def ready_slot(self, key) -> int | None:
         slot = self.hash_to_slot.get(key)

@@ -52,6 +52,18 @@ def split_chunk(s: SplitInput) -> int:
     return max(end - s.start, 0)
 
 
+def min_budget(s: SplitInput) -> int:
+    """The least budget with which `split_chunk(s)` schedules a token (it does with any budget from there
+    on; `s.budget` is not read): the rest of the prefill, or less in align mode, where a chunk that does
+    not finish the prefill must reach the next Mamba block boundary, unless a block is wider than any
+    chunk (sub-block mode). The stops and the lookahead rules only ever cut an end back to a position
+    past `start`, so they never turn a chunk into none. At most `max_chunk`."""
+    rest = s.prefill_end - s.start
+    if s.align and s.bs <= s.max_chunk:
+        return min(rest, s.bs - s.start % s.bs)
+    return min(rest, 1)
+
+
 def last_cacheable_boundary(prefill_end: int, bs: int, block_drop: bool) -> int:
     last = prefill_end - prefill_end % bs
     return max(last - bs, 0) if block_drop else last

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -27,7 +28,7 @@ import numpy as np
 from scheduler.blocks import BlockPool
 from scheduler.checkpoints import Claim
 from scheduler.config import SchedulerConfig
-from scheduler.journal import UndoArray, UndoMap, frozen
+from scheduler.journal import UndoArray, UndoMap, frozen, set_writable
 from scheduler.prefix_cache import ROOT_HASH, chain_hashes
 from scheduler.replay import materialize_count
 from scheduler.slots import SlotPool
@@ -75,6 +76,7 @@ class Rows:
         self._tables = {"block_table": UndoArray(np.zeros((size, cfg.max_blocks_per_request), np.int32)),
                         "tail": UndoArray(np.zeros((size, cfg.log_unit + cfg.num_spec_tokens), np.int32))}
         self._saved = None
+        self.lock()
 
     @property
     def block_table(self) -> np.ndarray:
@@ -90,6 +92,8 @@ class Rows:
 
     def begin(self) -> None:
         self._saved = (self.ints.copy(), self.bools.copy(), self.drafts.copy(), self.data.copy())
+        set_writable(self._saved, False)
+        set_writable((self.ints, self.bools, self.drafts, self.data), True)
 
     def rollback(self) -> None:
         self.ints, self.bools, self.drafts, self.data = self._saved
@@ -100,6 +104,11 @@ class Rows:
         self._saved = None
         for table in self._tables.values():
             table.commit()
+        self.lock()
+
+    def lock(self) -> None:
+        """Make the small buffers read-only until the next `begin` (the tables' views always are)."""
+        set_writable((self.ints, self.bools, self.drafts, self.data), False)
 
     def clear(self, rows: np.ndarray) -> None:
         # block_table, drafts and tail are only read below num_blocks, after a sample or after
@@ -148,6 +157,11 @@ class TokenLog:
     def length(self) -> int:
         return self.ends[-1] if self.ends else 0
 
+    def __deepcopy__(self, memo) -> TokenLog:
+        log = TokenLog(self.root)  # chunks are read-only, never written in place: a copy shares them
+        log.chunks, log.ends, log.hashes = list(self.chunks), list(self.ends), list(self.hashes)
+        return log
+
     def extend(self, tokens: np.ndarray, hash_unit: int) -> None:
         """Append the read-only `tokens` (kept, not copied) and hash the hash units they complete."""
         first = len(self.hashes) * hash_unit
@@ -158,19 +172,24 @@ class TokenLog:
             parent = self.hashes[-1] if self.hashes else self.root
             self.hashes += chain_hashes(parent, self.slice(first, last), hash_unit)
 
-    def replace(self, position: int, token: int, hash_unit: int) -> None:
+    def replace(self, position: int, token: int, hash_unit: int) -> Callable[[], None]:
         """Overwrite the token at `position` (a placeholder resolved, resolve.py) and re-chain the keys of
-        its unit and those after it in the log."""
-        i = bisect.bisect_right(self.ends, position)
-        chunk = self.chunks[i].copy()
+        its unit and those after it in the log. Returns its undo, for a transition that raises."""
+        i, unit = bisect.bisect_right(self.ends, position), position // hash_unit
+        old_chunk, old_keys = self.chunks[i], self.hashes[unit:]
+        chunk = old_chunk.copy()
         chunk[position - (self.ends[i - 1] if i else 0)] = token
         self.chunks[i] = frozen(chunk)
-        unit = position // hash_unit
         if len(self.hashes) > unit:
             del self.hashes[unit:]
             parent = self.hashes[-1] if self.hashes else self.root
             self.hashes += chain_hashes(parent, self.slice(unit * hash_unit, self.length // hash_unit * hash_unit),
                                         hash_unit)
+
+        def undo() -> None:
+            self.chunks[i] = old_chunk
+            self.hashes[unit:] = old_keys  # in place: the list is shared with undo marks (StateEdit.hash_marks)
+        return undo
 
     def mark(self) -> tuple[int, int]:
         """Where the log ends now, for `truncate` (a transition that raises undoes its appends)."""
@@ -311,7 +330,11 @@ class SchedulerState:
         return copy.deepcopy(self)
 
     def __deepcopy__(self, memo) -> SchedulerState:
-        return SchedulerState(copy.deepcopy(self.live(), memo))
+        data = copy.deepcopy(self.live(), memo)
+        data.rows.lock()  # numpy copies are writable
+        data.slots.lock()
+        frozen(data.running_rows)
+        return SchedulerState(data)
 
 
 def init_state(config: SchedulerConfig) -> SchedulerState:

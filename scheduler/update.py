@@ -6,8 +6,9 @@ bonus token; rejected drafts are a ReplaySSM cursor move), then prefill rows. A 
 KV blocks are published under their chained keys here; the blocks decode fills are published right
 before the next prefix lookup or their release (`publish_full_blocks`), so every lookup sees every
 full block while a steady decode batch hashes nothing. A verify row whose accepted tokens cross a
-Mamba block boundary asks the next `schedule` to materialise that boundary's state. Requests aborted
-while the step was in flight are released last, after their computed blocks and states are published, and emit nothing.
+Mamba block boundary asks the next `schedule` to materialise that boundary's state. Rows of requests
+aborted (or ended by `resolve`) while the step was in flight count what the step computed but commit
+and emit no token; they are released last, publishing their computed blocks and states.
 Per-row work is vectorised over the step's rows: the outputs are one `StepOutputs` of arrays and new
 tokens go to the row tails (history.py), so Python loops run only over the rows that finish or cross
 a Mamba block boundary (with k = 3 and 256-token blocks, ~1 row in 100).
@@ -93,7 +94,7 @@ def _update_decodes(edit: StateEdit, plan: BatchPlan, result: StepResult, live: 
     rows, cfg = edit.rows, edit.cfg
     cols = rows.ints.take(live.rows, axis=1)  # every column of the step's rows in one gather
     sampled = np.array(result.sampled_token_ids[live.index])  # the outputs own their tokens
-    accepted = np.add(result.num_accepted[live.index], 1, dtype=np.int32)  # committed tokens incl. the bonus
+    accepted = np.add(result.num_accepted[live.index], 1, dtype=np.int32)  # computed tokens incl. the bonus
     computed = cols[NUM_COMPUTED] + accepted
     ring_start, committed = commit(cols[RING_START], cols[COMMITTED], plan.flush[live.index], accepted,
                                    ring_rows(cfg.ring_size, cfg.num_spec_tokens))
@@ -103,7 +104,7 @@ def _update_decodes(edit: StateEdit, plan: BatchPlan, result: StepResult, live: 
                            (rows.committed, committed), (rows.last_token, last_token)):
         column[live.rows] = values  # 1-D scatters take numpy's fast path, a 2-D one does not
     rows.drafts[live.rows] = result.draft_token_ids[live.index]
-    outputs = _emit(edit, live, cols, sampled, accepted)
+    outputs = _emit(edit, live, cols, sampled, np.where(aborting_mask(edit.aborting, live.rids), 0, accepted))
     materialize_crossed_boundaries(edit, live.rids, live.rows, cols[NUM_COMPUTED], computed,
                                    cols[NUM_TOKENS] + outputs.num_new_tokens)
     _finish_rows(edit, outputs)
@@ -113,7 +114,8 @@ def _update_decodes(edit: StateEdit, plan: BatchPlan, result: StepResult, live: 
 def _update_prefills(edit: StateEdit, plan: BatchPlan, result: StepResult, live: _Live) -> StepOutputs:
     rows = edit.rows
     rows.num_computed[live.rows] += plan.query_lens[live.index]
-    sampling = _subset(live, rows.num_computed[live.rows] == rows.prefill_end[live.rows])  # the prefill ended
+    ended = rows.num_computed[live.rows] == rows.prefill_end[live.rows]
+    sampling = _subset(live, ended & ~aborting_mask(edit.aborting, live.rids))
     rows.prefill_done[sampling.rows] = True
     rows.last_token[sampling.rows] = result.sampled_token_ids[sampling.index, 0]
     rows.drafts[sampling.rows] = result.draft_token_ids[sampling.index]
@@ -123,6 +125,13 @@ def _update_prefills(edit: StateEdit, plan: BatchPlan, result: StepResult, live:
     register_blocks(edit, live.rids, live.rows, last)
     _finish_rows(edit, outputs)
     return outputs
+
+
+def aborting_mask(aborting: tuple[str, ...], request_ids: tuple[str, ...]) -> np.ndarray:
+    """[n] bool: which of `request_ids` are aborting (none, the usual case, costs one allocation)."""
+    if not aborting:
+        return np.zeros(len(request_ids), bool)
+    return np.fromiter(map(set(aborting).__contains__, request_ids), bool, len(request_ids))
 
 
 def _subset(live: _Live, mask: np.ndarray) -> _Live:
@@ -158,13 +167,14 @@ def _cut(edit: StateEdit, live: _Live, before: np.ndarray, max_len: np.ndarray, 
 def cut_at_stops(hits: np.ndarray, counts: np.ndarray, before: np.ndarray, max_len: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
     """Of counts[i] new tokens after before[i], how many row i keeps (up to max_len[i] and through its first
-    stop token, hits[i, j] marking those) and its finish code."""
+    stop token, hits[i, j] marking those) and its finish code. A row given no token (aborting) does not end."""
     keep = np.minimum(counts, max_len - before)
     hits = (np.arange(hits.shape[1], dtype=np.int32) < keep[:, None]) & hits
     first = hits.argmax(axis=1)
     stop = np.where(hits[np.arange(len(first)), first], first, -1)
     keep = np.where(stop >= 0, stop + 1, keep).astype(np.int32)
-    codes = np.where(stop >= 0, STOP_CODE, np.where(before + keep >= max_len, LENGTH_CODE, 0)).astype(np.int8)
+    at_max_len = (counts > 0) & (before + keep >= max_len)
+    codes = np.where(stop >= 0, STOP_CODE, np.where(at_max_len, LENGTH_CODE, 0)).astype(np.int8)
     return keep, codes
 
 
@@ -212,13 +222,11 @@ def _finish_rows(edit: StateEdit, outputs: StepOutputs) -> None:
 
 def _release_aborted(edit: StateEdit, outputs: StepOutputs) -> StepOutputs:
     """Release the requests aborted while the step ran, now that it has: they emit nothing."""
-    gone = [rid for rid in edit.aborting if rid in edit.row_of]  # not those that finished in the step
-    if gone:
-        release_rows(edit, gone)
-        for rid in gone:
-            forget(edit, rid)
-    aborted, edit.aborting = set(edit.aborting), ()
-    return outputs.without(aborted)
+    aborted, edit.aborting = list(edit.aborting), ()
+    release_rows(edit, aborted)
+    for rid in aborted:
+        forget(edit, rid)
+    return outputs.without(set(aborted))
 
 
 def _join(parts: list[StepOutputs], width: int) -> StepOutputs:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from scheduler import FinishReason, RequestOutput, StepOutputs, schedule, update
+from scheduler import FinishReason, Request, RequestOutput, SamplingParams, StepOutputs, schedule, update
 from scheduler.journal import frozen
 from scheduler.prefix_cache import ROOT_HASH, root_hash
 from scheduler.state import TokenLog
@@ -107,3 +107,24 @@ def test_a_cache_salt_separates_the_prefix_keys_of_equal_prompts():
     tokens = list(range(32))
     plain, salted, other = (TokenLog.create(tokens, 16, root_hash(salt)).hashes for salt in (None, "a", "b"))
     assert plain == TokenLog.create(tokens, 16).hashes and len({*plain, *salted, *other}) == 6
+
+
+@given(st.lists(st.integers(0, 127), min_size=16, max_size=16))
+def test_no_cache_salt_spells_a_chain_key(unit):
+    """A salt whose bytes spell a token unit T (each token as little-endian int32: ASCII tokens give valid
+    UTF-8) must not name the unsalted key of T, or (salt, P) would hit (no salt, T + P) a block late."""
+    salt = np.array(unit, "<i4").tobytes().decode()
+    assert root_hash(salt) != TokenLog.create(unit, 16).hashes[0]
+    assert not {*TokenLog.create(unit * 3, 16, root_hash(salt)).hashes} & {*TokenLog.create(unit * 4, 16).hashes}
+
+
+def test_a_crafted_cache_salt_does_not_hit_another_tenants_prefix():
+    unit = list(range(65, 81))
+    salt = np.array(unit, "<i4").tobytes().decode()
+    driver = Driver(make_config(max_num_batched_tokens=128))
+    prompt = list(range(200, 260))
+    driver.add(request("U", unit + prompt))
+    driver.drain("the unsalted U caches its states")
+    driver.add(Request("S", tuple(prompt + [5, 6, 7]), SamplingParams(max_tokens=1), cache_salt=salt))
+    plan = driver.step()
+    assert plan.request_ids == ("S",) and plan.context_lens[0] == 0 and plan.num_hit_copies == 0

@@ -14,6 +14,7 @@ from scheduler import (
     Request,
     RowKind,
     SamplingParams,
+    SchedulerConfig,
     StepResult,
     abort_request,
     add_request,
@@ -23,12 +24,14 @@ from scheduler import (
     schedule,
     update,
 )
-from scheduler.fake_device import FP_ROOT, FakeDevice, fold
+from scheduler.fake_device import FP_ROOT, FakeDevice, device_plan, fold
 from scheduler.invariants import check_drained, check_invariants
+from scheduler.lifecycle import StateEdit
 from scheduler.plan import BatchPlan
 from scheduler.replay import ring_rows
 from scheduler.slots import SlotKind
-from tests.scheduler.helpers import make_config
+from scheduler.state import TokenLog
+from tests.scheduler.helpers import make_config, result_for
 
 EOS, VOCAB, MAX_STEPS = 2, 50, 400
 
@@ -67,24 +70,6 @@ def device_result(plan: BatchPlan, k: int) -> StepResult:
             sampled[r, 0] = token_at(rid, last)
         drafts[r] = [draft_at(rid, last + 1 + j) for j in range(k)]
     return StepResult(sampled, accepted, drafts)
-
-
-def with_tokens(plan: BatchPlan, previous: StepResult | None) -> BatchPlan:
-    """The plan as the device sees it (what the runner's jitted step does first): placeholder P(r, 0) is the
-    last token row r emitted in the step before, P(r, j) its draft j, and a verify row that starts with
-    P(r, 0) moves on by the drafts row r accepted."""
-    if previous is None or (plan.token_ids >= 0).all():
-        return plan
-    width = previous.sampled_token_ids.shape[1]
-    rows = np.arange(len(previous.num_accepted))
-    carried = np.concatenate([previous.sampled_token_ids[rows, previous.num_accepted][:, None],
-                              previous.draft_token_ids], axis=1).reshape(-1)
-    real = lambda tokens: np.where(tokens < 0, carried[np.maximum(-1 - tokens, 0)], tokens)
-    first = plan.token_ids[np.minimum(plan.cu_seqlens[:-1], plan.token_bucket - 1)]
-    moved = (plan.row_kind == RowKind.VERIFY) & (first < 0)
-    shift = np.where(moved, previous.num_accepted[np.where(moved, (-1 - first) // width, 0)], 0).astype(np.int32)
-    return plan._replace(token_ids=real(plan.token_ids), draft_token_ids=real(plan.draft_token_ids),
-                         context_lens=plan.context_lens + shift, ring_committed=plan.ring_committed + shift)
 
 
 class Run:
@@ -155,9 +140,9 @@ class Run:
                 self.record(outputs)
                 pending = None
             if plan is not None:
-                device_plan = with_tokens(plan, last)
-                self.device.run(self.state, device_plan)  # after resolve: the logs hold the real tokens
-                last = device_result(device_plan, self.k)
+                on_device = device_plan(plan, last)
+                self.device.run(self.state, on_device)  # after resolve: the logs hold the real tokens
+                last = device_result(on_device, self.k)
                 self.accepted += int(last.num_accepted.sum())
                 self.state, pending = update(self.state, plan, placeholder_result(plan, self.k))
                 assert not check_invariants(self.state), check_invariants(self.state)
@@ -278,3 +263,144 @@ def test_a_placeholder_needs_a_result_that_has_its_row():
     with pytest.raises(ValueError, match="placeholders name rows"):
         resolve(state, pending, StepResult(np.zeros((0, 1), np.int32), np.zeros(0, np.int32),
                                            np.zeros((0, 0), np.int32)))
+
+
+def test_resolving_no_outputs_with_an_abort_in_flight():
+    """A prefill chunk emits nothing: resolve gets empty outputs while an aborted request's step runs."""
+    cfg = SchedulerConfig(block_size=16, mamba_block_size=16, max_num_batched_tokens=16)
+    state = add_request(init_state(cfg), Request("a", tuple(range(1, 60)), SamplingParams(max_tokens=4)))
+    state, first = schedule(state)
+    state, pending = update(state, first, placeholder_result(first, 0))
+    state, second = schedule(state)
+    state = abort_request(state, "a")
+    state, outputs = resolve(state, pending, result_for(first, 0, token=9))
+    assert len(pending) == len(outputs) == 0
+    state, later = update(state, second, placeholder_result(second, 0))
+    assert len(later) == 0 and check_drained(state) == []
+
+
+def _ends_at_eos_before_max_tokens(state, cfg):
+    """eos comes one token before max_tokens: resolve ends the request while the next step, which reaches
+    max_tokens on a placeholder, is in flight."""
+    state = add_request(state, Request("x", (5, 6, 7), SamplingParams(max_tokens=2, eos_token_id=EOS)))
+    state, a = schedule(state)
+    state, pending_a = update(state, a, placeholder_result(a, 0))
+    state, b = schedule(state)
+    state, _ = resolve(state, pending_a, result_for(a, 0, token=EOS))
+    state, pending_b = update(state, b, placeholder_result(b, 0))
+    return resolve(state, pending_b, result_for(b, 0, token=9))[0]
+
+
+def _aborted_as_it_reaches_max_tokens(state, cfg):
+    state = add_request(state, Request("x", (5, 6, 7), SamplingParams(max_tokens=2)))
+    state, a = schedule(state)
+    state, pending_a = update(state, a, placeholder_result(a, 0))
+    state, b = schedule(state)
+    state = abort_request(state, "x")
+    state, _ = resolve(state, pending_a, result_for(a, 0, token=9))
+    state, pending_b = update(state, b, placeholder_result(b, 0))
+    return resolve(state, pending_b, result_for(b, 0, token=9))[0]
+
+
+def _aborted_as_its_prefill_samples_its_only_token(state, cfg):
+    state = add_request(state, Request("x", (5, 6, 7), SamplingParams(max_tokens=1)))
+    state, a = schedule(state)
+    state = abort_request(state, "x")
+    state, pending = update(state, a, placeholder_result(a, 0))
+    return resolve(state, pending, result_for(a, 0, token=9))[0]
+
+
+@pytest.mark.parametrize("run", [_ends_at_eos_before_max_tokens, _aborted_as_it_reaches_max_tokens,
+                                 _aborted_as_its_prefill_samples_its_only_token])
+def test_an_end_on_a_placeholder_of_a_request_that_ended_meanwhile_leaves_nothing(run):
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128, num_blocks=32,
+                          num_state_slots=8)
+    state = run(init_state(cfg), cfg)
+    assert dict(state.unresolved_ends) == {} and check_drained(state) == []
+
+
+@pytest.mark.parametrize("name", ["unresolved_ends", "parked_tokens", "logs", "row_of"])
+def test_check_drained_names_every_map_left_over(name):
+    state = init_state(make_config())
+    getattr(state, name)["ghost"] = 1  # written from outside: what a leak would leave
+    assert any(name in problem for problem in check_drained(state))
+
+
+def test_a_request_aborted_before_resolve_publishes_its_real_tokens_only():
+    """The step in flight still computes the aborted request's last token: its block and boundary state are
+    published, under the key of the real token, never the placeholder's."""
+    cfg = make_config(block_size=4, mamba_block_size=4)
+    state = add_request(init_state(cfg), Request("a", (5, 6, 7), SamplingParams(max_tokens=8)))
+    state, first = schedule(state)
+    state, pending = update(state, first, placeholder_result(first, 0))
+    state, second = schedule(state)
+    state = abort_request(state, "a")
+    state, outputs = resolve(state, pending, result_for(first, 0, token=40))
+    assert len(outputs) == 0  # aborted: it emits nothing more
+    state, _ = update(state, second, placeholder_result(second, 0))
+    placeholder, real = (TokenLog.create(tokens, 4).hashes[0] for tokens in ([5, 6, 7, -1], [5, 6, 7, 40]))
+    assert placeholder not in state.blocks.hash_to_block and real in state.blocks.hash_to_block
+    assert [m.key for m in state.materializations] == [real]
+
+
+def test_a_stop_among_accepted_drafts_publishes_no_placeholder():
+    """K = 2: resolve cuts at a stop token (the first of two accepted drafts) while the next step runs, so the
+    request computed past its last token; that step's update must not commit its placeholder below the count."""
+    cfg = make_config(block_size=4, mamba_block_size=4, num_spec_tokens=2, ring_size=4)
+    state = add_request(init_state(cfg), Request("a", (5, 6, 7, 8, 9), SamplingParams(20, EOS)))
+
+    def result(plan, sampled, accepted):
+        rows = plan.row_bucket
+        return StepResult(np.tile(np.array(sampled, np.int32), (rows, 1)), np.full(rows, accepted, np.int32),
+                          np.full((rows, 2), 30, np.int32))
+    state, prefill = schedule(state)
+    state, pending = update(state, prefill, placeholder_result(prefill, 2))
+    state, verify = schedule(state)
+    state, _ = resolve(state, pending, result(prefill, [20, 0, 0], 0))
+    state, pending = update(state, verify, placeholder_result(verify, 2))
+    state, last = schedule(state)
+    state, outputs = resolve(state, pending, result(verify, [EOS, 30, 31], 2))
+    assert [(o.new_token_ids, o.finish_reason.value) for o in outputs] == [((EOS,), "stop")]
+    state, _ = update(state, last, placeholder_result(last, 2))
+    real = set(TokenLog.create([5, 6, 7, 8, 9, 20, EOS], 4).hashes)
+    assert state.blocks.hash_to_block and set(state.blocks.hash_to_block) <= real
+    assert check_drained(state) == []
+
+
+def test_a_resolve_that_raises_undoes_its_token_replacements(monkeypatch):
+    """The placeholder sits in a full log block (resolve replaces it there and re-chains the block's key):
+    a resolve that raises at its very end leaves the log as it was, and a retry then resolves it."""
+    cfg = make_config()
+    prompt = tuple(range(3, 18))
+    state = add_request(init_state(cfg), Request("a", prompt, SamplingParams(3, EOS)))
+    state, plan = schedule(state)
+    state, pending = update(state, plan, placeholder_result(plan, 0))
+    state, _ = schedule(state)
+    before = (state.logs["a"].slice(0, 16).tolist(), list(state.logs["a"].hashes))
+
+    def broken(edit):
+        raise RuntimeError("freeze failed")
+    monkeypatch.setattr(StateEdit, "freeze", broken)
+    with pytest.raises(RuntimeError, match="freeze failed"):
+        resolve(state, pending, result_for(plan, 0, token=40))
+    monkeypatch.undo()
+    assert (state.logs["a"].slice(0, 16).tolist(), list(state.logs["a"].hashes)) == before
+    state, _ = resolve(state, pending, result_for(plan, 0, token=40))
+    assert state.logs["a"].slice(0, 16).tolist() == list(prompt) + [40]
+
+
+@pytest.mark.parametrize("accepted, width, message", [(5, 3, "num_accepted"), (-1, 3, "num_accepted"),
+                                                      (0, 2, "sampled_token_ids")])
+def test_resolve_checks_its_result_as_update_does(accepted, width, message):
+    cfg = make_config(num_spec_tokens=2, ring_size=4)
+    state = add_request(init_state(cfg), Request("a", (3, 4, 5), SamplingParams(8)))
+    state, prefill = schedule(state)
+    state, pending = update(state, prefill, placeholder_result(prefill, 2))
+    state, _ = schedule(state)
+    rows = prefill.row_bucket
+    bad = StepResult(np.full((rows, width), 9, np.int32), np.full(rows, accepted, np.int32),
+                     np.zeros((rows, 2), np.int32))
+    with pytest.raises(ValueError, match=message):
+        resolve(state, pending, bad)
+    state, outputs = resolve(state, pending, result_for(prefill, 2, token=9))  # the state is still whole
+    assert [o.new_token_ids for o in outputs] == [(9,)]

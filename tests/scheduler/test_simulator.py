@@ -8,20 +8,35 @@ import pytest
 
 from scheduler import simulate
 from scheduler.events import load_logs, replay
-from scheduler.simulator import Workload, run_seed
+from scheduler.schedule import schedule
+from scheduler.simulator import Workload, count_stalls, run_seed
+from tests.scheduler.helpers import Driver, make_config, request
 
 SETTINGS = [  # (lookahead, block drop, token budget): L in {0..5}, drop on/off, half a block .. many blocks
     (0, True, 256), (2, False, 64), (3, True, 32), (3, False, 1024), (5, False, 256), (1, True, 64),
 ]
 
 
+@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("lookahead, drop, budget", SETTINGS)
-def test_reduced_sweep_has_no_stalls_violations_or_leaks(lookahead, drop, budget):
+def test_reduced_sweep_has_no_stalls_violations_or_leaks(lookahead, drop, budget, ahead):
     args = simulate.parse_args(["--lookahead", str(lookahead), "--token-budget", str(budget),
                                 "--eagle-block-drop" if drop else "--no-eagle-block-drop"])
-    report = run_seed(simulate.config_from(args), Workload(steps=120), seed=lookahead * 7 + budget)
+    report = run_seed(simulate.config_from(args), Workload(steps=120), seed=lookahead * 7 + budget, ahead=ahead)
     assert report.ok, (report.summary(), report.messages[:5])
     assert report.total > 5 and (report.hits_checked > 0 or budget < 256)
+
+
+def test_a_running_prefill_passed_over_while_nothing_older_runs_is_a_stall():
+    """The progress bound's step property (schedule.py), checked by the simulator: P's remainder exceeds the
+    budget, so only the property tells a plan without P from a fair one."""
+    driver = Driver(make_config(max_num_batched_tokens=16))
+    driver.add(request("P", range(1, 65)))
+    driver.step()
+    state, plan = schedule(driver.state)
+    assert driver.chunks(plan) == {"P": (16, 32)} and count_stalls(state, plan) == []
+    passed_over = plan._replace(request_ids=(), num_tokens=0)
+    assert count_stalls(state, passed_over) == [f"step {plan.step_id}: 'P' stalled at 16"]
 
 
 def test_memory_pressure_preempts_and_still_drains():
@@ -68,6 +83,7 @@ def test_transitions_make_no_reference_cycles():
 
 @pytest.mark.parametrize("argv", [
     ["--num-spec-tokens", "3", "--abort-fraction", "0.3", "--checkpoint-fraction", "0.5"],
+    ["--num-spec-tokens", "2", "--abort-fraction", "0.3", "--ahead"],  # resolves recorded, aborts in flight
     ["--num-spec-tokens", "0", "--token-budget", "64", "--abort-fraction", "0.2"],
     ["--num-blocks", "70", "--num-state-slots", "8", "--max-num-seqs", "8"],  # preemptions
 ])
@@ -77,6 +93,7 @@ def test_recorded_runs_replay_bit_for_bit_and_a_changed_log_is_caught(tmp_path, 
     logs = load_logs(path)
     kinds = {kind for log in logs for event in log.events for kind in event}
     assert {"add", "schedule", "update"} <= kinds and ("abort" in kinds or "--num-blocks" in argv)
+    assert ("resolve" in kinds) == ("--ahead" in argv)
     assert simulate.main(["--replay", str(path)]) == 0
     assert "bit-identical" in capsys.readouterr().out
     first = next(e["add"] for e in logs[0].events if "add" in e)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from scheduler.split import SplitInput, split_chunk
+from scheduler.split import SplitInput, min_budget, split_chunk
 from tests.scheduler.helpers import Driver, make_config, request, trace_ends
 
 CAP = 1 << 20  # a step budget cap far above every block: aligned chunks are always fundable
@@ -103,6 +105,28 @@ def test_producer_truncation_is_a_mandatory_stop():
     assert _split(48, 100, 100, 16) == 48  # an unmarked request stops at the last boundary, 96
     marked = SplitInput(48, 100, 100, 16, CAP, checkpoint=48, marked=True)
     assert split_chunk(marked) == 52  # a marked one caches only its checkpoint: no boundary stops
+
+
+@st.composite
+def split_inputs(draw) -> SplitInput:
+    """Any chunk decision the scheduler can ask for: a prefill not yet done, any block size, cap, lookahead,
+    block drop, producer checkpoint, marker, cache mode."""
+    bs, prefill_end = draw(st.sampled_from([1, 2, 4, 8, 16, 64])), draw(st.integers(1, 200))
+    start = draw(st.integers(0, prefill_end - 1))
+    checkpoint = draw(st.none() | st.integers(start + 1, prefill_end))
+    align = draw(st.booleans())
+    return SplitInput(start, 0, prefill_end, bs, draw(st.integers(1, 80)), draw(st.integers(0, 5)), draw(st.booleans()),
+                      checkpoint, align, align and draw(st.booleans()))
+
+
+@given(split_inputs(), st.data())
+def test_min_budget_is_exactly_the_least_budget_that_schedules_a_token(s, data):
+    """The lemma behind the progress bound (schedule.py): a running prefill given min_budget tokens, at most
+    a whole step's cap, is scheduled something; with any less, nothing."""
+    need = min_budget(s)
+    assert 0 < need <= s.max_chunk
+    budget = data.draw(st.integers(0, s.max_chunk))
+    assert (split_chunk(s._replace(budget=budget)) > 0) == (budget >= need)
 
 
 # §6 B, §2.3: the lookahead livelock ----------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 from scheduler import (
     CheckpointMarkerError,
     FinishReason,
+    Request,
     RowKind,
     SchedulerConfig,
     StepResult,
@@ -298,6 +299,10 @@ def test_plan_padding_points_at_the_null_slot_and_block():
     (lambda: request("mt", [1, 2], max_tokens=2.0), "max_tokens"),
     (lambda: request("st", [1, 2], stop_token_ids=(3, 4.0)), "stop_token_ids"),
     (lambda: request("eos", [1, 2], eos_token_id=-1), "eos_token_id"),
+    (lambda: request("bool", (1, True, 3)), "prompt_token_ids"),
+    (lambda: Request("none", (1, 2), None), "sampling_params"),
+    (lambda: Request("dict", (1, 2), {"max_tokens": 3}), "sampling_params"),
+    (lambda: Request("surrogate", (1, 2), cache_salt="\ud800"), "cache_salt"),
 ])
 def test_request_fields_are_type_and_range_checked(make, message):
     """Finding 6: a float checkpoint used to wedge every later schedule; float ids were truncated."""
@@ -326,3 +331,44 @@ def test_the_slot_pool_minimum_cannot_deadlock_a_producer_with_a_hit():
     driver.add(request("X", [7] * 10))
     driver.drain("P with a checkpoint and a hit, X behind it, 4 state slots", max_steps=20)
     assert {o.request_id for o in driver.outputs if o.finished} == {"U", "P", "X"}
+
+
+def test_a_request_keeps_its_own_copy_of_a_list_prompt():
+    prompt = [1, 2, 3]
+    req = Request("a", prompt)
+    prompt.append(4)
+    state = add_request(init_state(make_config()), req)
+    prompt.append(5)
+    assert req.prompt_token_ids == (1, 2, 3) and state.token_ids("a") == [1, 2, 3]
+    with pytest.raises(TypeError, match="prompt_token_ids"):
+        Request("b", 5)
+
+
+def _state_arrays(state) -> dict:
+    """Every numpy array a caller can read from a state (table views, pools, the running rows)."""
+    rows, slots, blocks = state.rows, state.slots, state.blocks
+    arrays = {name: getattr(rows, name) for name in INT_COLUMNS + BOOL_COLUMNS}
+    arrays.update(ints=rows.ints, bools=rows.bools, drafts=rows.drafts, data=rows.data,
+                  block_table=rows.block_table, tail=rows.tail, kind=slots.kind, stamp=slots.stamp,
+                  ref_count=blocks.ref_count, queue_pos=blocks.queue_pos, refs=blocks.refs[:], stack=blocks.stack[:],
+                  running_rows=state.running_rows, log=state.logs[state.running[0]].slice(0, 4))
+    return arrays
+
+
+def test_arrays_read_from_a_state_are_read_only(monkeypatch):
+    """A caller cannot corrupt a live state through what it reads: not at rest, not after a transition raised
+    (rolled back), not in a snapshot."""
+    driver = _busy_state()
+    states = [driver.state, driver.state.snapshot()]
+    monkeypatch.setattr(sys.modules["scheduler.schedule"], "assemble", lambda *args: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        schedule(driver.state)
+    monkeypatch.undo()
+    for state in states:
+        for name, array in _state_arrays(state).items():
+            with pytest.raises(ValueError, match="read-only"):
+                array[...] = 0
+                pytest.fail(f"{name} is writable")
+            assert array.size or name == "data", name  # row_data_bytes = 0
+    state, plan = schedule(driver.state)  # transitions still write
+    update(state, plan, result_for(plan, 2, accepted=1))
