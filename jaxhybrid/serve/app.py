@@ -403,7 +403,8 @@ async def _chat_chunks(streams: list[RequestStream], prompt: Prompt, body: ChatC
         yield {**head, "choices": [], "usage": protocol.usage([final])}
 
 
-def _with_usage(body, chunk: dict, prompt_tokens: int, completion_tokens: int) -> dict:
+def _with_usage(body: CompletionRequest | ChatCompletionRequest, chunk: dict, prompt_tokens: int,
+                completion_tokens: int) -> dict:
     """vLLM's continuous_usage_stats: each chunk counts its prompt and its choice's tokens so far."""
     if body.continuous_usage():
         chunk["usage"] = protocol.usage_counts(prompt_tokens, completion_tokens)
