@@ -162,17 +162,33 @@ class LLM:
         self.engine.reset_prefix_cache()
         return True
 
-    def parse_prompt(self, prompt: PromptInput) -> Prompt:
+    def parse_prompt(self, prompt: PromptInput, params: SamplingParams | None = None) -> Prompt:
         """Text, token ids, `{"prompt": text}`, `{"prompt_token_ids": ids}` (optionally with
-        "checkpoint_position") or `{"messages": [...]}` (the chat template) -> the engine's Prompt."""
+        "checkpoint_position") or `{"messages": [...]}` (the chat template) -> the engine's Prompt, cut to
+        `params.truncate_prompt_tokens`."""
+        parsed = self._parse(prompt)
+        keep = None if params is None else params.truncate_prompt_tokens
+        return parsed if keep is None else self._truncated(parsed, keep)
+
+    def _truncated(self, prompt: Prompt, keep: int) -> Prompt:
+        """The prompt's last `keep` tokens (vLLM's left truncation; -1: max_model_len). A cut prompt has no
+        text (echo decodes what is left) and no checkpoint (its marker no longer ends the same prefix)."""
+        limit = self.config.max_model_len
+        if keep > limit:
+            raise ValueError(f"SamplingParams.truncate_prompt_tokens ({keep}) is greater than max_model_len "
+                             f"({limit}); select a smaller truncation size")
+        dropped = len(prompt.token_ids) - (limit if keep == -1 else keep)
+        return prompt if dropped <= 0 else Prompt(prompt.token_ids[dropped:])
+
+    def _parse(self, prompt: PromptInput) -> Prompt:
         if isinstance(prompt, dict):
             unknown = sorted(set(prompt) - PROMPT_KEYS)
             if unknown:
                 raise ValueError(f"prompt dict keys {unknown} are not supported (known: {sorted(PROMPT_KEYS)})")
             if "messages" in prompt:
-                return self.parse_prompt(self._require_tokenizer("chat").apply_chat_template(prompt["messages"]))
+                return self._parse(self._require_tokenizer("chat").apply_chat_template(prompt["messages"]))
             if "prompt" in prompt:
-                return self.parse_prompt(prompt["prompt"])
+                return self._parse(prompt["prompt"])
             if "prompt_token_ids" in prompt:
                 return self._token_prompt(prompt["prompt_token_ids"], prompt.get("checkpoint_position"))
             raise ValueError(f"a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages', got {sorted(prompt)}")
@@ -217,7 +233,8 @@ class LLM:
             for prompt, p in zip(prompts, params, strict=True):
                 ids.append(f"{self._counter}")
                 self._counter += 1
-                self.engine.add_request(ids[-1], self.parse_prompt(prompt), p or self.get_default_sampling_params(),
+                p = p or self.get_default_sampling_params()
+                self.engine.add_request(ids[-1], self.parse_prompt(prompt, p), p,
                                         cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None)
         except ValueError:  # nothing of this call stays queued
             for request_id in ids:

@@ -36,7 +36,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -84,6 +84,8 @@ class EngineStats:
     draft_tokens: int = 0        # MTP drafts verified
     accepted_tokens: int = 0     # ... and accepted
     failed_steps: int = 0        # steps that raised (the engine started over)
+    # each recent step's computed tokens (prompt + generated), for the server's per-step histogram to drain
+    step_tokens: deque[int] = field(default_factory=lambda: deque(maxlen=4096))
 
 
 class EngineLoad(NamedTuple):
@@ -393,8 +395,10 @@ class Engine:
         prefill = plan.row_kind[:rows] == RowKind.PREFILL
         verify = plan.row_kind[:rows] == RowKind.VERIFY
         stats.steps += 1
-        stats.prefill_tokens += int(plan.query_lens[:rows][prefill].sum())
-        stats.generation_tokens += int(outputs.num_new_tokens.sum())
+        prefill_tokens, generated = int(plan.query_lens[:rows][prefill].sum()), int(outputs.num_new_tokens.sum())
+        stats.prefill_tokens += prefill_tokens
+        stats.generation_tokens += generated
+        stats.step_tokens.append(prefill_tokens + generated)
         stats.hit_copies += plan.num_hit_copies
         stats.pair_copies += plan.num_pair_copies
         stats.publishes += plan.num_publishes
@@ -455,8 +459,10 @@ class Engine:
     def _emit(self, sequence: _Sequence, tokens: list[int], reason: FinishReason | None, entries: list[int] | None,
               reported: Logprobs | None) -> None:
         output, detokenizer, request = sequence.output, sequence.detokenizer, sequence.request
-        if request.metrics.first_token_time is None and tokens:
-            request.metrics.first_token_time = time.time()
+        if tokens:
+            request.metrics.last_token_time = time.time()
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = request.metrics.last_token_time
         # vLLM: the text of a token that stopped the request (eos or a stop token id) is left out
         texts = len(tokens) - (reason is FinishReason.STOP and not request.params.include_stop_str_in_output)
         for j, token in enumerate(tokens):

@@ -3,7 +3,8 @@ plus the hybrid ones: state-slot usage, state-page hits and checkpoint hits.
 
 Gauges are set from `Engine.load()` after every step; counters follow `EngineStats` (the engine's running
 totals, so a counter can never drift from what the engine did); histograms are observed per request
-from its `RequestMetrics` when it finishes, and per streamed step for inter-token latency.
+from its `RequestMetrics` when it finishes, per streamed step for inter-token latency, and per engine step
+for the tokens it computed.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from jaxhybrid.engine import EngineLoad, EngineStats
 from jaxhybrid.outputs import RequestOutput
+from jaxhybrid.sampling_params import SamplingParams
+from scheduler import SchedulerConfig
 
 PREFIX = "jaxhybrid:"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                           5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # EngineStats field -> counter (name, help); vLLM's names where the concept is theirs
 _COUNTERS = {
     "prefill_tokens": ("prompt_tokens", "Prompt tokens computed (prefix hits excluded)."),
@@ -36,6 +40,17 @@ _COUNTERS = {
     "draft_tokens": ("spec_decode_num_draft_tokens", "MTP draft tokens verified."),
     "accepted_tokens": ("spec_decode_num_accepted_tokens", "MTP draft tokens accepted."),
 }
+
+
+def cache_config_info(config: SchedulerConfig) -> dict[str, str]:
+    """The labels of `cache_config_info`: vLLM's (block_size, num_gpu_blocks, kv_cache_size_tokens) and the
+    hybrid's (state slots, the ReplaySSM window, the MTP drafts)."""
+    num_gpu_blocks = config.num_blocks - 1  # block 0 is the null block
+    return {"block_size": str(config.block_size), "mamba_block_size": str(config.mamba_block_size),
+            "cache_mode": config.cache_mode, "num_gpu_blocks": str(num_gpu_blocks),
+            "kv_cache_size_tokens": str(num_gpu_blocks * config.block_size),
+            "num_state_slots": str(config.num_state_slots - 1), "replayssm_window": str(config.ring_size),
+            "num_speculative_tokens": str(config.num_spec_tokens)}
 
 
 def _power_buckets(limit: int) -> list[int]:
@@ -89,6 +104,19 @@ class ServerMetrics:
                               _TOKEN_LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.",
+                                      _LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "First scheduled to last token.",
+                                        _LATENCY_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
+                                          _ITERATION_TOKEN_BUCKETS)
+        self.params_n = histogram("request_params_n", "The n request parameter.", (1, 2, 5, 10, 20))
+        self.params_max_tokens = histogram("request_params_max_tokens", "The max_tokens request parameter (when set).",
+                                           _power_buckets(max_model_len))
+        self.max_generation_tokens = histogram("request_max_num_generation_tokens",
+                                               "Per request: the most tokens one of its n completions generated.",
+                                               _power_buckets(max_model_len))
         self.prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.",
                                        _power_buckets(max_model_len))
         self.generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.",
@@ -105,6 +133,8 @@ class ServerMetrics:
         self.state_slot_usage.set(load.state_slot_usage)
         self.preemptions.inc(load.num_preemptions - self._preemptions)
         self._preemptions = load.num_preemptions
+        while stats.step_tokens:  # the engine's output thread appends; only this thread takes
+            self.iteration_tokens.observe(stats.step_tokens.popleft())
         for field, counter in self.counters.items():
             gained = getattr(stats, field) - getattr(self._stats, field)
             if gained:
@@ -113,21 +143,31 @@ class ServerMetrics:
             self.drafts.inc((stats.draft_tokens - self._stats.draft_tokens) // self._num_spec_tokens)
         self._stats = dataclasses.replace(stats)
 
-    def observe_finished(self, output: RequestOutput) -> None:
-        metrics, now = output.metrics, time.time()
+    def observe_finished(self, output: RequestOutput, params: SamplingParams | None = None) -> None:
+        """A finished (or aborted) request; each phase only once the engine has timed both its ends."""
+        metrics = output.metrics
         for completion in output.outputs:
             self._success.labels(**self._labels, finished_reason=completion.finish_reason).inc()
-        self.e2e.observe(now - metrics.arrival_time)
+        self.e2e.observe(time.time() - metrics.arrival_time)
         self.prompt_tokens.observe(len(output.prompt_token_ids))
-        generated = sum(len(c.token_ids) for c in output.outputs)
-        self.generation_tokens.observe(generated)
-        if metrics.first_scheduled_time is not None:
-            self.queue.observe(metrics.first_scheduled_time - metrics.arrival_time)
-        if metrics.first_token_time is not None:
-            self.ttft.observe(metrics.first_token_time - metrics.arrival_time)
-            longest = max(len(c.token_ids) for c in output.outputs)
+        self.generation_tokens.observe(sum(len(c.token_ids) for c in output.outputs))
+        longest = max(len(c.token_ids) for c in output.outputs)
+        self.max_generation_tokens.observe(longest)
+        if params is not None:
+            self.params_n.observe(params.n)
+            if params.max_tokens is not None:
+                self.params_max_tokens.observe(params.max_tokens)
+        scheduled, first, last = metrics.first_scheduled_time, metrics.first_token_time, metrics.last_token_time
+        if scheduled is not None:
+            self.queue.observe(scheduled - metrics.arrival_time)
+        if first is not None:
+            self.ttft.observe(first - metrics.arrival_time)
+            self.decode_time.observe(last - first)
+            if scheduled is not None:
+                self.prefill_time.observe(first - scheduled)
+                self.inference_time.observe(last - scheduled)
             if longest > 1:
-                self.tpot.observe((now - metrics.first_token_time) / (longest - 1))
+                self.tpot.observe((last - first) / (longest - 1))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -27,7 +27,8 @@ class SamplingParams:
 
     temperature 0 is greedy; top_k 0 or -1 and top_p 1 disable those filters; seed None draws a seed per
     request; stop strings end the text before them (unless include_stop_str_in_output); logprobs and
-    prompt_logprobs ask for that many top log-probabilities per position; max_tokens 0 scores the prompt.
+    prompt_logprobs ask for that many top log-probabilities per position; max_tokens 0 scores the prompt;
+    truncate_prompt_tokens keeps only a prompt's last k tokens (-1: max_model_len).
     """
 
     n: int = 1
@@ -47,6 +48,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,6 +83,10 @@ class SamplingParams:
             ("prompt_logprobs", self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
                                                                  and self.prompt_logprobs >= 0),
              "an integer >= 0 or None"),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens is None or (
+                _is_int(self.truncate_prompt_tokens) and (self.truncate_prompt_tokens >= 1
+                                                          or self.truncate_prompt_tokens == -1)),
+             "an integer >= 1, -1 (max_model_len) or None"),
         ]
         return [f"SamplingParams.{name} must be {rule}, got {getattr(self, name)!r}" for name, ok, rule in checks
                 if not ok]

@@ -160,7 +160,7 @@ def _batch_work(llm: LLM, line: dict, index: int, model: str, created: int, seed
     response_id = f"{'cmpl' if url == '/v1/completions' else 'chatcmpl'}-{index}"
     if isinstance(request, ChatCompletionRequest):
         text = protocol.render_chat(llm, request.messages, request.add_generation_prompt, "body.messages",
-                                    request.continue_final_message)
+                                    request.continue_final_message, request.chat_template_kwargs)
         prompt = protocol.prompt_for(llm, text, params)
         return _Work([(prompt, params)], lambda finals: protocol.chat_response(
             request, finals[0], model, response_id, created))

@@ -17,10 +17,12 @@ CHECKPOINT_MARKER = "<|mamba_checkpoint|>"
 
 
 class Tokenizer:
-    def __init__(self, tokenizer: HFTokenizer, eos_token: str | None = None, chat_template: str | None = None):
+    def __init__(self, tokenizer: HFTokenizer, eos_token: str | None = None, chat_template: str | None = None,
+                 config: dict | None = None):
         self._tok = tokenizer
         self.eos_token = eos_token
         self.chat_template = chat_template
+        self.config = config or {}  # tokenizer_config.json as read
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> Tokenizer:
@@ -30,7 +32,7 @@ class Tokenizer:
             raise FileNotFoundError(f"no tokenizer.json in {directory}")
         config_path = directory / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        return cls(HFTokenizer.from_file(str(path)), config.get("eos_token"), config.get("chat_template"))
+        return cls(HFTokenizer.from_file(str(path)), config.get("eos_token"), config.get("chat_template"), config)
 
     @property
     def vocab_size(self) -> int:

@@ -29,6 +29,10 @@ _SERVER_FLAGS: dict[str, dict] = {
     "--watchdog-timeout": dict(type=float, default=120.0,
                                help="/health is 503 when requests wait and no step ends for this long"),
     "--uvicorn-log-level": dict(default="warning"),
+    "--enable-request-id-headers": dict(action=argparse.BooleanOptionalAction, default=False,
+                                        help="echo X-Request-Id (or a fresh id) in every response's headers"),
+    "--enable-tokenizer-info-endpoint": dict(action=argparse.BooleanOptionalAction, default=False,
+                                             help="serve GET /tokenizer_info (the tokenizer's config, chat template)"),
 }
 
 
@@ -45,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_server(args: argparse.Namespace):
     """The LLM, the engine loop and the app, with the start-up report; returns (app, state)."""
-    from jaxhybrid.metrics import ServerMetrics
+    from jaxhybrid.metrics import ServerMetrics, cache_config_info
     from jaxhybrid.serve.app import ServerState, build_app
     from jaxhybrid.serve.engine_loop import EngineLoop
     from jaxhybrid.weights import DEFAULT_MODEL_DIR
@@ -53,15 +57,13 @@ def build_server(args: argparse.Namespace):
     llm = build_llm(args)
     config = llm.config
     names = tuple(args.served_model_name or [str(args.model or "jaxhybrid-default")])
-    cache_info = {"block_size": str(config.block_size), "mamba_block_size": str(config.mamba_block_size),
-                  "cache_mode": config.cache_mode, "num_gpu_blocks": str(config.num_blocks - 1),
-                  "num_state_slots": str(config.num_state_slots - 1), "replayssm_window": str(config.ring_size),
-                  "num_speculative_tokens": str(config.num_spec_tokens)}
-    metrics = ServerMetrics(names[0], config.max_model_len, config.num_spec_tokens, cache_info)
+    metrics = ServerMetrics(names[0], config.max_model_len, config.num_spec_tokens, cache_config_info(config))
     loop = EngineLoop(llm.engine, metrics, max_queued=args.max_num_queued_requests,
                       watchdog_timeout=args.watchdog_timeout)
     state = ServerState(llm, loop, names, str(args.model or DEFAULT_MODEL_DIR), config.max_model_len)
-    return build_app(state, tuple(args.api_key or ())), state
+    app = build_app(state, tuple(args.api_key or ()), request_id_headers=args.enable_request_id_headers,
+                    tokenizer_info=args.enable_tokenizer_info_endpoint)
+    return app, state
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,6 +16,7 @@ import json
 import logging
 import secrets
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
@@ -56,7 +57,10 @@ def _error(status: int, message: str, param: str | None = None, headers: dict | 
     return JSONResponse(error_body(message, _KINDS[status], status, param), status_code=status, headers=headers)
 
 
-def build_app(state: ServerState, api_keys: tuple[str, ...] = ()) -> FastAPI:
+def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_headers: bool = False,
+              tokenizer_info: bool = False) -> FastAPI:
+    """The app; vLLM's opt-ins: `request_id_headers` echoes X-Request-Id on every response, `tokenizer_info`
+    serves GET /tokenizer_info."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop.start()
@@ -66,6 +70,8 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = ()) -> FastAPI:
     app = FastAPI(title="jaxhybrid", version=_version(), lifespan=lifespan)
     if api_keys:
         app.add_middleware(_ApiKeyGuard, keys=api_keys)
+    if request_id_headers:
+        app.add_middleware(_RequestIdHeader)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -125,6 +131,11 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = ()) -> FastAPI:
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
                 "token_strs": tokenizer.token_strs(ids) if body.return_token_strs else None}
 
+    if tokenizer_info:
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> dict:
+            return protocol.tokenizer_info(protocol.require_tokenizer(state.llm, "tokenizer"))
+
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         _check_model(state, body.model)
@@ -141,10 +152,12 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = ()) -> FastAPI:
         prompts = [protocol.prompt_for(state.llm, p, params) for p in body.prompts()]
         if body.echo and any(p.text is None for p in prompts):
             protocol.require_tokenizer(state.llm, "echo")  # before any work starts
-        streams = await _add_all(state, protocol.new_id("cmpl"), prompts, params, body.cache_salt)
+        response_id = protocol.response_id("cmpl", request.headers.get("X-Request-Id"), body.request_id)
+        streams = await _add_all(state, protocol.new_id(response_id), prompts, params, body.cache_salt)
         if body.stream:
-            return _sse(state, _completion_chunks(state, streams, prompts, body, name))
-        return await _unless_disconnected(request, state, _completion_response(state, streams, prompts, body, name))
+            return _sse(state, _completion_chunks(state, streams, prompts, body, name, response_id))
+        return await _unless_disconnected(request, state, _completion_response(state, streams, prompts, body, name,
+                                                                               response_id))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -152,12 +165,13 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = ()) -> FastAPI:
         body.check()
         params = body.params(state.llm.generation_defaults)
         text = protocol.render_chat(state.llm, body.messages, body.add_generation_prompt, "messages",
-                                    body.continue_final_message)
+                                    body.continue_final_message, body.chat_template_kwargs)
         prompt = protocol.prompt_for(state.llm, text, params)
-        streams = await _add_all(state, protocol.new_id("chatcmpl"), [prompt], params, body.cache_salt)
+        response_id = protocol.response_id("chatcmpl", request.headers.get("X-Request-Id"), body.request_id)
+        streams = await _add_all(state, protocol.new_id(response_id), [prompt], params, body.cache_salt)
         if body.stream:
-            return _sse(state, _chat_chunks(streams, body, name))
-        return await _unless_disconnected(request, state, _chat_response(streams, body, name))
+            return _sse(state, _chat_chunks(streams, prompt, body, name, response_id))
+        return await _unless_disconnected(request, state, _chat_response(streams, body, name, response_id))
 
     return app
 
@@ -277,14 +291,16 @@ async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
 
 
 async def _completion_response(state: ServerState, streams: list[RequestStream], prompts: list[Prompt],
-                               body: CompletionRequest, name: str) -> dict:
+                               body: CompletionRequest, name: str, response_id: str) -> dict:
     finals = await _finals(streams)
     texts = [protocol.prompt_text(state.llm, p) for p in prompts] if body.echo else None
-    return protocol.completion_response(body, finals, name, texts, decode=protocol.token_decoder(state.llm))
+    return protocol.completion_response(body, finals, name, texts, response_id,
+                                        decode=protocol.token_decoder(state.llm))
 
 
-async def _chat_response(streams: list[RequestStream], body: ChatCompletionRequest, name: str) -> dict:
-    return protocol.chat_response(body, (await _finals(streams))[0], name)
+async def _chat_response(streams: list[RequestStream], body: ChatCompletionRequest, name: str,
+                         response_id: str) -> dict:
+    return protocol.chat_response(body, (await _finals(streams))[0], name, response_id)
 
 
 def _sse(state: ServerState, events: AsyncIterator[dict]) -> StreamingResponse:
@@ -321,8 +337,8 @@ class _Deltas:
 
 
 async def _completion_chunks(state: ServerState, streams: list[RequestStream], prompts: list[Prompt],
-                             body: CompletionRequest, name: str) -> AsyncIterator[dict]:
-    head = protocol.envelope("text_completion", protocol.new_id("cmpl"), name)
+                             body: CompletionRequest, name: str, response_id: str) -> AsyncIterator[dict]:
+    head = protocol.envelope("text_completion", response_id, name)
     deltas, finals, sent_chars = _Deltas(), {}, {}  # sent_chars: a choice's text streamed so far, echo included
     async for i, output in _merged(streams):
         _check_output(output)
@@ -340,21 +356,30 @@ async def _completion_chunks(state: ServerState, streams: list[RequestStream], p
             sent_chars[index] = sent_chars.get(index, 0) + len(text)
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
             if completion.logprobs is not None:
-                choice["logprobs"] = protocol.completion_logprobs(completion.token_ids[start:end],
-                                                                  completion.logprobs[start:end], offset)
+                choice["logprobs"] = protocol.completion_logprobs(
+                    completion.token_ids[start:end], completion.logprobs[start:end], offset,
+                    as_ids=body.return_tokens_as_token_ids)
+            if body.return_token_ids:  # vLLM: the prompt's ids on a choice's first chunk, then each delta's
+                choice["token_ids"] = completion.token_ids[start:end]
+                if first:
+                    choice["prompt_token_ids"] = output.prompt_token_ids
             if completion.finished():
                 choice.update(protocol.finish_fields(completion))
-            yield {**head, "choices": [choice]}
+            yield _with_usage(body, {**head, "choices": [choice]}, len(output.prompt_token_ids), end)
     if body.stream_options and body.stream_options.include_usage:
         yield {**head, "choices": [], "usage": protocol.usage(list(finals.values()))}
 
 
-async def _chat_chunks(streams: list[RequestStream], body: ChatCompletionRequest, name: str) -> AsyncIterator[dict]:
-    head = protocol.envelope("chat.completion.chunk", protocol.new_id("chatcmpl"), name)
-    deltas, final = _Deltas(), None
+async def _chat_chunks(streams: list[RequestStream], prompt: Prompt, body: ChatCompletionRequest, name: str,
+                       response_id: str) -> AsyncIterator[dict]:
+    head = protocol.envelope("chat.completion.chunk", response_id, name)
+    deltas, final, num_prompt = _Deltas(), None, len(prompt.token_ids)
     for index in range(body.n):  # the first delta of each choice carries the role (OpenAI)
-        yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]}
+        chunk = {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}]}
+        if body.return_token_ids and index == 0:  # vLLM: the prompt's ids on the first chunk only
+            chunk["prompt_token_ids"] = list(prompt.token_ids)
+        yield _with_usage(body, chunk, num_prompt, 0)
     async for _, output in _merged(streams):
         _check_output(output)
         final = output
@@ -367,12 +392,44 @@ async def _chat_chunks(streams: list[RequestStream], body: ChatCompletionRequest
                       "finish_reason": None, "stop_reason": None}
             if completion.logprobs is not None:
                 choice["logprobs"] = protocol.chat_logprobs(completion.token_ids[start:end],
-                                                            completion.logprobs[start:end], body.top_logprobs or 0)
+                                                            completion.logprobs[start:end], body.top_logprobs or 0,
+                                                            body.return_tokens_as_token_ids)
+            if body.return_token_ids:
+                choice["token_ids"] = completion.token_ids[start:end]
             if completion.finished():
                 choice.update(protocol.finish_fields(completion))
-            yield {**head, "choices": [choice]}
+            yield _with_usage(body, {**head, "choices": [choice]}, num_prompt, end)
     if body.stream_options and body.stream_options.include_usage and final is not None:
         yield {**head, "choices": [], "usage": protocol.usage([final])}
+
+
+def _with_usage(body: CompletionRequest | ChatCompletionRequest, chunk: dict, prompt_tokens: int,
+                completion_tokens: int) -> dict:
+    """vLLM's continuous_usage_stats: each chunk counts its prompt and its choice's tokens so far."""
+    if body.continuous_usage():
+        chunk["usage"] = protocol.usage_counts(prompt_tokens, completion_tokens)
+    return chunk
+
+
+class _RequestIdHeader:
+    """vLLM's --enable-request-id-headers: every response carries X-Request-Id, the request's own or a fresh
+    one."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class _ApiKeyGuard:

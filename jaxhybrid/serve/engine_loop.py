@@ -50,13 +50,13 @@ class _Submission:
 class RequestStream:
     """One request's outputs, in order, up to its final one; `close()` before the end aborts it."""
 
-    def __init__(self, owner: EngineLoop, request_id: str, num_sequences: int):
-        self.request_id, self._owner, self._num_sequences = request_id, owner, num_sequences
+    def __init__(self, owner: EngineLoop, request_id: str, params: SamplingParams):
+        self.request_id, self.params, self._owner, self._num_sequences = request_id, params, owner, params.n
         self._outputs: asyncio.Queue = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.put = self._outputs.put_nowait  # on the event loop's thread only
         self.done = False
-        owner._num_sequences += num_sequences
+        owner._num_sequences += params.n
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -125,7 +125,7 @@ class EngineLoop:
             raise EngineUnavailable("the server is shutting down" if self.draining else "the engine has stopped")
         if self.max_queued is not None and self._num_sequences + params.n > self.max_queued:
             raise QueueFull(f"{self._num_sequences} sequences are queued or running (max {self.max_queued})")
-        stream = RequestStream(self, request_id, params.n)
+        stream = RequestStream(self, request_id, params)
         admitted = concurrent.futures.Future()
         self._submit(("add", _Submission(request_id, prompt, params, cache_salt, admitted, stream)))
         try:
@@ -193,7 +193,7 @@ class EngineLoop:
         output = self.engine.abort(request_id)
         self._token_times.pop(request_id, None)
         if output is not None:
-            self.metrics.observe_finished(output)
+            self.metrics.observe_finished(output, None if stream is None else stream.params)
             if stream is not None:
                 stream.deliver(output)
 
@@ -217,8 +217,9 @@ class EngineLoop:
             self.metrics.itl.observe(now - last[0])
         if output.finished:
             self._token_times.pop(output.request_id, None)
-            self.metrics.observe_finished(output)
-            return self._streams.pop(output.request_id, None)
+            stream = self._streams.pop(output.request_id, None)
+            self.metrics.observe_finished(output, None if stream is None else stream.params)
+            return stream
         if count and (last is None or count > last[1]):
             self._token_times[output.request_id] = (now, count)
         return self._streams.get(output.request_id)

@@ -2,8 +2,9 @@
 chunk, usage and error objects back (reference/ecosystem.md §1.2-1.4).
 
 Unknown fields are accepted and ignored, as vLLM does (clients send fields a server does not know);
-fields we know but do not implement (`logit_bias`, `min_tokens`, `suffix`, `best_of`) are refused with a
-400 rather than silently dropped.
+vLLM's fields we do not implement (`logit_bias`, `min_tokens`, `suffix`, `best_of`, tools, structured
+outputs, beam search, ... `_UNSUPPORTED`) are refused with a 400 when set to anything but their default,
+rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -38,7 +39,36 @@ def error_body(message: str, kind: str, status: int, param: str | None = None) -
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool | None = True  # vLLM's default once stream_options is sent
+    continuous_usage_stats: bool | None = False  # usage on every chunk too
+
+
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+def _off(value: Any) -> bool:
+    return not value
+
+
+# vLLM request fields this server does not implement -> "the value is vLLM's default (or changes nothing)";
+# any other value is a 400 naming the field
+_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "use_beam_search": _off, "length_penalty": lambda v: v == 1, "watermarking": _off,
+    "spaces_between_special_tokens": lambda v: v is True, "truncation_side": lambda v: v in (None, "left"),
+    "logprob_token_ids": _unset, "prompt_embeds": _unset, "priority": lambda v: v == 0,
+    "structured_outputs": _unset, "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
+    "guided_grammar": _unset, "structural_tag": _unset,
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "kv_transfer_params": _unset, "ec_transfer_params": _unset, "vllm_xargs": _unset,
+    "repetition_detection": _unset, "thinking_token_budget": lambda v: v in (None, -1),
+    "stream_interval": lambda v: v in (None, 1),
+}
+_CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "tools": _off, "tool_choice": lambda v: v in (None, "none", "auto"), "echo": _off,
+    "reasoning_effort": _unset, "documents": _unset, "chat_template": _unset, "mm_processor_kwargs": _unset,
+    "media_io_kwargs": _unset, "return_prompt_text": _off,
+}
 
 
 class _Request(BaseModel):
@@ -68,16 +98,31 @@ class _Request(BaseModel):
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    request_id: str | None = None  # the response id's default (an X-Request-Id header wins)
+
+    _unsupported: ClassVar[dict[str, Callable[[Any], bool]]] = _UNSUPPORTED
 
     def check(self) -> None:
         refused = {"min_tokens": self.min_tokens, "logit_bias": self.logit_bias}
         for name, value in refused.items():
             if value:
                 raise BadRequest(f"{name} is not supported by this server", name)
+        extra = self.model_extra or {}
+        for name, is_default in self._unsupported.items():
+            if name in extra and not is_default(extra[name]):
+                raise BadRequest(f"{name} is not supported by this server (only its default)", name)
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options can only be set when stream is true", "stream_options")
         if self.stream and self.prompt_logprobs is not None:
             raise BadRequest("prompt_logprobs is not available when streaming", "prompt_logprobs")
+
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk (vLLM: both stream options set)."""
+        options = self.stream_options
+        return bool(options and options.include_usage and options.continuous_usage_stats)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
                         defaults: dict[str, Any]) -> SamplingParams:
@@ -90,7 +135,7 @@ class _Request(BaseModel):
                       stop=tuple(stop or ()), stop_token_ids=tuple(self.stop_token_ids or ()),
                       ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       include_stop_str_in_output=self.include_stop_str_in_output,
-                      skip_special_tokens=self.skip_special_tokens)
+                      skip_special_tokens=self.skip_special_tokens, truncate_prompt_tokens=self.truncate_prompt_tokens)
         values = {k: defaults[k] if v is None and k in defaults and k != "max_tokens" else v for k, v in values.items()}
         try:
             return SamplingParams(**{k: v for k, v in values.items() if v is not None or k in _NULLABLE})
@@ -98,7 +143,7 @@ class _Request(BaseModel):
             raise as_bad_request(error) from error
 
 
-_NULLABLE = {"max_tokens", "logprobs", "prompt_logprobs", "seed"}
+_NULLABLE = {"max_tokens", "logprobs", "prompt_logprobs", "seed", "truncate_prompt_tokens"}
 
 
 class CompletionRequest(_Request):
@@ -139,6 +184,9 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    _unsupported: ClassVar[dict[str, Callable[[Any], bool]]] = {**_UNSUPPORTED, **_CHAT_UNSUPPORTED}
 
     def check(self) -> None:
         super().check()
@@ -190,10 +238,20 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def response_id(prefix: str, header: str | None, requested: str | None) -> str:
+    """vLLM's: the X-Request-Id header, else the body's request_id, else a fresh id, after `prefix-`."""
+    given = header or requested
+    return f"{prefix}-{given}" if given else new_id(prefix)
+
+
+def usage_counts(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 def usage(outputs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+    return {**usage_counts(prompt, completion),
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
 
 
@@ -201,25 +259,28 @@ def _clamp(logprob: float) -> float:
     return max(logprob, LOGPROB_FLOOR)
 
 
-def _token_text(position: PositionLogprobs, token: int) -> str:
+def _token_text(position: PositionLogprobs, token: int, as_id: bool = False) -> str:
+    """A token as logprobs name it: its text, or "token_id:<id>" when asked (return_tokens_as_token_ids) or
+    when there is no text."""
     decoded = position[token].decoded_token
-    return decoded if decoded is not None else f"token_id:{token}"
+    return decoded if decoded is not None and not as_id else f"token_id:{token}"
 
 
 def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], offset: int,
-                        decode: Callable[[int], str] | None = None) -> dict:
+                        decode: Callable[[int], str] | None = None, as_ids: bool = False) -> dict:
     """The completions `logprobs` object for tokens [their positions], text offsets counted from `offset`; a
-    token without a position (the first of an echoed prompt) is named by `decode`, with null logprobs."""
+    token without a position (the first of an echoed prompt) is named by `decode`, with null logprobs;
+    `as_ids` names every token "token_id:<id>"."""
     result = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
     for token, position in zip(token_ids, positions, strict=True):
         if position is None:
-            text = decode(token) if decode is not None else ""
+            text = f"token_id:{token}" if as_ids else decode(token) if decode is not None else ""
             result["token_logprobs"].append(None)
             result["top_logprobs"].append(None)
         else:
-            text = _token_text(position, token)
+            text = _token_text(position, token, as_ids)
             result["token_logprobs"].append(_clamp(position[token].logprob))
-            result["top_logprobs"].append({_token_text(position, t): _clamp(lp.logprob)
+            result["top_logprobs"].append({_token_text(position, t, as_ids): _clamp(lp.logprob)
                                            for t, lp in position.items()})
         result["tokens"].append(text)
         result["text_offset"].append(offset)
@@ -233,9 +294,10 @@ def token_decoder(llm: LLM) -> Callable[[int], str] | None:
     return None if tokenizer is None else lambda token: tokenizer.decode([token], skip_special_tokens=False)
 
 
-def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], num_top: int) -> dict:
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], num_top: int,
+                  as_ids: bool = False) -> dict:
     def entry(position: PositionLogprobs, token: int) -> dict:
-        text = _token_text(position, token)
+        text = _token_text(position, token, as_ids)
         return {"token": text, "logprob": _clamp(position[token].logprob), "bytes": list(text.encode())}
 
     content = []
@@ -268,13 +330,54 @@ def require_tokenizer(llm: LLM, param: str) -> Tokenizer:
 
 
 def render_chat(llm: LLM, messages: list[dict], add_generation_prompt: bool, param: str = "messages",
-                continue_final_message: bool = False) -> str:
-    """`messages` through the checkpoint's chat template; a bad message or template is a 400."""
+                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
+    """`messages` through the checkpoint's chat template (`template_kwargs` its extra variables); a bad
+    message or template is a 400."""
+    tokenizer = require_tokenizer(llm, param)
     try:
-        return require_tokenizer(llm, param).apply_chat_template(messages, add_generation_prompt,
-                                                                 continue_final_message)
-    except ValueError as error:
+        return tokenizer.apply_chat_template(_text_content(messages, param), add_generation_prompt,
+                                             continue_final_message, None, **(template_kwargs or {}))
+    except (ValueError, TypeError) as error:  # TypeError: a template variable that clashes with ours
         raise BadRequest(str(error), param) from error
+
+
+def _text_content(messages: list[dict], param: str) -> list[dict]:
+    """vLLM's "string" content format: a content list of text parts becomes their texts joined by newlines;
+    any other part type is a 400 naming it."""
+    flat = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in content}
+                           - {"text"})
+            if kinds:
+                raise BadRequest(f"messages[{i}].content: part types {kinds} are not supported (only 'text')", param)
+            if not all(isinstance(p.get("text"), str) for p in content):
+                raise BadRequest(f"messages[{i}].content: every text part needs a str 'text'", param)
+            message = {**message, "content": "\n".join(p["text"] for p in content)}
+        flat.append(message)
+    return flat
+
+
+def tokenizer_info(tokenizer: Tokenizer) -> dict:
+    """vLLM's /tokenizer_info: the tokenizer's config without file paths, added tokens by their text, with
+    its class and chat template."""
+    info = {k: _token_content(v) for k, v in tokenizer.config.items() if k not in ("vocab_file", "merges_file")}
+    info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")  # what a tokenizer.json alone loads as
+    if tokenizer.chat_template:
+        info["chat_template"] = tokenizer.chat_template
+    return info
+
+
+def _token_content(value: Any) -> Any:
+    """An AddedToken ({"content": ..., ...}) as its text, anywhere in a config value."""
+    if isinstance(value, dict):
+        if isinstance(value.get("content"), str):
+            return value["content"]
+        return {k: _token_content(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_token_content(v) for v in value]
+    return value
 
 
 def prompt_text(llm: LLM, prompt: Prompt, param: str = "echo") -> str:
@@ -285,14 +388,14 @@ def prompt_text(llm: LLM, prompt: Prompt, param: str = "echo") -> str:
 
 
 def prompt_for(llm: LLM, prompt: str | list[int] | dict, params: SamplingParams) -> Prompt:
-    """Tokenize and place the checkpoint marker (`LLM.parse_prompt`'s inputs); check the lengths against
+    """Tokenize, place the checkpoint marker and truncate (`LLM.parse_prompt`); check the lengths against
     max_model_len (vLLM's messages)."""
     if isinstance(prompt, list):
         if any(t < 0 for t in prompt):
             raise BadRequest("prompt token ids must be >= 0", "prompt")
         prompt = {"prompt_token_ids": prompt}
     try:
-        parsed = llm.parse_prompt(prompt)
+        parsed = llm.parse_prompt(prompt, params)
     except ValueError as error:
         raise as_bad_request(error) from error
     length, limit = len(parsed.token_ids), llm.config.max_model_len
@@ -315,14 +418,15 @@ def completion_response(body: CompletionRequest, finals: list[RequestOutput], mo
         prefix = echoed[i] if body.echo else ""
         for completion in output.outputs:
             choice = {"index": i * body.n + completion.index, "text": prefix + completion.text, "logprobs": None,
-                      **finish_fields(completion)}
+                      **finish_fields(completion), **token_ids_fields(body, completion.token_ids)}
             if completion.logprobs is not None:
                 tokens, positions = completion.token_ids, completion.logprobs
                 if body.echo:
                     tokens, positions = output.prompt_token_ids + tokens, output.prompt_logprobs + positions
-                choice["logprobs"] = completion_logprobs(tokens, positions, 0, decode)
+                choice["logprobs"] = completion_logprobs(tokens, positions, 0, decode, body.return_tokens_as_token_ids)
             choice["prompt_logprobs"] = (None if body.prompt_logprobs is None  # vLLM: null, never absent
                                          else prompt_logprobs_json(output.prompt_logprobs))
+            choice["prompt_token_ids"] = output.prompt_token_ids if body.return_token_ids else None
             choices.append(choice)
     choices.sort(key=lambda c: c["index"])
     return {**envelope("text_completion", response_id or new_id("cmpl"), model, created), "choices": choices,
@@ -334,11 +438,18 @@ def chat_response(body: ChatCompletionRequest, final: RequestOutput, model: str,
     choices = []
     for completion in final.outputs:
         choice = {"index": completion.index, "message": {"role": "assistant", "content": completion.text},
-                  "logprobs": None, **finish_fields(completion)}
+                  "logprobs": None, **finish_fields(completion), **token_ids_fields(body, completion.token_ids)}
         if completion.logprobs is not None:
-            choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs, body.top_logprobs or 0)
+            choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs, body.top_logprobs or 0,
+                                               body.return_tokens_as_token_ids)
         choices.append(choice)
     reply = {**envelope("chat.completion", response_id or new_id("chatcmpl"), model, created), "choices": choices,
              "usage": usage([final])}
     reply["prompt_logprobs"] = None if body.prompt_logprobs is None else prompt_logprobs_json(final.prompt_logprobs)
+    reply["prompt_token_ids"] = final.prompt_token_ids if body.return_token_ids else None
     return reply
+
+
+def token_ids_fields(body: _Request, token_ids: list[int]) -> dict:
+    """A choice's `token_ids` (vLLM's return_token_ids: null unless asked)."""
+    return {"token_ids": list(token_ids) if body.return_token_ids else None}

@@ -1,0 +1,297 @@
+"""vLLM's request fields and endpoints beyond the OpenAI basics, on the app in process (httpx's ASGI transport):
+truncate_prompt_tokens (server and `LLM`), return_token_ids, return_tokens_as_token_ids, continuous usage stats,
+text content parts, /tokenizer_info, X-Request-Id, the per-request metrics, and a 400 naming every vLLM field
+the server does not implement."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import httpx
+import pytest
+
+from jaxhybrid.api import LLM
+from jaxhybrid.metrics import ServerMetrics, cache_config_info
+from jaxhybrid.sampling_params import SamplingParams
+from jaxhybrid.serve.app import ServerState, build_app
+from jaxhybrid.serve.engine_loop import EngineLoop
+
+PROMPT = "def read_config(path):\n    with open(path) as f:\n"
+CHAT = [{"role": "user", "content": "Write a function that reads a file."}]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # serial steps: a request's last step is counted before its output is out, so /metrics is settled then
+    return LLM(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=128, num_blocks=64, num_state_slots=12,
+               token_buckets=(16,), row_buckets=(2,), async_scheduling=False)
+
+
+@pytest.fixture
+def serve(llm):
+    """`serve(body, **flags)` drives an app (with `build_app`'s flags, both on by default) on a fresh engine
+    loop with an httpx client, then checks that nothing is left in the engine."""
+
+    def run(body, request_id_headers: bool = True, tokenizer_info: bool = True) -> None:
+        config = llm.config
+        loop = EngineLoop(llm.engine, ServerMetrics("tiny", config.max_model_len, 0, cache_config_info(config)),
+                          idle_poll=0.05)
+        app = build_app(ServerState(llm, loop, ("tiny",), "embedded", config.max_model_len),
+                        request_id_headers=request_id_headers, tokenizer_info=tokenizer_info)
+
+        async def main():
+            loop.start()
+            try:
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test",
+                                             timeout=60) as client:
+                    await body(client)
+            finally:
+                loop.stop()
+
+        asyncio.run(main())
+        assert not any(llm.engine.load()[:4]), llm.engine.load()
+
+    return run
+
+
+def events(response: httpx.Response) -> list[dict]:
+    lines = [line for line in response.text.split("\n\n") if line]
+    assert lines[-1] == "data: [DONE]", lines
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+async def ok(client: httpx.AsyncClient, path: str, body: dict, **kwargs) -> httpx.Response:
+    response = await client.post(path, json=body, **kwargs)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(serve, llm):
+    ids = llm.get_tokenizer().encode(PROMPT * 3)
+    assert len(ids) > 20
+
+    async def body(client: httpx.AsyncClient) -> None:
+        cut = (await ok(client, "/v1/completions", {"prompt": ids, "max_tokens": 4, "truncate_prompt_tokens": 9,
+                                                    **GREEDY})).json()
+        tail = (await ok(client, "/v1/completions", {"prompt": ids[-9:], "max_tokens": 4, **GREEDY})).json()
+        assert cut["usage"]["prompt_tokens"] == 9 and cut["choices"][0]["text"] == tail["choices"][0]["text"]
+        chat = (await ok(client, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2,
+                                                          "truncate_prompt_tokens": 5})).json()
+        assert chat["usage"]["prompt_tokens"] == 5
+        for value, needle in [(129, "max_model_len (128)"), (0, ">= 1")]:
+            response = await client.post("/v1/completions", json={"prompt": ids, "truncate_prompt_tokens": value})
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["param"] == "truncate_prompt_tokens", response.text
+            assert needle in error["message"]
+
+    serve(body)
+
+
+def test_llm_truncate_prompt_tokens(llm):
+    ids = llm.get_tokenizer().encode(PROMPT * 12)
+    assert len(ids) > llm.config.max_model_len
+    kept, whole = llm.generate([ids, PROMPT], [SamplingParams(max_tokens=1, truncate_prompt_tokens=100),
+                                               SamplingParams(max_tokens=1, truncate_prompt_tokens=-1)],
+                               use_tqdm=False)
+    assert kept.prompt_token_ids == ids[-100:]
+    assert whole.prompt_token_ids == llm.get_tokenizer().encode(PROMPT)  # -1: up to max_model_len
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=-2)
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(129\) is greater than max_model_len"):
+        llm.generate(PROMPT, SamplingParams(truncate_prompt_tokens=129), use_tqdm=False)
+
+
+def test_return_token_ids_plain_and_streamed(serve, llm):
+    tokenizer = llm.get_tokenizer()
+
+    async def body(client: httpx.AsyncClient) -> None:
+        asked = {"prompt": PROMPT, "max_tokens": 5, "return_token_ids": True, **GREEDY}
+        plain = (await ok(client, "/v1/completions", asked)).json()["choices"][0]
+        assert plain["prompt_token_ids"] == tokenizer.encode(PROMPT) and len(plain["token_ids"]) == 5
+        assert tokenizer.decode(plain["token_ids"]) == plain["text"]
+        unasked = (await ok(client, "/v1/completions", {**asked, "return_token_ids": False})).json()["choices"][0]
+        assert unasked["token_ids"] is None and unasked["prompt_token_ids"] is None
+        chunks = events(await ok(client, "/v1/completions", {**asked, "stream": True}))
+        assert chunks[0]["choices"][0]["prompt_token_ids"] == plain["prompt_token_ids"]
+        assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+        assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == plain["token_ids"]
+
+        chat_body = {"messages": CHAT, "max_tokens": 4, "return_token_ids": True, **GREEDY}
+        rendered = (await ok(client, "/tokenize", {"messages": CHAT})).json()["tokens"]
+        chat = (await ok(client, "/v1/chat/completions", chat_body)).json()
+        assert chat["prompt_token_ids"] == rendered and len(chat["choices"][0]["token_ids"]) == 4
+        streamed = events(await ok(client, "/v1/chat/completions", {**chat_body, "stream": True}))
+        assert streamed[0]["prompt_token_ids"] == rendered
+        assert all("prompt_token_ids" not in c for c in streamed[1:])
+        assert [t for c in streamed[1:] for t in c["choices"][0]["token_ids"]] == chat["choices"][0]["token_ids"]
+
+    serve(body)
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(serve):
+    async def body(client: httpx.AsyncClient) -> None:
+        out = (await ok(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "logprobs": 2,
+                                                    "return_token_ids": True, "return_tokens_as_token_ids": True,
+                                                    **GREEDY})).json()["choices"][0]
+        assert out["logprobs"]["tokens"] == [f"token_id:{t}" for t in out["token_ids"]]
+        assert all(re.fullmatch(r"token_id:\d+", k) for top in out["logprobs"]["top_logprobs"] for k in top)
+        chat = (await ok(client, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "logprobs": True,
+                                                          "top_logprobs": 2, "return_token_ids": True,
+                                                          "return_tokens_as_token_ids": True, **GREEDY})).json()
+        choice = chat["choices"][0]
+        assert [c["token"] for c in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
+        assert all(top["token"].startswith("token_id:") for c in choice["logprobs"]["content"]
+                   for top in c["top_logprobs"])
+
+    serve(body)
+
+
+def test_continuous_usage_stats_on_every_chunk(serve):
+    async def body(client: httpx.AsyncClient) -> None:
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        chunks = events(await ok(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "stream": True,
+                                                             "stream_options": options, **GREEDY}))
+        prompt_tokens = chunks[-1]["usage"]["prompt_tokens"]
+        counts = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
+        assert all(c["usage"]["prompt_tokens"] == prompt_tokens for c in chunks)
+        assert counts == sorted(counts) and counts[-1] == 4
+        assert all(c["usage"]["total_tokens"] == prompt_tokens + c["usage"]["completion_tokens"] for c in chunks)
+        chat = events(await ok(client, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "stream": True,
+                                                                "stream_options": options, **GREEDY}))
+        assert chat[0]["usage"]["completion_tokens"] == 0 and chat[-2]["usage"]["completion_tokens"] == 3
+        # vLLM: include_usage defaults to true once stream_options is sent
+        plain = events(await ok(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stream": True,
+                                                            "stream_options": {}, **GREEDY}))
+        assert plain[-1]["choices"] == [] and plain[-1]["usage"]["completion_tokens"] == 2
+        assert all("usage" not in c for c in plain[:-1])
+
+    serve(body)
+
+
+def test_chat_content_text_parts_are_joined_and_other_parts_refused(serve):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Write a function"},
+                                          {"type": "text", "text": "that reads a file."}]}]
+    joined = [{"role": "user", "content": "Write a function\nthat reads a file."}]
+
+    async def body(client: httpx.AsyncClient) -> None:
+        assert (await ok(client, "/tokenize", {"messages": parts})).json() == (
+            await ok(client, "/tokenize", {"messages": joined})).json()
+        a = (await ok(client, "/v1/chat/completions", {"messages": parts, "max_tokens": 3, **GREEDY})).json()
+        b = (await ok(client, "/v1/chat/completions", {"messages": joined, "max_tokens": 3, **GREEDY})).json()
+        assert a["choices"][0]["message"] == b["choices"][0]["message"] and a["usage"] == b["usage"]
+        image = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                              {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+        response = await client.post("/v1/chat/completions", json={"messages": image})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+        assert "image_url" in response.json()["error"]["message"]
+
+    serve(body)
+
+
+def test_tokenizer_info_only_when_enabled(serve, llm):
+    async def enabled(client: httpx.AsyncClient) -> None:
+        info = (await client.get("/tokenizer_info")).json()
+        assert info["tokenizer_class"] == "PreTrainedTokenizerFast" and info["eos_token"] == "<|endoftext|>"
+        assert info["chat_template"] == llm.get_tokenizer().chat_template
+        assert info["added_tokens_decoder"]["0"] == "<|endoftext|>"  # an AddedToken by its text (vLLM)
+
+    async def disabled(client: httpx.AsyncClient) -> None:
+        assert (await client.get("/tokenizer_info")).status_code == 404
+
+    serve(enabled)
+    serve(disabled, tokenizer_info=False)
+
+
+def test_x_request_id_names_the_response(serve):
+    async def body(client: httpx.AsyncClient) -> None:
+        header = {"X-Request-Id": "trace-42"}
+        same = await asyncio.gather(*(ok(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2},
+                                         headers=header) for _ in range(2)))  # one id twice: both served
+        assert [r.json()["id"] for r in same] == ["cmpl-trace-42"] * 2
+        assert same[0].headers["x-request-id"] == "trace-42"
+        chat = await ok(client, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}, headers=header)
+        assert chat.json()["id"] == "chatcmpl-trace-42"
+        chunks = events(await ok(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stream": True},
+                                 headers=header))
+        assert {c["id"] for c in chunks} == {"cmpl-trace-42"}
+        by_body = await ok(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "request_id": "mine"})
+        assert by_body.json()["id"] == "cmpl-mine"
+        assert re.fullmatch(r"[0-9a-f]{32}", (await client.get("/health")).headers["x-request-id"])
+
+    async def without_headers(client: httpx.AsyncClient) -> None:
+        response = await ok(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1},
+                            headers={"X-Request-Id": "trace-43"})
+        assert response.json()["id"] == "cmpl-trace-43" and "x-request-id" not in response.headers
+
+    serve(body)
+    serve(without_headers, request_id_headers=False)
+
+
+def _value(metrics: str, series: str) -> float:
+    match = re.search(rf'^jaxhybrid:{re.escape(series)}(?:{{[^}}]*}})? (\S+)$', metrics, re.MULTILINE)
+    assert match, series
+    return float(match.group(1))
+
+
+def test_per_request_metrics(serve, llm):
+    async def body(client: httpx.AsyncClient) -> None:
+        await ok(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
+        before = (await client.get("/metrics")).text
+        await ok(client, "/v1/completions", {"prompt": PROMPT, "n": 2, "max_tokens": 4, **GREEDY})
+        after = (await client.get("/metrics")).text
+        assert _value(after, "request_params_n_sum") == 3 and _value(after, "request_params_n_count") == 2
+        assert _value(after, "request_params_max_tokens_sum") == 5
+        assert _value(after, "request_max_num_generation_tokens_sum") == 5
+        for phase in ("prefill", "decode", "inference"):
+            assert _value(after, f"request_{phase}_time_seconds_count") == 2, phase
+        assert (_value(after, "request_inference_time_seconds_sum") >= _value(
+            after, "request_decode_time_seconds_sum") > 0)
+
+        def gained(series: str) -> float:
+            return _value(after, series) - _value(before, series)
+
+        # each step of the second request: the prompt tokens it computed and the tokens it generated
+        assert gained("iteration_tokens_total_count") == gained("engine_steps_total") > 0
+        assert gained("iteration_tokens_total_sum") == gained("prompt_tokens_total") + gained(
+            "generation_tokens_total")
+        blocks = llm.config.num_blocks - 1
+        assert f'kv_cache_size_tokens="{blocks * llm.config.block_size}"' in after
+
+    serve(body)
+
+
+REFUSED = [
+    ("/v1/completions", "use_beam_search", True), ("/v1/completions", "length_penalty", 0.5),
+    ("/v1/completions", "structured_outputs", {"regex": "[a-z]+"}), ("/v1/completions", "guided_json", {}),
+    ("/v1/completions", "guided_choice", ["a", "b"]), ("/v1/completions", "priority", 1),
+    ("/v1/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("/v1/completions", "logprob_token_ids", [1, 2]), ("/v1/completions", "truncation_side", "right"),
+    ("/v1/completions", "prompt_embeds", "AAAA"), ("/v1/completions", "vllm_xargs", {"a": 1}),
+    ("/v1/completions", "kv_transfer_params", {"a": 1}), ("/v1/completions", "thinking_token_budget", 8),
+    ("/v1/completions", "stream_interval", 4), ("/v1/completions", "spaces_between_special_tokens", False),
+    ("/v1/completions", "repetition_detection", {"max_pattern_size": 4}),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("/v1/chat/completions", "tool_choice", "required"), ("/v1/chat/completions", "echo", True),
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "reasoning_effort", "low"), ("/v1/chat/completions", "chat_template", "{{ 1 }}"),
+    ("/v1/chat/completions", "documents", [{"title": "t", "text": "x"}]),
+]
+
+
+def test_unimplemented_vllm_fields_are_refused_and_their_defaults_accepted(serve):
+    async def body(client: httpx.AsyncClient) -> None:
+        bases = {"/v1/completions": {"prompt": PROMPT, "max_tokens": 1},
+                 "/v1/chat/completions": {"messages": CHAT, "max_tokens": 1}}
+        for path, field, value in REFUSED:
+            response = await client.post(path, json={**bases[path], field: value})
+            error = response.json()["error"]
+            assert (response.status_code, error["param"], error["type"]) == (400, field, "BadRequestError"), field
+            assert field in error["message"]
+        defaults = {"use_beam_search": False, "priority": 0, "response_format": {"type": "text"},
+                    "tool_choice": "auto", "length_penalty": 1.0, "truncation_side": "left"}
+        await ok(client, "/v1/chat/completions", {**bases["/v1/chat/completions"], **defaults})
+
+    serve(body)
