@@ -73,8 +73,9 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = ()) -> FastAPI:
         if first.get("type") == "json_invalid":
             return _error(400, f"malformed JSON: {first.get('ctx', {}).get('error', 'cannot parse the body')}", "body")
         location = [str(p) for p in first.get("loc", ()) if p != "body"]
-        return _error(400, f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}",
-                      ".".join(location) or "body")
+        # pydantic's error type too ("greater_than_equal"), as vLLM's messages carry it
+        return _error(400, f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')} "
+                      f"[type={first.get('type', 'invalid')}]", ".".join(location) or "body")
 
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, error: BadRequest) -> JSONResponse:
@@ -323,7 +324,9 @@ class _Deltas:
 async def _completion_chunks(state: ServerState, streams: list[RequestStream], prompts: list[Prompt],
                              body: CompletionRequest, name: str) -> AsyncIterator[dict]:
     head = protocol.envelope("text_completion", protocol.new_id("cmpl"), name)
-    deltas, finals, sent_chars = _Deltas(), {}, {}  # sent_chars: a choice's text streamed so far, echo included
+    # offsets: where a choice's next token text starts, echo included; the tokens' own texts count, as the
+    # streamed text can lag them (text that may start a stop string is held back) (vLLM)
+    deltas, finals, offsets = _Deltas(), {}, {}
     async for i, output in _merged(streams):
         _check_output(output)
         finals[i] = output
@@ -335,13 +338,14 @@ async def _completion_chunks(state: ServerState, streams: list[RequestStream], p
                 continue
             text, start, end = new
             echoed = protocol.prompt_text(state.llm, prompts[i]) if body.echo and first else ""
-            offset = sent_chars.get(index, 0) + len(echoed)  # text offsets run on across chunks (vLLM)
-            text = echoed + text
-            sent_chars[index] = sent_chars.get(index, 0) + len(text)
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+            choice = {"index": index, "text": echoed + text, "logprobs": None, "finish_reason": None,
+                      "stop_reason": None}
             if completion.logprobs is not None:
-                choice["logprobs"] = protocol.completion_logprobs(completion.token_ids[start:end],
-                                                                  completion.logprobs[start:end], offset)
+                offset = offsets.get(index, 0) + len(echoed)
+                logprobs = protocol.completion_logprobs(completion.token_ids[start:end],
+                                                        completion.logprobs[start:end], offset)
+                offsets[index] = offset + sum(len(token) for token in logprobs["tokens"])
+                choice["logprobs"] = logprobs
             if completion.finished():
                 choice.update(protocol.finish_fields(completion))
             yield {**head, "choices": [choice]}
