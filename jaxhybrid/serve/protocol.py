@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from jaxhybrid.api import LLM
 from jaxhybrid.engine import Prompt
@@ -23,6 +23,7 @@ from jaxhybrid.sampling_params import SamplingParams
 from jaxhybrid.tokenizer import Tokenizer
 
 LOGPROB_FLOOR = -9999.0  # vLLM's clamp for -inf, so the JSON stays valid
+LONG_MIN, LONG_MAX = -2 ** 63, 2 ** 63 - 1  # a request's seed is a signed 64-bit integer (vLLM)
 
 
 class BadRequest(ValueError):
@@ -55,7 +56,7 @@ class _Request(BaseModel):
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=LONG_MIN, le=LONG_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -209,10 +210,11 @@ def _token_text(position: PositionLogprobs, token: int) -> str:
 def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], offset: int,
                         decode: Callable[[int], str] | None = None) -> dict:
     """The completions `logprobs` object for tokens [their positions], text offsets counted from `offset`; a
-    token without a position (the first of an echoed prompt) is named by `decode`, with null logprobs."""
+    token without a position (the first of an echoed prompt), or missing from its position's top logprobs,
+    is named by `decode`, with null logprobs (vLLM)."""
     result = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
     for token, position in zip(token_ids, positions, strict=True):
-        if position is None:
+        if position is None or token not in position:
             text = decode(token) if decode is not None else ""
             result["token_logprobs"].append(None)
             result["top_logprobs"].append(None)
@@ -289,7 +291,7 @@ def prompt_for(llm: LLM, prompt: str | list[int] | dict, params: SamplingParams)
     max_model_len (vLLM's messages)."""
     if isinstance(prompt, list):
         if any(t < 0 for t in prompt):
-            raise BadRequest("prompt token ids must be >= 0", "prompt")
+            raise BadRequest("prompt token ids must be greater than or equal to 0", "prompt")
         prompt = {"prompt_token_ids": prompt}
     try:
         parsed = llm.parse_prompt(prompt)
