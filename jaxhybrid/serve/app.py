@@ -310,14 +310,20 @@ class _Deltas:
 
     def __init__(self) -> None:
         self.sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens)
+        self.finished: set[int] = set()  # choices whose finish_reason was sent
 
     def new(self, index: int, completion) -> tuple[str, int, int] | None:
-        """(new text, first new token, end token), or None when nothing changed."""
+        """(new text, first new token, end token), or None when nothing changed; a finished choice sends
+        its finish_reason once, though later outputs of its request (n > 1) still carry it."""
+        if index in self.finished:
+            return None
         chars, tokens = self.sent.get(index, (0, 0))
         text, num_tokens = completion.text, len(completion.token_ids)
         if len(text) == chars and num_tokens == tokens and not completion.finished():
             return None
         self.sent[index] = (len(text), num_tokens)
+        if completion.finished():
+            self.finished.add(index)
         return text[chars:], tokens, num_tokens
 
 
