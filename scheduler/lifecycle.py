@@ -194,7 +194,7 @@ def _validate_token_ids(request: Request, vocab_size: int | None) -> None:
     high = np.iinfo(np.int32).max if vocab_size is None else vocab_size
     if tokens.min() < 0 or tokens.max() >= high:
         bad = int(tokens[(tokens < 0) | (tokens >= high)][0])
-        raise ValueError(f"request {request.request_id!r}: token id {bad} is outside [0, {high})")
+        raise ValueError(f"request {request.request_id!r}: token id {bad} is out of vocabulary [0, {high})")
 
 
 def _validate_logits_and_row_data(request: Request, row_data_bytes: int) -> None:

@@ -79,8 +79,9 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_
         if first.get("type") == "json_invalid":
             return _error(400, f"malformed JSON: {first.get('ctx', {}).get('error', 'cannot parse the body')}", "body")
         location = [str(p) for p in first.get("loc", ()) if p != "body"]
-        return _error(400, f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}",
-                      ".".join(location) or "body")
+        # pydantic's error type too ("greater_than_equal"), as vLLM's messages carry it
+        return _error(400, f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')} "
+                      f"[type={first.get('type', 'invalid')}]", ".".join(location) or "body")
 
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, error: BadRequest) -> JSONResponse:
@@ -325,21 +326,29 @@ class _Deltas:
 
     def __init__(self) -> None:
         self.sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens)
+        self.finished: set[int] = set()  # choices whose finish_reason was sent
 
     def new(self, index: int, completion) -> tuple[str, int, int] | None:
-        """(new text, first new token, end token), or None when nothing changed."""
+        """(new text, first new token, end token), or None when nothing changed; a finished choice sends
+        its finish_reason once, though later outputs of its request (n > 1) still carry it."""
+        if index in self.finished:
+            return None
         chars, tokens = self.sent.get(index, (0, 0))
         text, num_tokens = completion.text, len(completion.token_ids)
         if len(text) == chars and num_tokens == tokens and not completion.finished():
             return None
         self.sent[index] = (len(text), num_tokens)
+        if completion.finished():
+            self.finished.add(index)
         return text[chars:], tokens, num_tokens
 
 
 async def _completion_chunks(state: ServerState, streams: list[RequestStream], prompts: list[Prompt],
                              body: CompletionRequest, name: str, response_id: str) -> AsyncIterator[dict]:
     head = protocol.envelope("text_completion", response_id, name)
-    deltas, finals, sent_chars = _Deltas(), {}, {}  # sent_chars: a choice's text streamed so far, echo included
+    # offsets: where a choice's next token text starts, echo included; the tokens' own texts count, as the
+    # streamed text can lag them (text that may start a stop string is held back) (vLLM)
+    deltas, finals, offsets, decode = _Deltas(), {}, {}, protocol.token_decoder(state.llm)
     async for i, output in _merged(streams):
         _check_output(output)
         finals[i] = output
@@ -351,14 +360,15 @@ async def _completion_chunks(state: ServerState, streams: list[RequestStream], p
                 continue
             text, start, end = new
             echoed = protocol.prompt_text(state.llm, prompts[i]) if body.echo and first else ""
-            offset = sent_chars.get(index, 0) + len(echoed)  # text offsets run on across chunks (vLLM)
-            text = echoed + text
-            sent_chars[index] = sent_chars.get(index, 0) + len(text)
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+            choice = {"index": index, "text": echoed + text, "logprobs": None, "finish_reason": None,
+                      "stop_reason": None}
             if completion.logprobs is not None:
-                choice["logprobs"] = protocol.completion_logprobs(
-                    completion.token_ids[start:end], completion.logprobs[start:end], offset,
-                    as_ids=body.return_tokens_as_token_ids)
+                offset = offsets.get(index, 0) + len(echoed)
+                logprobs = protocol.completion_logprobs(completion.token_ids[start:end],
+                                                        completion.logprobs[start:end], offset, decode,
+                                                        body.return_tokens_as_token_ids)
+                offsets[index] = offset + sum(len(token) for token in logprobs["tokens"])
+                choice["logprobs"] = logprobs
             if body.return_token_ids:  # vLLM: the prompt's ids on a choice's first chunk, then each delta's
                 choice["token_ids"] = completion.token_ids[start:end]
                 if first:

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from jaxhybrid.api import LLM
 from jaxhybrid.engine import Prompt
@@ -24,6 +24,7 @@ from jaxhybrid.sampling_params import SamplingParams
 from jaxhybrid.tokenizer import Tokenizer
 
 LOGPROB_FLOOR = -9999.0  # vLLM's clamp for -inf, so the JSON stays valid
+LONG_MIN, LONG_MAX = -2 ** 63, 2 ** 63 - 1  # a request's seed is a signed 64-bit integer (vLLM)
 
 
 class BadRequest(ValueError):
@@ -85,7 +86,7 @@ class _Request(BaseModel):
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=LONG_MIN, le=LONG_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -269,11 +270,11 @@ def _token_text(position: PositionLogprobs, token: int, as_id: bool = False) -> 
 def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], offset: int,
                         decode: Callable[[int], str] | None = None, as_ids: bool = False) -> dict:
     """The completions `logprobs` object for tokens [their positions], text offsets counted from `offset`; a
-    token without a position (the first of an echoed prompt) is named by `decode`, with null logprobs;
-    `as_ids` names every token "token_id:<id>"."""
+    token without a position (the first of an echoed prompt), or missing from its position's top logprobs,
+    is named by `decode`, with null logprobs (vLLM); `as_ids` names every token "token_id:<id>"."""
     result = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
     for token, position in zip(token_ids, positions, strict=True):
-        if position is None:
+        if position is None or token not in position:
             text = f"token_id:{token}" if as_ids else decode(token) if decode is not None else ""
             result["token_logprobs"].append(None)
             result["top_logprobs"].append(None)
@@ -392,7 +393,7 @@ def prompt_for(llm: LLM, prompt: str | list[int] | dict, params: SamplingParams)
     max_model_len (vLLM's messages)."""
     if isinstance(prompt, list):
         if any(t < 0 for t in prompt):
-            raise BadRequest("prompt token ids must be >= 0", "prompt")
+            raise BadRequest("prompt token ids must be greater than or equal to 0", "prompt")
         prompt = {"prompt_token_ids": prompt}
     try:
         parsed = llm.parse_prompt(prompt, params)

@@ -78,7 +78,7 @@ def test_bad_requests_fail_alone():
     engine.add_request("before", Prompt(tuple(range(1, 20))), good)
     bad = [
         (Prompt(tuple(range(200))), good, "can never fit|max_model_len"),
-        (Prompt((1, 2, 999)), good, r"'bad1': token id 999 is outside \[0, 256\)"),
+        (Prompt((1, 2, 999)), good, r"'bad1': token id 999 is out of vocabulary \[0, 256\)"),
         (Prompt(tuple(range(1, 40)), 30), good, "checkpoint"),
         (Prompt(tuple(range(1, 20))), SamplingParams(logprobs=100), "max_logprobs"),
         (Prompt(tuple(range(1, 20))), SamplingParams(stop=("x",)), "tokenizer"),

@@ -1,0 +1,78 @@
+"""Port of vLLM's tests/entrypoints/openai/basic/test_basic.py: /version, /health, cancelling a flood of
+requests whose clients time out, a wrong content type, and /health's 503 once the engine is dead. The
+server runs with --max-model-len 10100, as vLLM's cancellation case (its KV pool sized to hold one such
+sequence). --disable-frontend-multiprocessing has no counterpart here, so each test runs once; the
+/load tracking test is in SKIPS.md."""
+
+from __future__ import annotations
+
+import asyncio
+from http import HTTPStatus
+from importlib.metadata import version
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from jaxhybrid.serve.app import ServerState, build_app
+from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, make_client, start_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    process = start_server(tmp_path_factory, "basic", ["--max-model-len", "10100", "--num-blocks", "700"])
+    yield process
+    stop_server(process)
+
+
+def test_show_version(server):
+    response = httpx.get(f"{server.url}/version")
+    response.raise_for_status()
+    assert response.json() == {"version": version("jaxhybrid")}
+
+
+def test_check_health(server):
+    assert httpx.get(f"{server.url}/health").status_code == HTTPStatus.OK
+
+
+def test_request_cancellation(server):
+    # clunky test: send an ungodly amount of load in with short timeouts, then ensure that it still responds
+    # quickly afterwards
+    chat_input = [{"role": "user", "content": "Write a long story"}]
+
+    async def flood() -> list[BaseException | None]:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0,
+                                      timeout=0.5) as client:
+            tasks = [asyncio.create_task(client.chat.completions.create(
+                messages=chat_input, model=MODEL_NAME, max_tokens=10000, extra_body={"min_tokens": 10000}))
+                for _ in range(200)]  # about 2 million tokens
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.ALL_COMPLETED)
+            assert len(pending) == 0
+            return [task.exception() for task in done]
+
+    # every request was sent and timed out (not refused: a 400 would invalidate this test)
+    for error in asyncio.run(flood()):
+        assert isinstance(error, openai.APITimeoutError), error
+
+    # had the server not cancelled the others, it could not answer this one within the timeout
+    response = make_client(server, timeout=5).chat.completions.create(messages=chat_input, model=MODEL_NAME,
+                                                                      max_tokens=10)
+    assert len(response.choices) == 1
+
+
+def test_request_wrong_content_type(server):
+    with pytest.raises(openai.APIStatusError):
+        make_client(server).chat.completions.create(
+            messages=[{"role": "user", "content": "Write a long story"}], model=MODEL_NAME, max_tokens=10000,
+            extra_headers={"Content-Type": "application/x-www-form-urlencoded"})
+
+
+def test_health_check_engine_dead_error():
+    """/health is 503 Service Unavailable once the engine is dead (vLLM: check_health raises
+    EngineDeadError; here the engine loop reports itself unhealthy)."""
+    dead_loop = SimpleNamespace(healthy=lambda: False)
+    state = ServerState(llm=None, loop=dead_loop, model_names=(MODEL_NAME,), model_root="", max_model_len=1)
+    response = TestClient(build_app(state)).get("/health")  # no lifespan: the loop is never started
+    assert response.status_code == 503

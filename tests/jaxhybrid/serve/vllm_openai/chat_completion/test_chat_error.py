@@ -1,0 +1,51 @@
+"""Port of vLLM's tests/entrypoints/openai/chat_completion/test_chat_error.py (text parts; the image, audio
+and video system-message warnings and response_format json_schema are out of scope, SKIPS.md): an engine
+output with finish_reason "error" fails a plain chat request (the server's 500) and ends a stream with an
+in-band "Internal server error" event then [DONE]; system messages of text or text parts are accepted.
+vLLM mocks its engine; here the serving layer is fed hand-made outputs (`fakes.FakeStream`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from jaxhybrid.serve import app
+from jaxhybrid.serve.protocol import ChatCompletionRequest
+from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME
+from tests.jaxhybrid.serve.vllm_openai.fakes import FakeStream, collect, output
+
+
+def test_chat_error_non_stream():
+    """finish_reason='error' is a 500 InternalServerError (non-streaming)."""
+    request = ChatCompletionRequest(model=MODEL_NAME, messages=[{"role": "user", "content": "Test prompt"}],
+                                    max_tokens=10, stream=False)
+    with pytest.raises(app._EngineFailed):
+        asyncio.run(app._chat_response([FakeStream([output("", [], "error")])], request, MODEL_NAME))
+
+
+def test_chat_error_stream():
+    """finish_reason='error' is an in-band 500 InternalServerError (streaming)."""
+    request = ChatCompletionRequest(model=MODEL_NAME, messages=[{"role": "user", "content": "Test prompt"}],
+                                    max_tokens=10, stream=True)
+    streams = [FakeStream([output("Hello", [100], None), output("Hello", [100], "error")])]
+    response = app._sse(None, app._chat_chunks(streams, request, MODEL_NAME))
+
+    chunks = collect(response.body_iterator)
+
+    assert len(chunks) >= 2
+    assert any("Internal server error" in chunk for chunk in chunks), f"Expected error message in chunks: {chunks}"
+    assert chunks[-1] == "data: [DONE]\n\n"
+
+
+def test_system_message_accepts_text():
+    request = ChatCompletionRequest(model=MODEL_NAME,
+                                    messages=[{"role": "system", "content": "You are a helpful assistant."}])
+    assert request.messages[0]["role"] == "system"
+
+
+def test_system_message_accepts_text_array():
+    request = ChatCompletionRequest(
+        model=MODEL_NAME,
+        messages=[{"role": "system", "content": [{"type": "text", "text": "You are a helpful assistant."}]}])
+    assert request.messages[0]["role"] == "system"

@@ -1,0 +1,52 @@
+"""Port of vLLM's tests/entrypoints/openai/completion/test_completion_error.py: an engine output with
+finish_reason "error" fails a plain request (the server's 500) and ends a stream with an in-band
+"Internal server error" event then [DONE]; negative prompt token ids are refused. vLLM mocks its engine;
+here the serving layer is fed hand-made outputs (`fakes.FakeStream`), and the prompt checks go over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import openai
+import pytest
+
+from jaxhybrid.serve import app
+from jaxhybrid.serve.protocol import CompletionRequest
+from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME
+from tests.jaxhybrid.serve.vllm_openai.fakes import FakeStream, collect, output
+
+STATE = SimpleNamespace(llm=None, loop=None)  # the error paths touch neither
+
+
+def test_completion_error_non_stream():
+    """finish_reason='error' is a 500 InternalServerError (non-streaming)."""
+    request = CompletionRequest(model=MODEL_NAME, prompt="Test prompt", max_tokens=10, stream=False)
+    streams = [FakeStream([output("", [], "error")])]
+    with pytest.raises(app._EngineFailed):
+        asyncio.run(app._completion_response(STATE, streams, [None], request, MODEL_NAME))
+
+
+def test_completion_error_stream():
+    """finish_reason='error' is an in-band 500 InternalServerError (streaming)."""
+    request = CompletionRequest(model=MODEL_NAME, prompt="Test prompt", max_tokens=10, stream=True)
+    streams = [FakeStream([output("Hello", [100], None), output("Hello", [100], "error")])]
+    response = app._sse(STATE, app._completion_chunks(STATE, streams, [None], request, MODEL_NAME))
+
+    chunks = collect(response.body_iterator)
+
+    assert len(chunks) >= 2
+    assert any("Internal server error" in chunk for chunk in chunks), f"Expected error message in chunks: {chunks}"
+    assert chunks[-1] == "data: [DONE]\n\n"
+
+
+def test_negative_prompt_token_ids_nested(client):
+    """Negative token IDs in prompt (nested list) are a validation error."""
+    with pytest.raises(openai.BadRequestError, match="greater than or equal to 0"):
+        client.completions.create(model=MODEL_NAME, prompt=[[-1]], max_tokens=10)
+
+
+def test_negative_prompt_token_ids_flat(client):
+    """Negative token IDs in prompt (flat list) are a validation error."""
+    with pytest.raises(openai.BadRequestError, match="greater than or equal to 0"):
+        client.completions.create(model=MODEL_NAME, prompt=[-1], max_tokens=10)

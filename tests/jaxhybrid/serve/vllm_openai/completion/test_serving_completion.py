@@ -1,0 +1,41 @@
+"""Port of vLLM's tests/entrypoints/openai/completion/test_serving_completion.py (its cached_tokens part):
+prompt_tokens_details.cached_tokens adds up over the prompts of a multi-prompt request, and a stream
+counts each prompt once however many chunks it sends. vLLM's local/external cached-token split (KV
+connectors) and its "no cache info" case (our outputs always count cached tokens) are in SKIPS.md."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from jaxhybrid.serve import app, protocol
+from jaxhybrid.serve.protocol import CompletionRequest, StreamOptions
+from tests.jaxhybrid.serve.vllm_openai.fakes import FakeStream, collect, output
+
+
+def _output(num_cached_tokens: int):
+    request_output = output("", [], "length", prompt="hi", prompt_token_ids=(1, 2, 3))
+    request_output.num_cached_tokens = num_cached_tokens
+    return request_output
+
+
+def test_prompt_tokens_details_aggregates_across_prompts():
+    request = CompletionRequest(model="test", prompt="hi", max_tokens=1)
+    response = protocol.completion_response(request, [_output(3), _output(5), _output(0)], "test")
+
+    assert response["usage"]["prompt_tokens"] == 9
+    assert response["usage"]["prompt_tokens_details"] is not None
+    assert response["usage"]["prompt_tokens_details"]["cached_tokens"] == 8
+
+
+def test_streaming_aggregates_cache_once_per_prompt():
+    request = CompletionRequest(model="test", prompt=["hi", "hi"], max_tokens=1, stream=True,
+                                stream_options=StreamOptions(include_usage=True))
+    # each prompt's stream sends several chunks carrying the same prefill value: counted once per prompt
+    streams = [FakeStream([_output(4 + prompt_idx) for _ in range(3)]) for prompt_idx in range(2)]
+    state = SimpleNamespace(llm=None, loop=None)
+    events = collect(app._completion_chunks(state, streams, [None, None], request, "test"))
+
+    usages = [json.dumps(event["usage"]) for event in events if "usage" in event]
+    assert len(usages) == 1
+    assert '"cached_tokens": 9' in usages[0]
