@@ -9,8 +9,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from tests.jaxhybrid.distributed.test_tensor_parallel import LOGPROB_ATOL, split_axis, tp_runs, worker_env
+from tests.jaxhybrid.distributed.test_tensor_parallel import (
+    LOGPROB_ATOL,
+    WORKER_TIMEOUT,
+    split_axis,
+    tp_runs,
+    worker_env,
+)
 from tests.tolerances import assert_close
 
 ROOT = Path(__file__).parents[3]
@@ -22,13 +29,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.timeout(2 * WORKER_TIMEOUT + 60)  # the two processes, then (uncached) the one-process run
 def test_two_processes_give_the_single_process_output():
     env = worker_env(1)
     worker, port = "tests.jaxhybrid.distributed.multihost_worker", str(free_port())
     processes = [subprocess.Popen([sys.executable, "-m", worker, port, str(rank)], env=env, cwd=ROOT, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
     try:
-        done = [p.communicate(timeout=240) for p in processes]
+        done = [p.communicate(timeout=WORKER_TIMEOUT) for p in processes]
     finally:
         for p in processes:
             p.kill()

@@ -24,6 +24,10 @@ from tests.tolerances import assert_close
 # the same maths with the heads' partial sums added in another order (the row-parallel projections)
 LOGPROB_ATOL = 1e-4
 CASES = ("qwen3_next/reference", "qwen3_next/interpret", "nemotron_h/reference", "nemotron_h/interpret")
+# a worker compiles the whole engine three times: about a minute on a quiet machine, several on a loaded one;
+# these bounds only catch a hang
+WORKER_TIMEOUT = 840
+pytestmark = pytest.mark.timeout(WORKER_TIMEOUT + 60)
 
 
 def worker_env(num_devices: int) -> dict:
@@ -38,7 +42,7 @@ def tp_runs(*cases: str) -> dict:
     """tp_worker.py's reports {case: {tp: report}} for arguments "model/backend=1,2,4", from one subprocess."""
     worker = Path(__file__).with_name("tp_worker.py")
     done = subprocess.run([sys.executable, str(worker), *cases], env=worker_env(4), capture_output=True, text=True,
-                          timeout=280, cwd=Path(__file__).parents[3])
+                          timeout=WORKER_TIMEOUT, cwd=Path(__file__).parents[3])
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 
