@@ -6,9 +6,9 @@ import json
 import logging
 import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,9 @@ from jaxhybrid.weights import DEFAULT_MODEL_DIR, load_model
 from pallas_kernels.common import resolve_backend
 from scheduler import SchedulerConfig, parse_checkpoint_marker
 from scheduler.buckets import default_buckets
+
+if TYPE_CHECKING:
+    from jaxhybrid.score import PromptScores
 
 log = logging.getLogger("jaxhybrid")
 
@@ -212,28 +215,46 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        requests = ((self.parse_prompt(prompt), p or self.get_default_sampling_params(),
+                     prompt.get("cache_salt") if isinstance(prompt, dict) else None)
+                    for prompt, p in zip(prompts, params, strict=True))
+        return self._add_and_run(requests, use_tqdm)
+
+    def score_candidates(self, prompt: str | Sequence[int], candidates: Sequence[str | Sequence[int]], *,
+                         top_logprobs: int | None = None, reuse: bool = True) -> PromptScores:
+        """Each candidate continuation's total and per-token log-probabilities given `prompt`, which is
+        computed once (a checkpoint at its end) unless `reuse=False`; `top_logprobs` adds the k most likely
+        next tokens after it. (vLLM's `score` is cross-encoder scoring, which this engine does not do.)"""
+        from jaxhybrid.score import read_scores, scoring_requests  # it builds on this module
+
+        scoring = scoring_requests(self, prompt if isinstance(prompt, str) else list(prompt),
+                                   [c if isinstance(c, str) else list(c) for c in candidates], top_logprobs, reuse)
+        outputs = self._add_and_run(((p, params, None) for p, params in scoring.requests), use_tqdm=False,
+                                    prompt_logprobs_from=scoring.prompt_logprobs_from)
+        return read_scores(outputs, scoring.prompt_len, top_logprobs)
+
+    def score(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """vLLM's `LLM.score(data_1, data_2)` scores pairs with a cross-encoder or embedding model."""
+        raise NotImplementedError("LLM.score (vLLM's cross-encoder / embedding scoring) is not supported: this "
+                                  "engine runs generative models. To score candidate continuations of a prompt by "
+                                  "their log-probabilities, use LLM.score_candidates(prompt, candidates).")
+
+    def _add_and_run(self, requests: Iterable[tuple[Prompt, SamplingParams, str | None]], use_tqdm: bool,
+                     prompt_logprobs_from: int = 0) -> list[RequestOutput]:
+        """Queue (prompt, params, cache_salt) requests and run them to completion; outputs in their order.
+        A request that cannot be queued raises, and nothing of the call stays queued."""
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, params, cache_salt in requests:
                 ids.append(f"{self._counter}")
                 self._counter += 1
-                self.engine.add_request(ids[-1], self.parse_prompt(prompt), p or self.get_default_sampling_params(),
-                                        cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None)
-        except ValueError:  # nothing of this call stays queued
+                self.engine.add_request(ids[-1], prompt, params, cache_salt=cache_salt,
+                                        prompt_logprobs_from=prompt_logprobs_from)
+        except ValueError:
             for request_id in ids:
                 self.engine.abort(request_id)
             raise
         return self._run(ids, use_tqdm)
-
-    def score(self, prompt: str | Sequence[int], candidates: Sequence[str | Sequence[int]], *,
-              top_logprobs: int | None = None, reuse: bool = True):
-        """Each candidate's total and per-token log-probabilities given `prompt`, which is computed once
-        (a checkpoint at its end); `top_logprobs` adds the k most likely next tokens after it. Returns a
-        `jaxhybrid.score.PromptScores`."""
-        from jaxhybrid.score import score_prompt
-
-        return score_prompt(self, prompt if isinstance(prompt, str) else list(prompt),
-                            [c if isinstance(c, str) else list(c) for c in candidates], top_logprobs, reuse)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
