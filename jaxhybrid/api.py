@@ -23,7 +23,7 @@ from jaxhybrid.outputs import RequestOutput
 from jaxhybrid.sampling import ROW_DTYPE
 from jaxhybrid.sampling_params import SamplingParams
 from jaxhybrid.tokenizer import Tokenizer
-from jaxhybrid.weights import DEFAULT_MODEL_DIR, load_model
+from jaxhybrid.weights import load_model, resolve_model
 from pallas_kernels.common import resolve_backend
 from scheduler import SchedulerConfig, parse_checkpoint_marker
 from scheduler.buckets import default_buckets
@@ -77,21 +77,24 @@ def device_memory_budget(utilization: float, params: Any) -> int:
 class LLM:
     """An engine on one checkpoint: `generate` and `chat` run prompts to completion, in input order.
 
-    Arguments follow vLLM's where the concept exists. Beyond them: `num_blocks` / `num_state_slots` size the
-    pools explicitly (else from `gpu_memory_utilization`), `replayssm_window` is W (default 16 with the
-    Pallas kernels; on the reference path, where folding an entry costs a pass over the state, the
-    smallest window, 1 + K; 0 runs the snapshot-every-position baseline instead of ReplaySSM: ring entries
-    are whole states, as many as a verify row has tokens), `mamba_block_size` the grid of cached recurrent
-    states, `backend` the kernels' ("reference", "pallas", "interpret"),
-    `token_buckets` / `row_buckets` the step shapes (default: ladders growing by `bucket_growth` up to
-    `max_num_batched_tokens` / `max_num_seqs`), `tensor_parallel_size` shards weights and pools by heads
-    over that many devices (`jaxhybrid.distributed.tensor_parallel`), `precompile` compiles every shape at start-up and
-    `compilation_cache_dir` keeps compiled steps across runs.
+    Arguments follow vLLM's where the concept exists: `model` and `tokenizer` are directories or Hugging
+    Face hub ids (`revision`, `tokenizer_revision`, `download_dir`; `jaxhybrid.weights.resolve_model`).
+    Beyond them: `num_blocks` / `num_state_slots` size the pools explicitly (else from
+    `gpu_memory_utilization`), `replayssm_window` is W (default 16 with the Pallas kernels; on the reference
+    path, where folding an entry costs a pass over the state, the smallest window, 1 + K; 0 runs the
+    snapshot-every-position baseline instead of ReplaySSM: ring entries are whole states, as many as a
+    verify row has tokens), `mamba_block_size` the grid of cached recurrent states, `backend` the kernels'
+    ("reference", "pallas", "interpret"), `token_buckets` / `row_buckets` the step shapes (default: ladders
+    growing by `bucket_growth` up to `max_num_batched_tokens` / `max_num_seqs`), `tensor_parallel_size`
+    shards weights and pools by heads over that many devices (`jaxhybrid.distributed.tensor_parallel`),
+    `precompile` compiles every shape at start-up and `compilation_cache_dir` keeps compiled steps across runs.
     """
 
     def __init__(self, model: str | Path | None = None, *, tokenizer: str | Path | None = None,
-                 skip_tokenizer_init: bool = False, enable_prefix_caching: bool = True,
-                 speculative_config: dict | None = None, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
+                 revision: str | None = None, tokenizer_revision: str | None = None,
+                 download_dir: str | Path | None = None, skip_tokenizer_init: bool = False,
+                 enable_prefix_caching: bool = True, speculative_config: dict | None = None, max_num_seqs: int = 32,
+                 max_num_batched_tokens: int = 512,
                  max_model_len: int | None = None, seed: int = 0, gpu_memory_utilization: float = 0.9,
                  num_blocks: int | None = None, num_state_slots: int | None = None, replayssm_window: int | None = None,
                  block_size: int = 16, mamba_block_size: int = 64, max_logprobs: int = 20,
@@ -103,12 +106,13 @@ class LLM:
         if compilation_cache_dir is not None:  # compiled steps persist across processes
             jax.config.update("jax_compilation_cache_dir", str(compilation_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        directory = Path(model) if model is not None else DEFAULT_MODEL_DIR
+        directory = resolve_model(model, revision, download_dir)
         dtype = checkpoint_dtype(directory, dtype)
         self.model: Model = load_model(directory, dtype=dtype, ops=ModelOps(backend=backend), block_size=block_size)
         self.generation_defaults = sampling_defaults(read_generation_config(directory))
         cfg = self.model.config
-        self.tokenizer = None if skip_tokenizer_init else Tokenizer.from_pretrained(Path(tokenizer or directory))
+        self.tokenizer = None if skip_tokenizer_init else Tokenizer.from_pretrained(
+            directory if tokenizer is None else resolve_model(tokenizer, tokenizer_revision, download_dir))
         k = speculative_tokens(speculative_config)
         if k and not cfg.mtp_layers:
             raise ValueError(f"speculative_config asks for MTP, but the {cfg.model_type} checkpoint at {directory} "
