@@ -1,4 +1,4 @@
-"""Offline scoring of 1 anchor x N candidates: `LLM.score` (what `python -m jaxhybrid.score` runs) with
+"""Offline scoring of 1 anchor x N candidates: `LLM.score_candidates` (what `python -m jaxhybrid.score` runs) with
 checkpoint reuse, without it, and HuggingFace transformers' full forwards, on one random ~40M-parameter
 Qwen3-Next checkpoint.
 
@@ -41,7 +41,7 @@ def workload(vocab: int, count: int, seed: int = 0) -> tuple[list[int], list[lis
 def ours(llm: LLM, anchor: list[int], candidates: list[list[int]], reuse: bool) -> dict:
     before = llm.engine.stats.prefill_tokens
     start = time.perf_counter()
-    scores = llm.score(anchor, candidates, reuse=reuse)
+    scores = llm.score_candidates(anchor, candidates, reuse=reuse)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "tokens": llm.engine.stats.prefill_tokens - before,
             "values": [c.token_logprobs for c in scores.candidates]}

@@ -6,9 +6,9 @@ import json
 import logging
 import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +23,13 @@ from jaxhybrid.outputs import RequestOutput
 from jaxhybrid.sampling import ROW_DTYPE
 from jaxhybrid.sampling_params import SamplingParams
 from jaxhybrid.tokenizer import Tokenizer
-from jaxhybrid.weights import DEFAULT_MODEL_DIR, load_model
+from jaxhybrid.weights import load_model, resolve_model
 from pallas_kernels.common import resolve_backend
 from scheduler import SchedulerConfig, parse_checkpoint_marker
 from scheduler.buckets import default_buckets
+
+if TYPE_CHECKING:
+    from jaxhybrid.score import PromptScores
 
 log = logging.getLogger("jaxhybrid")
 
@@ -74,21 +77,24 @@ def device_memory_budget(utilization: float, params: Any) -> int:
 class LLM:
     """An engine on one checkpoint: `generate` and `chat` run prompts to completion, in input order.
 
-    Arguments follow vLLM's where the concept exists. Beyond them: `num_blocks` / `num_state_slots` size the
-    pools explicitly (else from `gpu_memory_utilization`), `replayssm_window` is W (default 16 with the
-    Pallas kernels; on the reference path, where folding an entry costs a pass over the state, the
-    smallest window, 1 + K; 0 runs the snapshot-every-position baseline instead of ReplaySSM: ring entries
-    are whole states, as many as a verify row has tokens), `mamba_block_size` the grid of cached recurrent
-    states, `backend` the kernels' ("reference", "pallas", "interpret"),
-    `token_buckets` / `row_buckets` the step shapes (default: ladders growing by `bucket_growth` up to
-    `max_num_batched_tokens` / `max_num_seqs`), `tensor_parallel_size` shards weights and pools by heads
-    over that many devices (`jaxhybrid.distributed.tensor_parallel`), `precompile` compiles every shape at start-up and
-    `compilation_cache_dir` keeps compiled steps across runs.
+    Arguments follow vLLM's where the concept exists: `model` and `tokenizer` are directories or Hugging
+    Face hub ids (`revision`, `tokenizer_revision`, `download_dir`; `jaxhybrid.weights.resolve_model`).
+    Beyond them: `num_blocks` / `num_state_slots` size the pools explicitly (else from
+    `gpu_memory_utilization`), `replayssm_window` is W (default 16 with the Pallas kernels; on the reference
+    path, where folding an entry costs a pass over the state, the smallest window, 1 + K; 0 runs the
+    snapshot-every-position baseline instead of ReplaySSM: ring entries are whole states, as many as a
+    verify row has tokens), `mamba_block_size` the grid of cached recurrent states, `backend` the kernels'
+    ("reference", "pallas", "interpret"), `token_buckets` / `row_buckets` the step shapes (default: ladders
+    growing by `bucket_growth` up to `max_num_batched_tokens` / `max_num_seqs`), `tensor_parallel_size`
+    shards weights and pools by heads over that many devices (`jaxhybrid.distributed.tensor_parallel`),
+    `precompile` compiles every shape at start-up and `compilation_cache_dir` keeps compiled steps across runs.
     """
 
     def __init__(self, model: str | Path | None = None, *, tokenizer: str | Path | None = None,
-                 skip_tokenizer_init: bool = False, enable_prefix_caching: bool = True,
-                 speculative_config: dict | None = None, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
+                 revision: str | None = None, tokenizer_revision: str | None = None,
+                 download_dir: str | Path | None = None, skip_tokenizer_init: bool = False,
+                 enable_prefix_caching: bool = True, speculative_config: dict | None = None, max_num_seqs: int = 32,
+                 max_num_batched_tokens: int = 512,
                  max_model_len: int | None = None, seed: int = 0, gpu_memory_utilization: float = 0.9,
                  num_blocks: int | None = None, num_state_slots: int | None = None, replayssm_window: int | None = None,
                  block_size: int = 16, mamba_block_size: int = 64, max_logprobs: int = 20,
@@ -100,12 +106,13 @@ class LLM:
         if compilation_cache_dir is not None:  # compiled steps persist across processes
             jax.config.update("jax_compilation_cache_dir", str(compilation_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        directory = Path(model) if model is not None else DEFAULT_MODEL_DIR
+        directory = resolve_model(model, revision, download_dir)
         dtype = checkpoint_dtype(directory, dtype)
         self.model: Model = load_model(directory, dtype=dtype, ops=ModelOps(backend=backend), block_size=block_size)
         self.generation_defaults = sampling_defaults(read_generation_config(directory))
         cfg = self.model.config
-        self.tokenizer = None if skip_tokenizer_init else Tokenizer.from_pretrained(Path(tokenizer or directory))
+        self.tokenizer = None if skip_tokenizer_init else Tokenizer.from_pretrained(
+            directory if tokenizer is None else resolve_model(tokenizer, tokenizer_revision, download_dir))
         k = speculative_tokens(speculative_config)
         if k and not cfg.mtp_layers:
             raise ValueError(f"speculative_config asks for MTP, but the {cfg.model_type} checkpoint at {directory} "
@@ -228,29 +235,46 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        params = [p or self.get_default_sampling_params() for p in params]
+        requests = ((self.parse_prompt(prompt, p), p, prompt.get("cache_salt") if isinstance(prompt, dict) else None)
+                    for prompt, p in zip(prompts, params, strict=True))
+        return self._add_and_run(requests, use_tqdm)
+
+    def score_candidates(self, prompt: str | Sequence[int], candidates: Sequence[str | Sequence[int]], *,
+                         top_logprobs: int | None = None, reuse: bool = True) -> PromptScores:
+        """Each candidate continuation's total and per-token log-probabilities given `prompt`, which is
+        computed once (a checkpoint at its end) unless `reuse=False`; `top_logprobs` adds the k most likely
+        next tokens after it. (vLLM's `score` is cross-encoder scoring, which this engine does not do.)"""
+        from jaxhybrid.score import read_scores, scoring_requests  # it builds on this module
+
+        scoring = scoring_requests(self, prompt if isinstance(prompt, str) else list(prompt),
+                                   [c if isinstance(c, str) else list(c) for c in candidates], top_logprobs, reuse)
+        outputs = self._add_and_run(((p, params, None) for p, params in scoring.requests), use_tqdm=False,
+                                    prompt_logprobs_from=scoring.prompt_logprobs_from)
+        return read_scores(outputs, scoring.prompt_len, top_logprobs)
+
+    def score(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """vLLM's `LLM.score(data_1, data_2)` scores pairs with a cross-encoder or embedding model."""
+        raise NotImplementedError("LLM.score (vLLM's cross-encoder / embedding scoring) is not supported: this "
+                                  "engine runs generative models. To score candidate continuations of a prompt by "
+                                  "their log-probabilities, use LLM.score_candidates(prompt, candidates).")
+
+    def _add_and_run(self, requests: Iterable[tuple[Prompt, SamplingParams, str | None]], use_tqdm: bool,
+                     prompt_logprobs_from: int = 0) -> list[RequestOutput]:
+        """Queue (prompt, params, cache_salt) requests and run them to completion; outputs in their order.
+        A request that cannot be queued raises, and nothing of the call stays queued."""
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, params, cache_salt in requests:
                 ids.append(f"{self._counter}")
                 self._counter += 1
-                p = p or self.get_default_sampling_params()
-                self.engine.add_request(ids[-1], self.parse_prompt(prompt, p), p,
-                                        cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None)
-        except ValueError:  # nothing of this call stays queued
+                self.engine.add_request(ids[-1], prompt, params, cache_salt=cache_salt,
+                                        prompt_logprobs_from=prompt_logprobs_from)
+        except ValueError:
             for request_id in ids:
                 self.engine.abort(request_id)
             raise
         return self._run(ids, use_tqdm)
-
-    def score(self, prompt: str | Sequence[int], candidates: Sequence[str | Sequence[int]], *,
-              top_logprobs: int | None = None, reuse: bool = True):
-        """Each candidate's total and per-token log-probabilities given `prompt`, which is computed once
-        (a checkpoint at its end); `top_logprobs` adds the k most likely next tokens after it. Returns a
-        `jaxhybrid.score.PromptScores`."""
-        from jaxhybrid.score import score_prompt
-
-        return score_prompt(self, prompt if isinstance(prompt, str) else list(prompt),
-                            [c if isinstance(c, str) else list(c) for c in candidates], top_logprobs, reuse)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,

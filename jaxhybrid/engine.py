@@ -109,6 +109,7 @@ class _Request:
     metrics: RequestMetrics
     seed: int
     cache_salt: str | None
+    prompt_logprobs_from: int = 0
     num_cached_tokens: int = 0
 
 
@@ -163,8 +164,12 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
-                    cache_salt: str | None = None) -> None:
-        """Queue a request; raises ValueError naming the problem (nothing is queued then)."""
+                    cache_salt: str | None = None, prompt_logprobs_from: int = 0) -> None:
+        """Queue a request; raises ValueError naming the problem (nothing is queued then).
+
+        `prompt_logprobs_from` > 0 reports prompt logprobs from that prompt position on only (the earlier
+        ones are None): the scorer's candidates after a checkpoint, which a request can read only if it needs
+        no logits before it. With the default every prompt position is reported, as vLLM does."""
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -173,12 +178,12 @@ class Engine:
             raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
         seed = int(self._seeds.integers(2**63)) if params.seed is None else params.seed
         request = _Request(request_id, prompt, params, [], [], None if params.prompt_logprobs is None else [None],
-                           RequestMetrics(time.time()), seed, cache_salt)
+                           RequestMetrics(time.time()), seed, cache_salt, prompt_logprobs_from)
         for index in range(params.n):
             sequence_id = str(next(self._ids))
             try:
                 self.scheduler = scheduler.add_request(self.scheduler, self._scheduler_request(
-                    sequence_id, prompt, params, seed + index, cache_salt))
+                    sequence_id, request, seed + index))
             except ValueError as error:
                 for queued in request.sequences:
                     self.scheduler = scheduler.abort_request(self.scheduler, queued)
@@ -346,7 +351,7 @@ class Engine:
             if request.metrics.first_scheduled_time is None:
                 for index, sequence_id in enumerate(request.sequences):
                     self.scheduler = scheduler.add_request(self.scheduler, self._scheduler_request(
-                        sequence_id, request.prompt, request.params, request.seed + index, request.cache_salt))
+                        sequence_id, request, request.seed + index))
                 continue
             for sequence_id, output in zip(request.sequences, request.outputs, strict=True):
                 if not output.finished():
@@ -369,8 +374,8 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer (this engine runs with skip_tokenizer_init)")
 
-    def _scheduler_request(self, sequence_id: str, prompt: Prompt, params: SamplingParams, seed: int,
-                           cache_salt: str | None) -> scheduler.Request:
+    def _scheduler_request(self, sequence_id: str, request: _Request, seed: int) -> scheduler.Request:
+        prompt, params = request.prompt, request.params
         eos = self.model.config.eos_token_id
         room = self.config.max_model_len - len(prompt.token_ids)
         max_tokens = room if params.max_tokens is None else params.max_tokens
@@ -378,10 +383,9 @@ class Engine:
         if not params.ignore_eos:  # the checkpoint's other eos ids stop it too, unless eos is ignored
             limits = scheduler.SamplingParams(limits.max_tokens, limits.eos_token_id,
                                               limits.stop_token_ids + tuple(eos[1:]), limits.ignore_eos)
-        # prompt logprobs from the checkpoint on: the positions before it are computed once, by the producer
-        logits_from = None if params.prompt_logprobs is None else (prompt.checkpoint_position or 0)
-        return scheduler.Request(sequence_id, prompt.token_ids, limits, prompt.checkpoint_position, cache_salt,
-                                 logits_from, params.row_data(seed, len(prompt.token_ids)))
+        return scheduler.Request(sequence_id, prompt.token_ids, limits, _readable_checkpoint(request),
+                                 request.cache_salt, _logits_from(request),
+                                 params.row_data(seed, len(prompt.token_ids)))
 
     def _detokenizer(self, prompt: Prompt, params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
@@ -420,7 +424,7 @@ class Engine:
                     self._count_cache_query(request)
 
     def _count_cache_query(self, request: _Request) -> None:
-        stats, checkpoint = self.stats, request.prompt.checkpoint_position
+        stats, checkpoint = self.stats, _readable_checkpoint(request)
         stats.prefix_cache_queries += len(request.prompt.token_ids)
         stats.cached_tokens += request.num_cached_tokens
         if checkpoint:
@@ -515,6 +519,24 @@ class Engine:
                                                                   - len(request.prompt_logprobs))
         return RequestOutput(request.request_id, request.prompt.text, list(request.prompt.token_ids), prompt_logprobs,
                              outputs, all(o.finished() for o in outputs), request.metrics, request.num_cached_tokens)
+
+
+def _logits_from(request: _Request) -> int | None:
+    """The first prompt position whose logits the request needs: prompt token p's logprob comes from the
+    logits at p - 1 (None: the sampling position only)."""
+    if request.params.prompt_logprobs is None:
+        return None
+    return max(request.prompt_logprobs_from - 1, 0)
+
+
+def _readable_checkpoint(request: _Request) -> int | None:
+    """The checkpoint the scheduler may start the request from. A request that needs logits before its
+    checkpoint cannot start there, so it computes its whole prompt, as vLLM computes a prompt_logprobs
+    request without reading the prefix cache: it neither waits for its checkpoint nor produces it."""
+    checkpoint, logits_from = request.prompt.checkpoint_position, _logits_from(request)
+    if checkpoint is not None and logits_from is not None and checkpoint > logits_from:
+        return None
+    return checkpoint
 
 
 def _token_entries(plan: BatchPlan, row: int, num_tokens: int) -> list[int]:

@@ -17,8 +17,11 @@ log = logging.getLogger("jaxhybrid")
 
 # flag -> argparse keywords; the dest is the flag's name with underscores
 ENGINE_FLAGS: dict[str, dict] = {
-    "--model": dict(default=None, help="checkpoint directory (default: the embedded model)"),
-    "--tokenizer": dict(default=None, help="tokenizer directory (default: the model's)"),
+    "--model": dict(default=None, help="checkpoint directory or Hugging Face hub id (default: the embedded model)"),
+    "--revision": dict(default=None, help="with a hub id: the branch, tag or commit"),
+    "--download-dir": dict(default=None, help="with a hub id: the download cache (default: huggingface_hub's)"),
+    "--tokenizer": dict(default=None, help="tokenizer directory or hub id (default: the model's)"),
+    "--tokenizer-revision": dict(default=None, help="with a tokenizer hub id: the branch, tag or commit"),
     "--skip-tokenizer-init": dict(action=argparse.BooleanOptionalAction, default=False,
                                   help="token-id prompts only (no tokenizer files needed)"),
     "--max-num-seqs": dict(type=int, default=32),
@@ -50,10 +53,10 @@ ENGINE_FLAGS: dict[str, dict] = {
                                help="schedule one step ahead of the device (--no-: the serial loop, for debugging)"),
     "--config": dict(default=None, help="YAML file of these flags (command-line flags win)"),
 }
-_LLM_ARGS = ("tokenizer", "skip_tokenizer_init", "enable_prefix_caching", "speculative_config", "max_num_seqs",
-             "max_num_batched_tokens", "max_model_len", "seed", "gpu_memory_utilization", "num_blocks",
-             "num_state_slots", "replayssm_window", "block_size", "mamba_block_size", "max_logprobs", "dtype",
-             "bucket_growth", "tensor_parallel_size", "async_scheduling")
+_LLM_ARGS = ("tokenizer", "revision", "tokenizer_revision", "download_dir", "skip_tokenizer_init",
+             "enable_prefix_caching", "speculative_config", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+             "seed", "gpu_memory_utilization", "num_blocks", "num_state_slots", "replayssm_window", "block_size",
+             "mamba_block_size", "max_logprobs", "dtype", "bucket_growth", "tensor_parallel_size", "async_scheduling")
 
 
 def _dest(flag: str) -> str:

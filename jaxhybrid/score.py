@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 from tqdm import tqdm
@@ -72,6 +72,7 @@ class _Work:
 
     requests: list[tuple[Prompt, SamplingParams]]
     finish: Callable[[list[RequestOutput]], dict]
+    prompt_logprobs_from: int = 0  # a scoring line's: its candidates' positions only
 
 
 def _tokens(llm: LLM, value: Any, name: str) -> list[int]:
@@ -82,9 +83,16 @@ def _tokens(llm: LLM, value: Any, name: str) -> list[int]:
     raise BadRequest(f"{name} must be a non-empty string or a non-empty list of token ids", name)
 
 
+class ScoringRequests(NamedTuple):
+    requests: list[tuple[Prompt, SamplingParams]]
+    prompt_len: int            # the prompt's tokens: the candidates' start
+    prompt_logprobs_from: int  # `Engine.add_request`'s: the candidates' positions, or (no reuse) all of them
+
+
 def scoring_requests(llm: LLM, prompt: str | list[int], candidates: list, top_logprobs: int | None = None,
-                     reuse: bool = True) -> tuple[list[tuple[Prompt, SamplingParams]], int]:
-    """The requests that score `candidates` given `prompt`, and the prompt's length in tokens."""
+                     reuse: bool = True) -> ScoringRequests:
+    """The requests that score `candidates` given `prompt`. Without reuse they ask for the logits of every
+    prompt position, so that each computes its whole prompt (the baseline reuse is measured against)."""
     if not isinstance(candidates, list) or not candidates:
         raise BadRequest("candidates must be a non-empty list", "candidates")
     if top_logprobs is not None and (not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool)
@@ -100,17 +108,7 @@ def scoring_requests(llm: LLM, prompt: str | list[int], candidates: list, top_lo
         tokens = context + _tokens(llm, candidate, f"candidates[{i}]")
         prompt_ids = {"prompt_token_ids": tokens, "checkpoint_position": checkpoint or None}
         requests.append((protocol.prompt_for(llm, prompt_ids, params), params))
-    return requests, len(context)
-
-
-def score_prompt(llm: LLM, prompt: str | list[int], candidates: list, top_logprobs: int | None = None,
-                 reuse: bool = True) -> PromptScores:
-    """`LLM.score`: every candidate's log-probabilities given `prompt`, the prompt computed once."""
-    requests, prompt_len = scoring_requests(llm, prompt, candidates, top_logprobs, reuse)
-    prompts = [{"prompt_token_ids": list(p.token_ids), "checkpoint_position": p.checkpoint_position}
-               for p, _ in requests]
-    outputs = llm.generate(prompts, [params for _, params in requests], use_tqdm=False)
-    return read_scores(outputs, prompt_len, top_logprobs)
+    return ScoringRequests(requests, len(context), len(context) if reuse else 0)
 
 
 def read_scores(outputs: list[RequestOutput], prompt_len: int, top_logprobs: int | None) -> PromptScores:
@@ -229,8 +227,9 @@ class ScoreJob:
         if "candidates" not in line or "prompt" not in line:
             raise BadRequest("a line needs custom_id/url/body (OpenAI batch) or prompt/candidates (scoring)", "line")
         top = line.get("top_logprobs", self.default_top_logprobs)
-        requests, prompt_len = scoring_requests(self.llm, line["prompt"], line["candidates"], top, self.reuse)
-        return _Work(requests, lambda finals: _scores_json(read_scores(finals, prompt_len, top)))
+        scoring = scoring_requests(self.llm, line["prompt"], line["candidates"], top, self.reuse)
+        return _Work(scoring.requests, lambda finals: _scores_json(read_scores(finals, scoring.prompt_len, top)),
+                     scoring.prompt_logprobs_from)
 
     def _run_window(self, chunk: list[tuple[int, str]]) -> Iterator[str]:
         engine, results, pending = self.llm.engine, {}, {}
@@ -245,7 +244,7 @@ class ScoreJob:
                 ids = [f"{index}-{j}" for j in range(len(work.requests))]
                 try:
                     for request_id, (prompt, params) in zip(ids, work.requests, strict=True):
-                        engine.add_request(request_id, prompt, params)
+                        engine.add_request(request_id, prompt, params, prompt_logprobs_from=work.prompt_logprobs_from)
                 except ValueError as error:
                     for request_id in ids:
                         engine.abort(request_id)

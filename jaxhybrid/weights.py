@@ -24,6 +24,10 @@ Piece = tuple[Path_, Any, np.ndarray]  # (param path, part key or None, array)
 
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default_model"
+# What a checkpoint is served from, fetched from the hub (as vLLM fetches them): config, generation config,
+# tokenizer and chat template, the safetensors and their index.
+HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "chat_template.jinja", "*.safetensors", "*.safetensors.index.json"]
 
 
 class CheckpointError(ValueError):
@@ -224,14 +228,34 @@ def convert_checkpoint(tensors: Callable[[], Iterator[tuple[str, np.ndarray]]], 
     return params
 
 
-def load_model(path: str | Path | None = None, dtype: Any = jnp.float32, **model_kwargs: Any) -> Model:
-    """Load a HuggingFace checkpoint directory (or one saved by `save_params`) as a `Model`.
+def resolve_model(model: str | Path | None, revision: str | None = None, download_dir: str | Path | None = None
+                  ) -> Path:
+    """The checkpoint directory `model` names: the embedded default model for None, an existing directory
+    as it is, else a Hugging Face hub id (`org/name`) fetched at `revision` with `huggingface_hub`, into
+    `download_dir` or its cache (HF_HUB_CACHE / HF_HOME); with HF_HUB_OFFLINE=1 only from that cache."""
+    if model is None:
+        return DEFAULT_MODEL_DIR
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import constants, snapshot_download
 
-    With no path, loads the embedded default model shipped in `jaxhybrid/assets/`.
+    offline = constants.HF_HUB_OFFLINE
+    try:
+        return Path(snapshot_download(str(model), revision=revision, cache_dir=download_dir, allow_patterns=HUB_FILES,
+                                      local_files_only=offline))
+    except (OSError, ValueError) as error:  # not found, offline and not cached, not a valid id, ...
+        at = f" at revision {revision!r}" if revision else ""
+        where = " (HF_HUB_OFFLINE is set: only the local cache was searched)" if offline else ""
+        raise CheckpointError(f"checkpoint directory {str(model)!r} does not exist, and as a Hugging Face hub id it "
+                              f"could not be fetched{at}{where}: {type(error).__name__}: {error}") from error
+
+
+def load_model(path: str | Path | None = None, dtype: Any = jnp.float32, *, revision: str | None = None,
+               download_dir: str | Path | None = None, **model_kwargs: Any) -> Model:
+    """Load a HuggingFace checkpoint (or one saved by `save_params`) as a `Model`: a directory or a hub id
+    (`resolve_model`). With no path, loads the embedded default model shipped in `jaxhybrid/assets/`.
     """
-    directory = Path(path) if path is not None else DEFAULT_MODEL_DIR
-    if not directory.is_dir():
-        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    directory = resolve_model(path, revision, download_dir)
     config = load_config(directory)
     if (directory / "params").is_dir():
         params = restore_params(directory / "params", config, dtype)
@@ -263,5 +287,5 @@ def restore_params(directory: str | Path, config: ModelConfig, dtype: Any = jnp.
         return checkpointer.restore(Path(directory).absolute(), target)
 
 
-__all__ = ["CheckpointError", "load_model", "save_params", "restore_params", "convert_checkpoint",
+__all__ = ["CheckpointError", "load_model", "resolve_model", "save_params", "restore_params", "convert_checkpoint",
            "parse_hf_config"]

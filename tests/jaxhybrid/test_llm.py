@@ -1,5 +1,5 @@
 """`LLM` on the embedded default model: text, chat and token prompts with markers, MTP on, stop strings,
-prompt-logprob scoring with a checkpoint, and the errors a user sees."""
+prompt logprobs with a checkpoint, candidate scoring from one, and the errors a user sees."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from tests.tolerances import assert_close, float32_atol, model_depth
 ANCHOR = "import os\nimport sys\n\n\ndef read_config(path):\n    \"\"\"Read a config file.\"\"\"\n"
 SCORED_ANCHOR = ("class Config:\n    \"\"\"Settings read from the environment.\"\"\"\n\n"
                  "    def __init__(self, env):\n        self.env = env\n\n    def get(self, key):\n")
+LOGPROB_ANCHOR = ("def parse(line):\n    \"\"\"Split a comma separated line into its fields.\"\"\"\n"
+                  "    fields = line.split(\",\")\n    return [field.strip() for field in fields]\n\n\n")
 CANDIDATES = ["    with open(path) as f:\n        return f.read()\n", "    return {}\n",
               "    raise NotImplementedError(path)\n", "    print(path)\n    return None\n"]
 
@@ -79,27 +81,64 @@ def test_chat_uses_the_checkpoints_template(llm):
     assert output.prompt_token_ids == tokenizer.encode(tokenizer.apply_chat_template(messages))
 
 
-def test_scoring_with_a_checkpoint_equals_scoring_without_and_computes_the_anchor_once(llm):
-    """1 anchor x N candidates: prompt logprobs with the marker equal those without (float32), while the
-    anchor's tokens are computed once (the consumers start at the checkpoint)."""
-    params = SamplingParams(max_tokens=0, prompt_logprobs=1)
+def _assert_prompt_logprobs_equal(marked, plain, depth: int) -> None:
+    """Every prompt position but the first (which has no context) carries the same logprobs with the marker
+    as without it: the marker is no token of the model's input, so it has no position of its own."""
+    assert marked.prompt_token_ids == plain.prompt_token_ids
+    ids = plain.prompt_token_ids
+    assert marked.prompt_logprobs[0] is None and plain.prompt_logprobs[0] is None
+    assert len(marked.prompt_logprobs) == len(ids) and all(p is not None for p in marked.prompt_logprobs[1:])
+    got = [marked.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))]
+    want = [plain.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))]
+    assert_close(np.array(got), np.array(want), min(1e-4, float32_atol(depth, max(map(abs, want)))))
+
+
+def test_prompt_logprobs_with_a_checkpoint_cover_every_prompt_position(llm):
+    """A marked prompt reports prompt logprobs at every position, equal to the unmarked prompt's: next to the
+    request that produces its checkpoint, and once that checkpoint is cached (a request starting from it
+    would have no logits for the positions before it)."""
     tokenizer = llm.get_tokenizer()
-    anchor, marker = tokenizer.encode(SCORED_ANCHOR), tokenizer.token_id(CHECKPOINT_MARKER)  # not cached yet
-    before = llm.engine.stats.prefill_tokens
-    marked = llm.generate([anchor + [marker] + tokenizer.encode(c) for c in CANDIDATES], params, use_tqdm=False)
-    computed = llm.engine.stats.prefill_tokens - before
-    plain = llm.generate([anchor + tokenizer.encode(c) for c in CANDIDATES], params, use_tqdm=False)
-    c = len(anchor) // 16 * 16  # the checkpoint: the marker's position rounded down to the hash unit
-    lengths = [len(o.prompt_token_ids) for o in plain]
-    assert c >= 32 and computed == c + sum(n - c for n in lengths)  # the anchor once, each candidate from c
-    depth = model_depth(llm.model.config, max(lengths))
+    anchor, marker = tokenizer.encode(LOGPROB_ANCHOR), tokenizer.token_id(CHECKPOINT_MARKER)  # not cached yet
+    candidates = [tokenizer.encode(c) for c in CANDIDATES]
+    assert len(anchor) >= 32  # the checkpoint lies past the first hash units
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    producer = SamplingParams(max_tokens=1, temperature=0)
+    marked = llm.generate([anchor + [marker] + c for c in candidates[:2]], [producer, params], use_tqdm=False)[1:]
+    cached = llm.generate(anchor + [marker] + candidates[0], producer, use_tqdm=False)[0]
+    assert cached.num_cached_tokens >= len(anchor) // 16 * 16  # the checkpoint is cached now
+    marked += llm.generate([anchor + [marker] + c for c in candidates[2:]], params, use_tqdm=False)
+    plain = llm.generate([anchor + c for c in candidates[1:]], params, use_tqdm=False)
+    depth = model_depth(llm.model.config, max(len(o.prompt_token_ids) for o in plain))
     for with_marker, without in zip(marked, plain, strict=True):
-        assert with_marker.prompt_token_ids == without.prompt_token_ids and with_marker.outputs[0].token_ids == []
+        _assert_prompt_logprobs_equal(with_marker, without, depth)
+        assert with_marker.outputs[0].token_ids == without.outputs[0].token_ids
+
+
+def test_score_candidates_computes_the_anchor_once(llm):
+    """1 anchor x N candidates: the candidates' logprobs equal prompt logprobs without any checkpoint, while
+    the anchor's tokens are computed once (the other candidates start at its checkpoint)."""
+    tokenizer = llm.get_tokenizer()
+    anchor = tokenizer.encode(SCORED_ANCHOR)  # not cached yet
+    candidates = [tokenizer.encode(c) for c in CANDIDATES]
+    before = llm.engine.stats.prefill_tokens
+    scores = llm.score_candidates(anchor, candidates)
+    computed = llm.engine.stats.prefill_tokens - before
+    plain = llm.generate([anchor + c for c in candidates], SamplingParams(max_tokens=0, prompt_logprobs=0),
+                         use_tqdm=False)
+    c = (len(anchor) - 1) // 16 * 16  # the checkpoint: before the anchor's last token, on the hash unit
+    lengths = [len(o.prompt_token_ids) for o in plain]
+    assert c >= 32 and computed == c + sum(n - c for n in lengths)
+    depth = model_depth(llm.model.config, max(lengths))
+    for score, without in zip(scores.candidates, plain, strict=True):
         ids = without.prompt_token_ids
-        got = [with_marker.prompt_logprobs[p][ids[p]].logprob for p in range(c + 1, len(ids))]
-        want = [without.prompt_logprobs[p][ids[p]].logprob for p in range(c + 1, len(ids))]
-        assert_close(np.array(got), np.array(want), min(1e-4, float32_atol(depth, max(map(abs, want)))))
-        assert all(with_marker.prompt_logprobs[p] is None for p in range(c + 1))
+        want = [without.prompt_logprobs[p][ids[p]].logprob for p in range(len(anchor), len(ids))]
+        assert_close(np.array(score.token_logprobs), np.array(want),
+                     min(1e-4, float32_atol(depth, max(map(abs, want)))))
+
+
+def test_llm_score_is_vllms_cross_encoder_scoring_and_not_supported(llm):
+    with pytest.raises(NotImplementedError, match="score_candidates"):
+        llm.score("a query", ["a document"])
 
 
 def test_bad_prompts_raise_clear_errors(llm):

@@ -62,10 +62,10 @@ def test_scoring_lines_equal_the_full_forward(llm, reuse):
         assert llm.engine.stats.checkpoint_hits >= 2
 
 
-def test_llm_score_with_token_ids(llm):
+def test_score_candidates_with_token_ids(llm):
     context = list(range(5, 60))
     candidates = [[7, 8, 9], [100, 3]]
-    scores = llm.score(context, candidates, top_logprobs=2)
+    scores = llm.score_candidates(context, candidates, top_logprobs=2)
     for candidate, score in zip(candidates, scores.candidates, strict=True):
         assert_logprobs_close(llm, score.token_logprobs, context + candidate, len(context) - 1)
     assert len(scores.top_logprobs) == 2

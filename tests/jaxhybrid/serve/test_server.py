@@ -12,7 +12,9 @@ import httpx
 import openai
 import pytest
 
+from jaxhybrid import load_model
 from tests.jaxhybrid.serve.server_process import ServerProcess
+from tests.tolerances import assert_close, float32_atol, model_depth
 
 KEY = "test-key"
 MAX_QUEUED = 12
@@ -139,6 +141,21 @@ def test_checkpoint_consumers_are_reported_as_cached(server, client):
     for out in outs[1:]:  # the first computes the anchor; the rest start from its checkpoint
         assert out.usage.prompt_tokens_details.cached_tokens >= checkpoint
     assert server.metric("checkpoint_hits_total") >= len(candidates) - 1
+
+
+def test_prompt_logprobs_of_a_marked_prompt_cover_every_position(server):
+    """Also once the checkpoint is cached (the test above): the marker is no token, its prompt's logprobs
+    are those of the prompt without it."""
+    anchor = CODE * 4
+    body = {"max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+    marked, plain = (post(server, "/v1/completions", {**body, "prompt": anchor + marker + "w = 4\n"}).json()
+                     for marker in ("<|mamba_checkpoint|>", ""))
+    got, want = marked["choices"][0]["prompt_logprobs"], plain["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(want) == marked["usage"]["prompt_tokens"] and got[0] is None and want[0] is None
+    assert [list(p) for p in got[1:]] == [list(p) for p in want[1:]]  # the same token at every position
+    values = [next(iter(p.values()))["logprob"] for p in want[1:]]
+    atol = min(1e-4, float32_atol(model_depth(load_model().config, len(want)), max(map(abs, values))))
+    assert_close([next(iter(p.values()))["logprob"] for p in got[1:]], values, atol, "prompt logprobs")
 
 
 BAD = [
