@@ -2,8 +2,8 @@
 chunk, usage and error objects back (reference/ecosystem.md §1.2-1.4).
 
 Unknown fields are accepted and ignored, as vLLM does (clients send fields a server does not know);
-fields we know but do not implement (`logit_bias`, `min_tokens`, `suffix`, `best_of`) are refused with a
-400 rather than silently dropped.
+fields we know but do not implement (`suffix`, `best_of`) are refused with a 400 rather than silently
+dropped.
 """
 
 from __future__ import annotations
@@ -67,13 +67,11 @@ class _Request(BaseModel):
     cache_salt: str | None = None
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     user: str | None = None
 
     def check(self) -> None:
-        refused = {"min_tokens": self.min_tokens, "logit_bias": self.logit_bias}
-        for name, value in refused.items():
-            if value:
-                raise BadRequest(f"{name} is not supported by this server", name)
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options can only be set when stream is true", "stream_options")
         if self.stream and self.prompt_logprobs is not None:
@@ -90,7 +88,9 @@ class _Request(BaseModel):
                       stop=tuple(stop or ()), stop_token_ids=tuple(self.stop_token_ids or ()),
                       ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       include_stop_str_in_output=self.include_stop_str_in_output,
-                      skip_special_tokens=self.skip_special_tokens)
+                      skip_special_tokens=self.skip_special_tokens, min_tokens=self.min_tokens,
+                      logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
+                      bad_words=self.bad_words)
         values = {k: defaults[k] if v is None and k in defaults and k != "max_tokens" else v for k, v in values.items()}
         try:
             return SamplingParams(**{k: v for k, v in values.items() if v is not None or k in _NULLABLE})
@@ -98,7 +98,17 @@ class _Request(BaseModel):
             raise as_bad_request(error) from error
 
 
-_NULLABLE = {"max_tokens", "logprobs", "prompt_logprobs", "seed"}
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's string keys as token ids."""
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError as error:
+            raise BadRequest(f"logit_bias keys must be token ids, got {list(self.logit_bias)}", "logit_bias") from error
+
+
+_NULLABLE = {"max_tokens", "logprobs", "prompt_logprobs", "seed", "logit_bias", "allowed_token_ids", "bad_words"}
 
 
 class CompletionRequest(_Request):
@@ -240,7 +250,7 @@ def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], num_t
 
     content = []
     for token, position in zip(token_ids, positions, strict=True):
-        top = sorted(position.items(), key=lambda item: item[1].rank)[:num_top]
+        top = sorted(position.items(), key=lambda item: item[1].rank)[:num_top if num_top >= 0 else None]
         content.append({**entry(position, token), "top_logprobs": [entry(position, t) for t, _ in top]})
     return {"content": content}
 
