@@ -404,12 +404,13 @@ class Engine:
                              f"size {vocab}, got {list(bad_words)}")
         return words
 
-    def _plan_constraints(self, plan: BatchPlan) -> np.ndarray:
-        """The plan's rows' constraint entries, [R, E, 4] (E = 0 when no row has any)."""
-        constraints = self._constraints
-        per_row = [constraints.get(sequence_id) for sequence_id in plan.request_ids] if any(
-            sequence_id in constraints for sequence_id in plan.request_ids) else []
-        return batch_constraints(per_row, plan.row_kind.shape[0])
+    def _plan_constraints(self, plan: BatchPlan) -> np.ndarray | None:
+        """The plan's rows' constraint entries, [R, E, 4]; None when no row has any."""
+        constraints = self._constraints  # the output thread may end sequences meanwhile: lookups only
+        if not any(sequence_id in constraints for sequence_id in plan.request_ids):
+            return None
+        return batch_constraints([constraints.get(sequence_id) for sequence_id in plan.request_ids],
+                                 plan.row_kind.shape[0])
 
     def _scheduler_request(self, sequence_id: str, prompt: Prompt, params: SamplingParams, seed: int,
                            cache_salt: str | None) -> scheduler.Request:
