@@ -5,7 +5,8 @@ text is decoded over a short window that starts a few tokens back (`prefix_offse
 past the text already emitted (`read_offset`) becomes new; a window whose text ends in U+FFFD (half
 a UTF-8 character) waits for the next token (vLLM's scheme). Stop strings are searched in the new text
 and the last `max(len(stop)) - 1` characters before it, and while streaming that many characters are
-held back, so a client never sees the start of a stop string that then gets cut.
+held back, so a client never sees the start of a stop string that then gets cut. As vLLM does, a stop
+string must end in the text of an output token past the first `min_tokens`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class IncrementalDetokenizer:
     """Text of the output tokens of one request, emitted as it becomes final."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (), *,
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True) -> None:
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                 min_tokens: int = 0) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must not be empty")
         self._tok, self._skip = tokenizer, skip_special_tokens
@@ -39,6 +41,8 @@ class IncrementalDetokenizer:
         self.text = ""  # the whole output text so far (held-back characters included)
         self._sent = 0  # characters of `text` already handed out
         self.stopped: str | None = None
+        self._min_tokens, self._num_tokens = min_tokens, 0
+        self._stop_from = 0  # a stop string must end past this many characters (the first min_tokens' text)
 
     def push(self, token_ids: list[int]) -> TextDelta:
         """Add a step's output tokens; returns what may be shown now. After a stop, nothing more."""
@@ -47,6 +51,9 @@ class IncrementalDetokenizer:
         for token in token_ids:
             self._ids.append(token)
             self.text += self._next_text()
+            self._num_tokens += 1
+            if self._num_tokens <= self._min_tokens:
+                self._stop_from = len(self.text)
         stop = self._find_stop()
         end = len(self.text) if stop is not None else max(len(self.text) - self._hold, self._sent)
         delta = TextDelta(self.text[self._sent:end], stop)
@@ -70,7 +77,7 @@ class IncrementalDetokenizer:
     def _find_stop(self) -> str | None:
         """Cut `text` at the earliest stop string that the newest characters completed."""
         start = max(self._sent - self._hold, 0)
-        found = [(self.text.find(s, start), s) for s in self._stop]
+        found = [(self.text.find(s, max(start, self._stop_from - len(s) + 1)), s) for s in self._stop]
         found = [(index, s) for index, s in found if index >= 0]
         if not found:
             return None

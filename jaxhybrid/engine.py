@@ -28,6 +28,7 @@ started end with "error", and those still waiting are queued again.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import itertools
 import logging
@@ -47,7 +48,7 @@ from jaxhybrid.detokenize import IncrementalDetokenizer
 from jaxhybrid.model import Model
 from jaxhybrid.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from jaxhybrid.runner import Runner, StepOutput, to_host
-from jaxhybrid.sampling import Logprobs
+from jaxhybrid.sampling import Logprobs, batch_constraints, constraint_entries
 from jaxhybrid.sampling_params import SamplingParams
 from jaxhybrid.tokenizer import Tokenizer
 from scheduler import BatchPlan, FinishReason, RowKind, SchedulerConfig
@@ -152,6 +153,7 @@ class Engine:
         self._seeds = np.random.default_rng(seed)
         self.stats = EngineStats()
         self._logprob_sequences: set[str] = set()  # running sequences that report logprobs
+        self._constraints: dict[str, np.ndarray] = {}  # running sequences' constraint entries, if they have any
 
     def precompile(self, progress: bool = True) -> int:
         """Compile every bucket (`Runner.precompile`); then freeze what start-up allocated, so that the
@@ -173,12 +175,13 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self._check_params(params)
+        params = self._checked_params(params)
         if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
         seed = int(self._seeds.integers(2**63)) if params.seed is None else params.seed
         request = _Request(request_id, prompt, params, [], [], None if params.prompt_logprobs is None else [None],
                            RequestMetrics(time.time()), seed, cache_salt, prompt_logprobs_from)
+        entries = self._constraint_entries(params) if params.has_constraints() else None
         for index in range(params.n):
             sequence_id = str(next(self._ids))
             try:
@@ -189,6 +192,7 @@ class Engine:
                     self.scheduler = scheduler.abort_request(self.scheduler, queued)
                     del self._sequences[queued]
                     self._logprob_sequences.discard(queued)
+                    self._constraints.pop(queued, None)
                 message = str(error).replace(f"request {sequence_id!r}", f"request {request_id!r}")
                 raise type(error)(message if request_id in message else f"request {request_id!r}: {message}") from error
             request.sequences.append(sequence_id)
@@ -197,6 +201,8 @@ class Engine:
             self._sequences[sequence_id] = _Sequence(request, index, self._detokenizer(prompt, params))
             if params.logprobs is not None or params.prompt_logprobs is not None:
                 self._logprob_sequences.add(sequence_id)
+            if entries is not None:
+                self._constraints[sequence_id] = entries
         self._requests[request_id] = request
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -242,7 +248,7 @@ class Engine:
             if not self.scheduler.has_work():
                 return []
             plan = self._schedule()
-            out = self.runner.dispatch(plan)
+            out = self.runner.dispatch(plan, self._plan_constraints(plan))
             result = self.runner.fetch(out)
             self.scheduler, outputs = scheduler.update(self.scheduler, plan, result)
             request_outputs = self._finish_step(plan, out, result, outputs)
@@ -260,7 +266,7 @@ class Engine:
         ahead, request_outputs = None, []
         if self.scheduler.has_work():
             plan = self._schedule()
-            ahead = (plan, self.runner.dispatch(plan))
+            ahead = (plan, self.runner.dispatch(plan, self._plan_constraints(plan)))
             gc.collect(0)  # while the device is busy: the cyclic collector stays off the critical path
         if self._unprocessed is not None:
             request_outputs = self._processed()  # one step at a time: N-2's, done unless it outlasted a step
@@ -361,18 +367,57 @@ class Engine:
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
-    def _check_params(self, params: SamplingParams) -> None:
+    def _checked_params(self, params: SamplingParams) -> SamplingParams:
+        """`params` checked against this engine, with logprobs counts of -1 resolved to the vocabulary's."""
+        vocab = self.model.config.vocab_size
+        counts = {}
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > self.max_logprobs:
+            counts[name] = vocab if value == -1 else value
+            if value is not None and counts[name] > self.max_logprobs:
                 raise ValueError(f"SamplingParams.{name} must be at most max_logprobs={self.max_logprobs}, "
                                  f"got {value}")
+        token_lists = {"stop_token_ids": params.stop_token_ids, "logit_bias": list(params.logit_bias or ()),
+                       "allowed_token_ids": params.allowed_token_ids or ()}
+        for name, tokens in token_lists.items():
+            if any(not 0 <= t < vocab for t in tokens):
+                raise ValueError(f"SamplingParams.{name} must hold token ids in [0, {vocab}), got {list(tokens)}")
+        for name in ("stop", "bad_words"):
+            if getattr(params, name) and self.tokenizer is None:
+                raise ValueError(f"SamplingParams.{name} needs a tokenizer (this engine runs with "
+                                 "skip_tokenizer_init)")
+        return dataclasses.replace(params, **counts)
+
+    def _constraint_entries(self, params: SamplingParams) -> np.ndarray:
+        """The device's constraint entries of a request (`sampling.Constraint`)."""
+        eos = () if params.ignore_eos else self.model.config.eos_token_id
+        return constraint_entries(params.logit_bias or {}, params.allowed_token_ids or (),
+                                  self._bad_word_ids(params.bad_words or ()),
+                                  tuple(params.stop_token_ids) + tuple(eos) if params.min_tokens else ())
+
+    def _bad_word_ids(self, bad_words: tuple[str, ...]) -> list[tuple[int, ...]]:
+        """vLLM's: each word as it starts the text, and after a space where that is a different token of the
+        same length (a word inside the text)."""
+        words = []
+        for word in bad_words:
+            alone = tuple(self.tokenizer.encode(word.lstrip()))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip()))
+            words.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                words.append(spaced)
         vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids must be token ids in [0, {vocab}), "
-                             f"got {list(params.stop_token_ids)}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("SamplingParams.stop needs a tokenizer (this engine runs with skip_tokenizer_init)")
+        if any(t >= vocab for word in words for t in word):
+            raise ValueError(f"SamplingParams.bad_words must tokenize to ids below the model's vocabulary "
+                             f"size {vocab}, got {list(bad_words)}")
+        return words
+
+    def _plan_constraints(self, plan: BatchPlan) -> np.ndarray | None:
+        """The plan's rows' constraint entries, [R, E, 4]; None when no row has any."""
+        constraints = self._constraints  # the output thread may end sequences meanwhile: lookups only
+        if not any(sequence_id in constraints for sequence_id in plan.request_ids):
+            return None
+        return batch_constraints([constraints.get(sequence_id) for sequence_id in plan.request_ids],
+                                 plan.row_kind.shape[0])
 
     def _scheduler_request(self, sequence_id: str, request: _Request, seed: int) -> scheduler.Request:
         prompt, params = request.prompt, request.params
@@ -392,7 +437,7 @@ class Engine:
             return None
         return IncrementalDetokenizer(self.tokenizer, list(prompt.token_ids), params.stop,
                                       include_stop_str_in_output=params.include_stop_str_in_output,
-                                      skip_special_tokens=params.skip_special_tokens)
+                                      skip_special_tokens=params.skip_special_tokens, min_tokens=params.min_tokens)
 
     def _count(self, plan: BatchPlan, result: scheduler.StepResult, outputs: scheduler.StepOutputs) -> None:
         stats, rows = self.stats, plan.num_rows
@@ -504,6 +549,7 @@ class Engine:
         self._ended.append(sequence_id)
         del self._sequences[sequence_id]
         self._logprob_sequences.discard(sequence_id)
+        self._constraints.pop(sequence_id, None)
         request = sequence.request
         if all(o.finished() for o in request.outputs):
             request.metrics.finished_time = time.time()

@@ -30,6 +30,7 @@ from jaxhybrid.sampling import (
     ROW_DTYPE,
     Logprobs,
     SamplingRows,
+    apply_constraints,
     apply_penalties,
     has_penalties,
     logprobs,
@@ -72,7 +73,8 @@ class Runner:
             raise ValueError(f"num_spec_tokens={config.num_spec_tokens} needs MTP weights (mtp.*), which this "
                              f"{model.config.model_type} checkpoint does not have")
         self.model, self.config, self.mesh = model, config, mesh
-        self.num_logprobs = min(max_logprobs, model.config.vocab_size)
+        vocab = model.config.vocab_size
+        self.num_logprobs = vocab if max_logprobs == -1 else min(max_logprobs, vocab)  # vLLM's -1: no cap
         self.params, self.module = model.params, model.module
         # multi-host: every process runs every step; the leader sends the others its plans (multihost.py)
         self.channel = PlanChannel() if jax.process_count() > 1 else None
@@ -117,16 +119,20 @@ class Runner:
             self.state = jax.jit(self._fresh_state, out_shardings=self._state_shardings())()
             self.carried = jax.device_put(carried, NamedSharding(self.mesh, PartitionSpec()))
 
-    def dispatch(self, plan: BatchPlan) -> StepOutput:
-        """Start `plan` on the device and the copy of its tokens to the host; returns at once."""
+    def dispatch(self, plan: BatchPlan, constraints: np.ndarray | None = None) -> StepOutput:
+        """Start `plan` on the device and the copy of its tokens to the host; returns at once. `constraints`:
+        its rows' constraint entries [R, E, 4] (`sampling.batch_constraints`), None for none."""
         buffer, layout = pack_plan(plan)
+        if constraints is None:
+            constraints = np.zeros((plan.row_kind.shape[0], 0, 4), np.int32)
         if self.channel is not None:  # the other processes run the step too: they get the plan first
             if not is_leader():
                 raise RuntimeError("in a multi-host job only process 0 dispatches; the others call follow()")
             bucket = (plan.token_bucket, plan.row_bucket, plan.block_table_bucket, plan.logits_bucket)
             assert layout == self._layout_of(bucket), "a plan's layout must follow from its bucket"
-            self.channel.send(Message.STEP, bucket, buffer)
-        self.state, self.carried, out = self._step(self.param_leaves, self.state, self.carried, layout, buffer)
+            self.channel.send(Message.STEP, bucket, buffer, constraints)
+        self.state, self.carried, out = self._step(self.param_leaves, self.state, self.carried, layout, buffer,
+                                                   constraints)
         out.tokens.copy_to_host_async()
         return out
 
@@ -141,13 +147,14 @@ class Runner:
             raise RuntimeError("follow() is for the processes other than process 0 of a multi-host job")
         steps = 0
         while True:
-            message, layout, buffer = self.channel.receive(self._layout_of)
+            message, layout, buffer, constraints = self.channel.receive(self._layout_of)
             if message is Message.STOP:
                 return steps
             if message is Message.RESET:
                 self._fresh_pools()
                 continue
-            self.state, self.carried, _ = self._step(self.param_leaves, self.state, self.carried, layout, buffer)
+            self.state, self.carried, _ = self._step(self.param_leaves, self.state, self.carried, layout, buffer,
+                                                     constraints)
             steps += 1
 
     def _layout_of(self, bucket: tuple[int, int, int, int]) -> PlanLayout:
@@ -175,7 +182,7 @@ class Runner:
         return len(shapes)
 
     def _step_fn(self, param_leaves: list[jax.Array], state: DeviceState, carried: Carried, layout: PlanLayout,
-                 buffer: jax.Array) -> tuple[DeviceState, Carried, StepOutput]:
+                 buffer: jax.Array, constraints: jax.Array) -> tuple[DeviceState, Carried, StepOutput]:
         plan = _with_carried(unpack_plan(buffer, layout, ROW_DTYPE.itemsize), carried, self.config.num_spec_tokens,
                              self.config.block_size)
         module, variables = self.module, {"params": jax.tree.unflatten(self._param_tree, param_leaves)}
@@ -183,7 +190,8 @@ class Runner:
         hidden, state = module.apply(variables, plan.token_ids, plan, state)
         logits = module.apply(variables, hidden[plan.logits_indices], method=HybridLM.logits)  # [L, V]
         rows = SamplingRows.from_bytes(plan.row_data)
-        sampled, accepted = _sample_rows(logits, plan, rows, state.token_history, self.config.num_spec_tokens)
+        sampled, accepted = _sample_rows(logits, plan, rows, state.token_history, constraints,
+                                         self.config.num_spec_tokens)
         wanted = jnp.any((rows.logprobs > 0) & (plan.row_kind != RowKind.PADDING))
         reported = jax.lax.cond(wanted, lambda: _logprobs(logits, plan, sampled, self.num_logprobs),
                                 lambda: _no_logprobs(logits.shape[0], self.num_logprobs))
@@ -302,10 +310,27 @@ def _penalized(target: jax.Array, plan: DevicePlan, rows: SamplingRows, history:
     return apply_penalties(flat(target), per_logit, flat(prompt_mask), flat(counts)).reshape(target.shape)
 
 
-def _sample_rows(logits: jax.Array, plan: DevicePlan, rows: SamplingRows, history: jax.Array,
+def _constrained(target: jax.Array, rows: SamplingRows, history: jax.Array, state_slots: jax.Array,
+                 predicted: jax.Array, constraints: jax.Array) -> jax.Array:
+    """Each row's constraint entries applied at each of its target logits ([R, 1+K, V]), bad words matched
+    against the output tokens before the drawn position."""
+    num_rows, width, vocab = target.shape
+    sequence = history[state_slots]  # [R, H]
+    back_at = predicted[:, :, None] - constraints[:, None, :, 3]  # [R, 1+K, E] positions `back` before
+    earlier = jnp.take_along_axis(sequence[:, None, :], jnp.clip(back_at, 0, sequence.shape[1] - 1), axis=2)
+    earlier = jnp.where(back_at >= rows.prompt_len[:, None, None], earlier, -1)
+    repeat = lambda x: jnp.repeat(x, width, axis=0)
+    logits = apply_constraints(target.reshape(num_rows * width, vocab), repeat(constraints),
+                               earlier.reshape(num_rows * width, -1),
+                               (predicted - rows.prompt_len[:, None]).reshape(-1), repeat(rows.min_tokens))
+    return logits.reshape(target.shape)
+
+
+def _sample_rows(logits: jax.Array, plan: DevicePlan, rows: SamplingRows, history: jax.Array, constraints: jax.Array,
                  k: int) -> tuple[jax.Array, jax.Array]:
     """[R, 1+K] tokens and [R] accepted drafts: verify rows verify their drafts at their 1 + K logits, every
-    other row samples at its last logit (update ignores rows whose prefill goes on)."""
+    other row samples at its last logit (update ignores rows whose prefill goes on). Constraints (vLLM's
+    order) come before penalties; a step without any compiles without them."""
     verify = plan.row_kind == RowKind.VERIFY
     last = plan.cu_logits[1:] - 1
     first = jnp.where(verify, plan.cu_logits[:-1], last)
@@ -313,8 +338,11 @@ def _sample_rows(logits: jax.Array, plan: DevicePlan, rows: SamplingRows, histor
     predicted = plan.positions[plan.logits_indices[entry]] + 1  # position of the token each logit draws
     real = plan.row_kind != RowKind.PADDING
     rows = rows._replace(repetition_penalty=jnp.where(real, rows.repetition_penalty, 1.0))  # padding: zero records
+    target = logits[entry]
+    if constraints.shape[1]:
+        target = _constrained(target, rows, history, plan.state_slots, predicted, constraints)
     target = jax.lax.cond(jnp.any(has_penalties(rows) & real),
-                          lambda: _penalized(logits[entry], plan, rows, history, predicted), lambda: logits[entry])
+                          lambda: _penalized(target, plan, rows, history, predicted), lambda: target)
     greedy = jnp.all(rows.temperature <= 0)
     tokens = jax.lax.cond(greedy, lambda: jnp.argmax(target[:, 0], axis=-1).astype(jnp.int32),
                           lambda: sample(target[:, 0], rows, predicted[:, 0]))

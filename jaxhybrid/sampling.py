@@ -10,6 +10,7 @@ into a key per logit, so a seeded request samples the same tokens whatever else 
 
 from __future__ import annotations
 
+import enum
 from typing import NamedTuple
 
 import jax
@@ -29,7 +30,24 @@ ROW_DTYPE = np.dtype([
     ("seed_high", "<u4"),           # ... and the high 32 bits
     ("logprobs", "<i4"),            # 1: the step reports this row's logprobs
     ("prompt_len", "<i4"),          # positions before it hold the prompt (penalties)
+    ("min_tokens", "<i4"),          # CONSTRAINT_MIN_TOKENS entries are banned before this many outputs
 ])
+
+# Constraints on a row's logits (logit_bias, allowed_token_ids, bad_words, min_tokens' bans) travel beside
+# the plan as a padded list of entries per row, [R, E, 4] int32 of (kind, token, value, back), scattered
+# onto the row's logits on device: the transfer grows with the entries, never with the vocabulary. E is
+# one of CONSTRAINT_WIDTHS (a compilation each); a step where no row has any has E = 0 and skips them.
+CONSTRAINT_WIDTHS = tuple(8 * 4**i for i in range(12))
+
+
+class Constraint(enum.IntEnum):
+    NONE = 0       # padding
+    BIAS = 1       # value (f32 bits) is added to the token's logit
+    MIN_TOKENS = 2 # banned while the row has fewer than its min_tokens outputs (eos, stop_token_ids)
+    ALLOWED = 3    # a row with any ALLOWED entry samples only those tokens
+    BAD_WORD = 4   # banned when the `back` entries before it (its word's PREFIX) end the output
+    PREFIX = 5     # a bad word's token `back` positions before the one its word bans
+
 
 _DRAW_SAMPLE, _DRAW_ACCEPT, _DRAW_RESIDUAL = 0, 1, 2  # independent streams of one (seed, position)
 
@@ -48,6 +66,7 @@ class SamplingRows(NamedTuple):
     seed_high: jax.Array
     logprobs: jax.Array
     prompt_len: jax.Array
+    min_tokens: jax.Array
 
     @staticmethod
     def from_records(records: np.ndarray) -> SamplingRows:
@@ -65,11 +84,60 @@ class SamplingRows(NamedTuple):
 
 def pack_row(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
              repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-             seed: int = 0, logprobs: bool = False, prompt_len: int = 0) -> bytes:
+             seed: int = 0, logprobs: bool = False, prompt_len: int = 0, min_tokens: int = 0) -> bytes:
     """One request's settings as `Request.row_data` bytes."""
     record = np.array([(temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty,
-                        seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, int(logprobs), prompt_len)], ROW_DTYPE)
+                        seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, int(logprobs), prompt_len, min_tokens)],
+                      ROW_DTYPE)
     return record.tobytes()
+
+
+def constraint_entries(logit_bias: dict[int, float], allowed_token_ids: tuple[int, ...],
+                       bad_words: list[tuple[int, ...]], min_tokens_bans: tuple[int, ...]) -> np.ndarray:
+    """One request's constraint entries, [n, 4] int32 (see `Constraint`); bad_words as token ids."""
+    entries = [(Constraint.BIAS, token, bias, 0) for token, bias in logit_bias.items()]
+    entries += [(Constraint.ALLOWED, token, 0.0, 0) for token in allowed_token_ids]
+    entries += [(Constraint.MIN_TOKENS, token, 0.0, 0) for token in min_tokens_bans]
+    for word in bad_words:
+        entries += [(Constraint.PREFIX, token, 0.0, len(word) - 1 - i) for i, token in enumerate(word[:-1])]
+        entries.append((Constraint.BAD_WORD, word[-1], 0.0, len(word) - 1))
+    table = np.zeros((len(entries), 4), np.int32)
+    for i, (kind, token, value, back) in enumerate(entries):
+        table[i] = (kind, token, np.float32(value).view(np.int32), back)
+    return table
+
+
+def batch_constraints(per_row: list[np.ndarray | None], num_rows: int) -> np.ndarray:
+    """Rows' entries padded to [num_rows, E, 4], E the first of CONSTRAINT_WIDTHS that holds the longest
+    (0 when no row has any)."""
+    longest = max((len(entries) for entries in per_row if entries is not None), default=0)
+    width = next((w for w in CONSTRAINT_WIDTHS if w >= longest), longest) if longest else 0
+    batch = np.zeros((num_rows, width, 4), np.int32)
+    for row, entries in enumerate(per_row):
+        if entries is not None:
+            batch[row, :len(entries)] = entries
+    return batch
+
+
+def apply_constraints(logits: jax.Array, entries: jax.Array, earlier: jax.Array, num_output: jax.Array,
+                      min_tokens: jax.Array) -> jax.Array:
+    """[N, V] logits with their rows' constraint entries [N, E, 4] applied. earlier: [N, E] the output token
+    `back` positions before the one drawn (-1 where that is not an output token); num_output: [N] outputs
+    before the one drawn. A bad word is banned when all of its PREFIX entries match."""
+    kind, token, back = entries[..., 0], entries[..., 1], entries[..., 3]
+    value = jax.lax.bitcast_convert_type(entries[..., 2], jnp.float32)
+    failures = jnp.cumsum((kind == Constraint.PREFIX) & (earlier != token), axis=1)
+    before = jnp.concatenate([jnp.zeros_like(failures[:, :1]), failures], axis=1)  # failures before entry e
+    word_start = jnp.clip(jnp.arange(kind.shape[1]) - back, 0, kind.shape[1])
+    word_matched = failures == jnp.take_along_axis(before, word_start, axis=1)
+    banned = (((kind == Constraint.MIN_TOKENS) & (num_output < min_tokens)[:, None])
+              | ((kind == Constraint.BAD_WORD) & word_matched))
+    delta = jnp.where(kind == Constraint.BIAS, value, jnp.where(banned, -jnp.inf, 0.0))
+    rows = jnp.arange(logits.shape[0])[:, None]
+    logits = logits.astype(jnp.float32).at[rows, token].add(delta)
+    allowed = jnp.zeros(logits.shape, bool).at[rows, token].max(kind == Constraint.ALLOWED)
+    only_allowed = jnp.any(kind == Constraint.ALLOWED, axis=1)[:, None]
+    return jnp.where(only_allowed & ~allowed, -jnp.inf, logits)
 
 
 def row_keys(rows: SamplingRows, positions: jax.Array, draw: int) -> jax.Array:

@@ -27,8 +27,14 @@ class SamplingParams:
 
     temperature 0 is greedy; top_k 0 or -1 and top_p 1 disable those filters; seed None draws a seed per
     request; stop strings end the text before them (unless include_stop_str_in_output); logprobs and
-    prompt_logprobs ask for that many top log-probabilities per position; max_tokens 0 scores the prompt;
+    prompt_logprobs ask for that many top log-probabilities per position (-1: the whole vocabulary), of
+    the model's raw distribution (vLLM's default logprobs_mode); max_tokens 0 scores the prompt;
     truncate_prompt_tokens keeps only a prompt's last k tokens (-1: max_model_len).
+
+    Before sampling: min_tokens bans eos and stop_token_ids (and stop strings do not stop) until that many
+    tokens are out; logit_bias adds to token ids' logits (clamped to [-100, 100]); allowed_token_ids
+    restricts sampling to those ids; each of bad_words (tokenized with and without a leading space) has
+    its last token banned where its other tokens end the output.
     """
 
     n: int = 1
@@ -49,14 +55,25 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        for name in ("allowed_token_ids", "bad_words"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                object.__setattr__(self, name, tuple(value))
         for problem in self._problems():
             raise ValueError(problem)
+        if self.logit_bias is not None:  # vLLM clamps the biases
+            object.__setattr__(self, "logit_bias", {t: min(100.0, max(-100.0, float(b)))
+                                                    for t, b in self.logit_bias.items()})
 
     def _problems(self):
         """Each broken rule as a message naming the field (the server turns the first into a 400)."""
@@ -78,11 +95,22 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
             ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "integers >= 0"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "a bool"),
-            ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
-             "an integer >= 0 or None"),
+            ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= -1),
+             "an integer >= -1 (-1: the whole vocabulary) or None"),
             ("prompt_logprobs", self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
-                                                                 and self.prompt_logprobs >= 0),
-             "an integer >= 0 or None"),
+                                                                 and self.prompt_logprobs >= -1),
+             "an integer >= -1 (-1: the whole vocabulary) or None"),
+            ("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens <= (
+                self.max_tokens if _is_int(self.max_tokens) else self.min_tokens), "an integer in [0, max_tokens]"),
+            ("logit_bias", self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+                _is_int(t) and t >= 0 and _is_number(b) for t, b in self.logit_bias.items())),
+             "a dict of token ids (integers >= 0) to finite numbers, or None"),
+            ("allowed_token_ids", self.allowed_token_ids is None or (
+                isinstance(self.allowed_token_ids, tuple) and self.allowed_token_ids
+                and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+             "a non-empty list of token ids (integers >= 0), or None"),
+            ("bad_words", self.bad_words is None or (isinstance(self.bad_words, tuple) and all(
+                isinstance(w, str) and w.strip() for w in self.bad_words)), "a list of non-blank strings, or None"),
             ("truncate_prompt_tokens", self.truncate_prompt_tokens is None or (
                 _is_int(self.truncate_prompt_tokens) and (self.truncate_prompt_tokens >= 1
                                                           or self.truncate_prompt_tokens == -1)),
@@ -100,4 +128,8 @@ class SamplingParams:
         """The device's per-row record; `seed` is this request's own (drawn by the engine when None)."""
         return pack_row(self.temperature, self.top_p, max(self.top_k, 0), self.min_p, self.repetition_penalty,
                         self.presence_penalty, self.frequency_penalty, seed,
-                        self.logprobs is not None or self.prompt_logprobs is not None, prompt_len)
+                        self.logprobs is not None or self.prompt_logprobs is not None, prompt_len, self.min_tokens)
+
+    def has_constraints(self) -> bool:
+        """Whether the device applies constraint entries for this request (`sampling.Constraint`)."""
+        return bool(self.min_tokens or self.logit_bias or self.allowed_token_ids or self.bad_words)

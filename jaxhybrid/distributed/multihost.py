@@ -50,26 +50,33 @@ def is_leader() -> bool:
 
 
 class PlanChannel:
-    """The leader's messages to every other process: a fixed header (message, bucket), then for a step the
-    packed plan, whose length the bucket's layout gives (every process derives the same layout)."""
+    """The leader's messages to every other process: a fixed header (message, bucket, constraint width),
+    then for a step the packed plan, whose length the bucket's layout gives (every process derives the same
+    layout), and the rows' constraint entries [R, E, 4] when E > 0."""
 
-    HEADER = 5  # message, T, R, B, L
+    HEADER = 6  # message, T, R, B, L, E
 
     def send(self, message: Message, bucket: tuple[int, int, int, int] = (0, 0, 0, 0),
-             buffer: np.ndarray | None = None) -> None:
-        multihost_utils.broadcast_one_to_all(np.array([message, *bucket], np.int32))
+             buffer: np.ndarray | None = None, constraints: np.ndarray | None = None) -> None:
+        width = 0 if constraints is None else constraints.shape[1]
+        multihost_utils.broadcast_one_to_all(np.array([message, *bucket, width], np.int32))
         if buffer is not None:
             multihost_utils.broadcast_one_to_all(buffer)
+        if width:
+            multihost_utils.broadcast_one_to_all(constraints)
 
-    def receive(self, layout_of) -> tuple[Message, PlanLayout | None, np.ndarray | None]:
-        """(message, layout, packed plan); `layout_of(bucket)` gives a bucket's layout."""
+    def receive(self, layout_of) -> tuple[Message, PlanLayout | None, np.ndarray | None, np.ndarray | None]:
+        """(message, layout, packed plan, constraints); `layout_of(bucket)` gives a bucket's layout."""
         header = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(self.HEADER, np.int32)))
         message = Message(int(header[0]))
         if message is not Message.STEP:
-            return message, None, None
-        layout = layout_of(tuple(int(x) for x in header[1:]))
+            return message, None, None, None
+        layout = layout_of(tuple(int(x) for x in header[1:5]))
         buffer = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(layout.size, np.int32)))
-        return message, layout, buffer
+        constraints = np.zeros((int(header[2]), int(header[5]), 4), np.int32)
+        if header[5]:
+            constraints = np.asarray(multihost_utils.broadcast_one_to_all(constraints))
+        return message, layout, buffer, constraints
 
 
 def follow(llm) -> int:

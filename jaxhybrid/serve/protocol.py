@@ -2,9 +2,8 @@
 chunk, usage and error objects back (reference/ecosystem.md §1.2-1.4).
 
 Unknown fields are accepted and ignored, as vLLM does (clients send fields a server does not know);
-vLLM's fields we do not implement (`logit_bias`, `min_tokens`, `suffix`, `best_of`, tools, structured
-outputs, beam search, ... `_UNSUPPORTED`) are refused with a 400 when set to anything but their default,
-rather than silently dropped.
+vLLM's fields we do not implement (`suffix`, `best_of`, tools, structured outputs, beam search, ...
+`_UNSUPPORTED`) are refused with a 400 when set to anything but their default, rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -98,6 +97,8 @@ class _Request(BaseModel):
     cache_salt: str | None = None
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = None
     return_token_ids: bool | None = None
@@ -107,10 +108,6 @@ class _Request(BaseModel):
     _unsupported: ClassVar[dict[str, Callable[[Any], bool]]] = _UNSUPPORTED
 
     def check(self) -> None:
-        refused = {"min_tokens": self.min_tokens, "logit_bias": self.logit_bias}
-        for name, value in refused.items():
-            if value:
-                raise BadRequest(f"{name} is not supported by this server", name)
         extra = self.model_extra or {}
         for name, is_default in self._unsupported.items():
             if name in extra and not is_default(extra[name]):
@@ -136,15 +133,28 @@ class _Request(BaseModel):
                       stop=tuple(stop or ()), stop_token_ids=tuple(self.stop_token_ids or ()),
                       ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       include_stop_str_in_output=self.include_stop_str_in_output,
-                      skip_special_tokens=self.skip_special_tokens, truncate_prompt_tokens=self.truncate_prompt_tokens)
+                      skip_special_tokens=self.skip_special_tokens, min_tokens=self.min_tokens,
+                      logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
+                      bad_words=self.bad_words,
+                      truncate_prompt_tokens=self.truncate_prompt_tokens)
         values = {k: defaults[k] if v is None and k in defaults and k != "max_tokens" else v for k, v in values.items()}
         try:
             return SamplingParams(**{k: v for k, v in values.items() if v is not None or k in _NULLABLE})
         except ValueError as error:
             raise as_bad_request(error) from error
 
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's string keys as token ids."""
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError as error:
+            raise BadRequest(f"logit_bias keys must be token ids, got {list(self.logit_bias)}", "logit_bias") from error
 
-_NULLABLE = {"max_tokens", "logprobs", "prompt_logprobs", "seed", "truncate_prompt_tokens"}
+
+_NULLABLE = {"max_tokens", "logprobs", "prompt_logprobs", "seed", "logit_bias", "allowed_token_ids", "bad_words",
+             "truncate_prompt_tokens"}
 
 
 class CompletionRequest(_Request):
@@ -303,7 +313,7 @@ def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], num_t
 
     content = []
     for token, position in zip(token_ids, positions, strict=True):
-        top = sorted(position.items(), key=lambda item: item[1].rank)[:num_top]
+        top = sorted(position.items(), key=lambda item: item[1].rank)[:num_top if num_top >= 0 else None]
         content.append({**entry(position, token), "top_logprobs": [entry(position, t) for t, _ in top]})
     return {"content": content}
 

@@ -18,7 +18,7 @@ from scheduler.invariants import check_drained
 def engine_for(model: Model, *, k: int = 0, ring_size: int = 16, cache_mode: str = "align", budget: int = 64,
                num_blocks: int = 160, num_state_slots: int = 40, max_num_seqs: int = 8, max_model_len: int = 192,
                token_buckets: tuple[int, ...] | None = None, logits_buckets: tuple[int, ...] | None = None,
-               tokenizer=None, seed: int = 0, async_scheduling: bool = True) -> Engine:
+               tokenizer=None, seed: int = 0, async_scheduling: bool = True, max_logprobs: int = 20) -> Engine:
     """An engine with blocks of 16, Mamba blocks of 16 and one bucket of each kind unless given: one
     compilation."""
     config = SchedulerConfig(
@@ -27,7 +27,7 @@ def engine_for(model: Model, *, k: int = 0, ring_size: int = 16, cache_mode: str
         ring_size=ring_size, cache_mode=cache_mode, vocab_size=model.config.vocab_size,
         row_data_bytes=ROW_DTYPE.itemsize, token_buckets=token_buckets or (budget,), row_buckets=(max_num_seqs,),
         logits_buckets=logits_buckets or (budget,), block_table_buckets=(-(-(max_model_len + k) // 16),))
-    return Engine(model, config, tokenizer, seed=seed, async_scheduling=async_scheduling)
+    return Engine(model, config, tokenizer, seed=seed, async_scheduling=async_scheduling, max_logprobs=max_logprobs)
 
 
 def run_to_completion(engine: Engine, max_steps: int = 500) -> dict[str, RequestOutput]:

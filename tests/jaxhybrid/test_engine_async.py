@@ -97,9 +97,9 @@ def test_detokenization_runs_on_the_output_thread_while_steps_run(llm, monkeypat
         decoded_on.append(threading.current_thread().name)
         return decode(*args, **kwargs)
 
-    def recording_dispatch(plan):
+    def recording_dispatch(plan, *args):
         decodes_at_dispatch.append(len(decoded_on))
-        return dispatch(plan)
+        return dispatch(plan, *args)
 
     monkeypatch.setattr(engine.tokenizer, "decode", recording_decode)
     monkeypatch.setattr(engine.runner, "dispatch", recording_dispatch)

@@ -108,7 +108,7 @@ def test_a_failed_step_fails_the_started_requests_and_requeues_the_waiting():
     engine.step()  # a and b run; max_num_seqs keeps "waiting" waiting
     step = engine.runner.dispatch
 
-    def fail(plan):
+    def fail(plan, *args):
         engine.runner.dispatch = step
         raise RuntimeError("injected device failure")
 

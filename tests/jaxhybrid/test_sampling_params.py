@@ -19,11 +19,23 @@ def test_defaults_are_vllms():
     ("n", 0), ("max_tokens", -1), ("max_tokens", 2.0), ("temperature", -0.5), ("temperature", float("nan")),
     ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 2.5), ("min_p", 1.2), ("repetition_penalty", 0.0),
     ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", True),
-    ("stop", ("",)),    ("stop_token_ids", (1, -3)), ("ignore_eos", 1), ("logprobs", -1), ("prompt_logprobs", 1.0),
+    ("stop", ("",)),    ("stop_token_ids", (1, -3)), ("ignore_eos", 1), ("logprobs", -2), ("prompt_logprobs", 1.0),
+    ("prompt_logprobs", -2), ("min_tokens", -1), ("min_tokens", 17), ("logit_bias", {"5": 1.0}),
+    ("logit_bias", {5: float("inf")}), ("allowed_token_ids", []), ("allowed_token_ids", [3, -1]),
+    ("bad_words", ["ok", " "]),
 ])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be"):
         SamplingParams(**{field: value})
+
+
+def test_vllm_constraint_fields_are_kept_normalised():
+    """logit_bias is clamped to [-100, 100] as vLLM does; -1 logprobs (the whole vocabulary) is accepted."""
+    p = SamplingParams(max_tokens=4, min_tokens=4, logit_bias={3: 250.0, 4: -1e4, 5: 0.5},
+                       allowed_token_ids=[1, 2], bad_words=["x"], logprobs=-1, prompt_logprobs=-1)
+    assert p.logit_bias == {3: 100.0, 4: -100.0, 5: 0.5}
+    assert (p.allowed_token_ids, p.bad_words, p.logprobs, p.prompt_logprobs) == ((1, 2), ("x",), -1, -1)
+    assert np.frombuffer(p.row_data(seed=0, prompt_len=3), ROW_DTYPE)[0]["min_tokens"] == 4
 
 
 def test_the_scheduler_gets_stop_conditions_and_the_device_a_record():

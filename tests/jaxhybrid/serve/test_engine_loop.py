@@ -53,9 +53,9 @@ def serve(llm, monkeypatch):
 def test_a_stalled_step_makes_health_503_until_it_ends(serve, llm, monkeypatch):
     release, step = threading.Event(), llm.engine.runner.dispatch
 
-    def stalled(plan):
+    def stalled(plan, *args):
         release.wait(30)
-        return step(plan)
+        return step(plan, *args)
 
     monkeypatch.setattr(llm.engine.runner, "dispatch", stalled)
 
@@ -76,11 +76,11 @@ def test_a_stalled_step_makes_health_503_until_it_ends(serve, llm, monkeypatch):
 def test_a_failed_step_is_a_500_and_the_server_keeps_serving(serve, llm, monkeypatch):
     step, armed = llm.engine.runner.dispatch, threading.Event()
 
-    def failing(plan):
+    def failing(plan, *args):
         if armed.is_set():
             armed.clear()
             raise RuntimeError("injected device failure")
-        return step(plan)
+        return step(plan, *args)
 
     monkeypatch.setattr(llm.engine.runner, "dispatch", failing)
     long = {"prompt": PROMPT, "max_tokens": 40, "ignore_eos": True}

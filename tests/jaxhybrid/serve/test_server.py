@@ -177,7 +177,14 @@ BAD = [
     ({"prompt": "<|mamba_checkpoint|>" + CODE}, "prompt"),
     ({"prompt": CODE, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": CODE, "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
-    ({"prompt": CODE, "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"prompt": CODE, "logit_bias": {"4097": 1.0}}, "logit_bias"),
+    ({"prompt": CODE, "logit_bias": {"x": 1.0}}, "logit_bias"),
+    ({"prompt": CODE, "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": CODE, "allowed_token_ids": [4096]}, "allowed_token_ids"),
+    ({"prompt": CODE, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ({"prompt": CODE, "bad_words": [" "]}, "bad_words"),
+    ({"prompt": CODE, "logprobs": -2}, "logprobs"),
+    ({"prompt": CODE, "logprobs": -1}, "logprobs"),  # the whole vocabulary: over the default max_logprobs
     ({"prompt": CODE, "stop_token_ids": [10**6]}, "stop_token_ids"),
     ({"prompt": CODE, "cache_salt": ""}, "cache_salt"),
     ({}, "prompt"),
@@ -192,6 +199,30 @@ def test_bad_input_is_a_400_naming_the_field(server, body, param):
     assert error["code"] == 400 and error["type"] == "BadRequestError" and error["message"]
     assert error["param"] == param, error
     assert "request '" not in error["message"]  # the engine's internal request ids stay inside
+
+
+def test_out_of_vocab_logit_bias_names_the_id_and_the_vocabulary(server, client):
+    """vLLM's check (test_chat_logit_bias_validation): the bad id and the vocabulary size in the message."""
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       logit_bias={"4097": 1.0})
+    assert error.value.status_code == 400 and "4097" in str(error.value) and "4096" in str(error.value)
+
+
+def test_logit_bias_allowed_token_ids_bad_words_and_min_tokens(server, client):
+    """OpenAI's string-keyed logit_bias and vLLM's extras reach the sampler, in completions and chat."""
+    config = post(server, "/detokenize", {"tokens": [1855]}).json()["prompt"]
+    biased = client.completions.create(model="tiny", prompt=CODE, max_tokens=3, temperature=0,
+                                       logit_bias={"1855": 100})
+    assert biased.choices[0].text == config * 3
+    banned = client.completions.create(model="tiny", prompt=CODE, max_tokens=3, temperature=0,
+                                       logit_bias={"1855": 100}, extra_body={"bad_words": [config]})
+    assert config not in banned.choices[0].text and banned.usage.completion_tokens == 3
+    eos = post(server, "/tokenize", {"prompt": "<|endoftext|>"}).json()["tokens"]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          temperature=0, extra_body={"allowed_token_ids": [*eos, 1855],
+                                                                     "min_tokens": 3})
+    assert chat.usage.completion_tokens >= 3 and chat.choices[0].message.content.startswith(config * 3)
 
 
 def test_unrequested_prompt_logprobs_are_null_not_absent(server, client):
