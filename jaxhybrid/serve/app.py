@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -63,8 +64,7 @@ def _error(status: int, message: str, param: str | None = None, headers: dict | 
 def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_headers: bool = False,
               tokenizer_info: bool = False, server_load_tracking: bool = False) -> FastAPI:
     """The app; vLLM's opt-ins: `request_id_headers` echoes X-Request-Id on every response, `tokenizer_info`
-    serves GET /tokenizer_info, `server_load_tracking` counts the generation requests in flight for GET
-    /load."""
+    serves GET /tokenizer_info, `server_load_tracking` GET /load (the generation requests in flight)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop.start()
@@ -77,8 +77,6 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_
     if request_id_headers:
         app.add_middleware(_RequestIdHeader)
     if server_load_tracking:
-        app.add_middleware(_ServerLoad, state=state)
-
         @app.get("/load")
         async def load() -> dict:
             return {"server_load": state.server_load}
@@ -156,6 +154,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_
         return {"prompt": protocol.require_tokenizer(state.llm, "tokens").decode(body.tokens)}
 
     @app.post("/v1/completions")
+    @_load_aware(state)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         name = _check_model(state, body.model)
         body.check()
@@ -169,6 +168,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_
                                                                                response_id))
 
     @app.post("/v1/chat/completions")
+    @_load_aware(state)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         name = _check_model(state, body.model)
         body.check()
@@ -195,6 +195,37 @@ def _version() -> str:
         return version("jaxhybrid")
     except PackageNotFoundError:  # run from a checkout that was never installed
         return "unknown"
+
+
+def _load_aware(state: ServerState) -> Callable:
+    """vLLM's server load (GET /load): a generation request counts from its arrival until its response is
+    out: a plain one when its handler returns, a stream when its last event is sent or its client left."""
+    def wrap(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+        @functools.wraps(handler)
+        async def counted(*args, **kwargs) -> Response:
+            state.server_load += 1
+            try:
+                response = await handler(*args, **kwargs)
+            except BaseException:
+                state.server_load -= 1
+                raise
+            if isinstance(response, StreamingResponse):
+                response.body_iterator = _released_at_end(state, response.body_iterator)
+            else:
+                state.server_load -= 1
+            return response
+
+        return counted
+
+    return wrap
+
+
+async def _released_at_end(state: ServerState, lines: AsyncIterator) -> AsyncIterator:
+    try:
+        async for line in lines:
+            yield line
+    finally:
+        state.server_load -= 1
 
 
 # -- parsing -------------------------------------------------------------------------------------------------
@@ -459,26 +490,6 @@ class _RequestIdHeader:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
-
-
-class _ServerLoad:
-    """vLLM's --enable-server-load-tracking: counts the completions and chat requests from their arrival
-    until their response (a stream included) has been sent or abandoned."""
-
-    _PATHS = ("/v1/completions", "/v1/chat/completions")
-
-    def __init__(self, app, state: ServerState):
-        self.app, self.state = app, state
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] not in self._PATHS:
-            await self.app(scope, receive, send)
-            return
-        self.state.server_load += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.state.server_load -= 1
 
 
 class _ApiKeyGuard:

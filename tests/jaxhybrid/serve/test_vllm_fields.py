@@ -8,13 +8,17 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 import httpx
 import pytest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxhybrid.api import LLM
 from jaxhybrid.metrics import ServerMetrics, cache_config_info
 from jaxhybrid.sampling_params import SamplingParams
+from jaxhybrid.serve import app as serve_app
 from jaxhybrid.serve.app import ServerState, build_app
 from jaxhybrid.serve.engine_loop import EngineLoop
 
@@ -35,12 +39,14 @@ def serve(llm):
     """`serve(body, **flags)` drives an app (with `build_app`'s flags, both on by default) on a fresh engine
     loop with an httpx client, then checks that nothing is left in the engine."""
 
-    def run(body, request_id_headers: bool = True, tokenizer_info: bool = True, **state_flags) -> None:
+    def run(body, request_id_headers: bool = True, tokenizer_info: bool = True, server_load_tracking: bool = False,
+            **state_flags) -> None:
         config = llm.config
         loop = EngineLoop(llm.engine, ServerMetrics("tiny", config.max_model_len, 0, cache_config_info(config)),
                           idle_poll=0.05)
         app = build_app(ServerState(llm, loop, ("tiny",), "embedded", config.max_model_len, **state_flags),
-                        request_id_headers=request_id_headers, tokenizer_info=tokenizer_info)
+                        request_id_headers=request_id_headers, tokenizer_info=tokenizer_info,
+                        server_load_tracking=server_load_tracking)
 
         async def main():
             loop.start()
@@ -207,6 +213,43 @@ def test_force_include_usage_puts_usage_on_every_chunk(serve):
             assert plain["usage"]["completion_tokens"] == 3
 
     serve(body, force_include_usage=True)
+
+
+def test_server_load_counts_requests_until_their_response_is_out(serve):
+    """vLLM's --enable-server-load-tracking: GET /load counts a plain request until its handler returns and a
+    stream until its last event is out; without the flag there is no /load."""
+    state = SimpleNamespace(server_load=0)
+
+    async def events_of_a_stream() -> AsyncIterator[str]:
+        yield "data: 1\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def streamed() -> Response:
+        return StreamingResponse(events_of_a_stream())
+
+    async def plain() -> Response:
+        assert state.server_load == 1  # while its handler runs
+        return JSONResponse({})
+
+    async def counts() -> None:
+        await serve_app._load_aware(state)(plain)()
+        assert state.server_load == 0
+        response = await serve_app._load_aware(state)(streamed)()
+        lines = response.body_iterator
+        assert (await anext(lines), state.server_load) == ("data: 1\n\n", 1)
+        assert [line async for line in lines] == ["data: [DONE]\n\n"] and state.server_load == 0
+
+    asyncio.run(counts())
+
+    async def enabled(client: httpx.AsyncClient) -> None:
+        await ok(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stream": True, **GREEDY})
+        assert (await client.get("/load")).json() == {"server_load": 0}
+
+    async def disabled(client: httpx.AsyncClient) -> None:
+        assert (await client.get("/load")).status_code == 404
+
+    serve(enabled, server_load_tracking=True)
+    serve(disabled)
 
 
 def test_chat_echo_streams_the_last_message_first(serve):
