@@ -33,6 +33,12 @@ _SERVER_FLAGS: dict[str, dict] = {
                                         help="echo X-Request-Id (or a fresh id) in every response's headers"),
     "--enable-tokenizer-info-endpoint": dict(action=argparse.BooleanOptionalAction, default=False,
                                              help="serve GET /tokenizer_info (the tokenizer's config, chat template)"),
+    "--enable-prompt-tokens-details": dict(action=argparse.BooleanOptionalAction, default=False,
+                                           help="usage.prompt_tokens_details.cached_tokens in every response"),
+    "--enable-force-include-usage": dict(action=argparse.BooleanOptionalAction, default=False,
+                                         help="usage on every chunk of every stream, whatever stream_options say"),
+    "--enable-server-load-tracking": dict(action=argparse.BooleanOptionalAction, default=False,
+                                          help="serve GET /load: the completions and chat requests in flight"),
 }
 
 
@@ -60,9 +66,12 @@ def build_server(args: argparse.Namespace):
     metrics = ServerMetrics(names[0], config.max_model_len, config.num_spec_tokens, cache_config_info(config))
     loop = EngineLoop(llm.engine, metrics, max_queued=args.max_num_queued_requests,
                       watchdog_timeout=args.watchdog_timeout)
-    state = ServerState(llm, loop, names, str(args.model or DEFAULT_MODEL_DIR), config.max_model_len)
+    state = ServerState(llm, loop, names, str(args.model or DEFAULT_MODEL_DIR), config.max_model_len,
+                        prompt_tokens_details=args.enable_prompt_tokens_details,
+                        force_include_usage=args.enable_force_include_usage)
     app = build_app(state, tuple(args.api_key or ()), request_id_headers=args.enable_request_id_headers,
-                    tokenizer_info=args.enable_tokenizer_info_endpoint)
+                    tokenizer_info=args.enable_tokenizer_info_endpoint,
+                    server_load_tracking=args.enable_server_load_tracking)
     return app, state
 
 

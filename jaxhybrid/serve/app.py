@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -51,6 +52,9 @@ class ServerState:
     model_names: tuple[str, ...]
     model_root: str
     max_model_len: int
+    prompt_tokens_details: bool = False  # vLLM's --enable-prompt-tokens-details
+    force_include_usage: bool = False  # vLLM's --enable-force-include-usage
+    server_load: int = 0  # generation requests being served (GET /load with --enable-server-load-tracking)
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -58,9 +62,9 @@ def _error(status: int, message: str, param: str | None = None, headers: dict | 
 
 
 def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_headers: bool = False,
-              tokenizer_info: bool = False) -> FastAPI:
+              tokenizer_info: bool = False, server_load_tracking: bool = False) -> FastAPI:
     """The app; vLLM's opt-ins: `request_id_headers` echoes X-Request-Id on every response, `tokenizer_info`
-    serves GET /tokenizer_info."""
+    serves GET /tokenizer_info, `server_load_tracking` GET /load (the generation requests in flight)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop.start()
@@ -72,6 +76,10 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_
         app.add_middleware(_ApiKeyGuard, keys=api_keys)
     if request_id_headers:
         app.add_middleware(_RequestIdHeader)
+    if server_load_tracking:
+        @app.get("/load")
+        async def load() -> dict:
+            return {"server_load": state.server_load}
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -146,13 +154,12 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_
         return {"prompt": protocol.require_tokenizer(state.llm, "tokens").decode(body.tokens)}
 
     @app.post("/v1/completions")
+    @_load_aware(state)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         name = _check_model(state, body.model)
         body.check()
         params = body.params(state.llm.generation_defaults)
         prompts = [protocol.prompt_for(state.llm, p, params) for p in body.prompts()]
-        if body.echo and any(p.text is None for p in prompts):
-            protocol.require_tokenizer(state.llm, "echo")  # before any work starts
         response_id = protocol.response_id("cmpl", request.headers.get("X-Request-Id"), body.request_id)
         streams = await _add_all(state, protocol.new_id(response_id), prompts, params, body.cache_salt)
         if body.stream:
@@ -161,18 +168,22 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_
                                                                                response_id))
 
     @app.post("/v1/chat/completions")
+    @_load_aware(state)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         name = _check_model(state, body.model)
         body.check()
         params = body.params(state.llm.generation_defaults)
-        text = protocol.render_chat(state.llm, body.messages, body.add_generation_prompt, "messages",
-                                    body.continue_final_message, body.chat_template_kwargs)
-        prompt = protocol.prompt_for(state.llm, text, params)
+        if body.prompt_token_ids is not None:
+            prompt = protocol.prompt_for(state.llm, body.prompt_token_ids, params)
+        else:
+            text = protocol.render_chat(state.llm, body.messages, body.add_generation_prompt, "messages",
+                                        body.continue_final_message, body.chat_template_kwargs)
+            prompt = protocol.prompt_for(state.llm, text, params)
         response_id = protocol.response_id("chatcmpl", request.headers.get("X-Request-Id"), body.request_id)
         streams = await _add_all(state, protocol.new_id(response_id), [prompt], params, body.cache_salt)
         if body.stream:
-            return _sse(state, _chat_chunks(streams, prompt, body, name, response_id))
-        return await _unless_disconnected(request, state, _chat_response(streams, body, name, response_id))
+            return _sse(state, _chat_chunks(state, streams, prompt, body, name, response_id))
+        return await _unless_disconnected(request, state, _chat_response(state, streams, body, name, response_id))
 
     return app
 
@@ -184,6 +195,37 @@ def _version() -> str:
         return version("jaxhybrid")
     except PackageNotFoundError:  # run from a checkout that was never installed
         return "unknown"
+
+
+def _load_aware(state: ServerState) -> Callable:
+    """vLLM's server load (GET /load): a generation request counts from its arrival until its response is
+    out: a plain one when its handler returns, a stream when its last event is sent or its client left."""
+    def wrap(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+        @functools.wraps(handler)
+        async def counted(*args, **kwargs) -> Response:
+            state.server_load += 1
+            try:
+                response = await handler(*args, **kwargs)
+            except BaseException:
+                state.server_load -= 1
+                raise
+            if isinstance(response, StreamingResponse):
+                response.body_iterator = _released_at_end(state, response.body_iterator)
+            else:
+                state.server_load -= 1
+            return response
+
+        return counted
+
+    return wrap
+
+
+async def _released_at_end(state: ServerState, lines: AsyncIterator) -> AsyncIterator:
+    try:
+        async for line in lines:
+            yield line
+    finally:
+        state.server_load -= 1
 
 
 # -- parsing -------------------------------------------------------------------------------------------------
@@ -296,12 +338,14 @@ async def _completion_response(state: ServerState, streams: list[RequestStream],
     finals = await _finals(streams)
     texts = [protocol.prompt_text(state.llm, p) for p in prompts] if body.echo else None
     return protocol.completion_response(body, finals, name, texts, response_id,
-                                        decode=protocol.token_decoder(state.llm))
+                                        decode=protocol.token_decoder(state.llm),
+                                        prompt_tokens_details=state.prompt_tokens_details)
 
 
-async def _chat_response(streams: list[RequestStream], body: ChatCompletionRequest, name: str,
+async def _chat_response(state: ServerState, streams: list[RequestStream], body: ChatCompletionRequest, name: str,
                          response_id: str) -> dict:
-    return protocol.chat_response(body, (await _finals(streams))[0], name, response_id)
+    return protocol.chat_response(body, (await _finals(streams))[0], name, response_id,
+                                  prompt_tokens_details=state.prompt_tokens_details)
 
 
 def _sse(state: ServerState, events: AsyncIterator[dict]) -> StreamingResponse:
@@ -349,6 +393,7 @@ async def _completion_chunks(state: ServerState, streams: list[RequestStream], p
     # offsets: where a choice's next token text starts, echo included; the tokens' own texts count, as the
     # streamed text can lag them (text that may start a stop string is held back) (vLLM)
     deltas, finals, offsets, decode = _Deltas(), {}, {}, protocol.token_decoder(state.llm)
+    final_usage, continuous = body.usage_flags(state.force_include_usage)
     async for i, output in _merged(streams):
         _check_output(output)
         finals[i] = output
@@ -375,21 +420,27 @@ async def _completion_chunks(state: ServerState, streams: list[RequestStream], p
                     choice["prompt_token_ids"] = output.prompt_token_ids
             if completion.finished():
                 choice.update(protocol.finish_fields(completion))
-            yield _with_usage(body, {**head, "choices": [choice]}, len(output.prompt_token_ids), end)
-    if body.stream_options and body.stream_options.include_usage:
-        yield {**head, "choices": [], "usage": protocol.usage(list(finals.values()))}
+            yield _with_usage(continuous, {**head, "choices": [choice]}, len(output.prompt_token_ids), end)
+    if final_usage:
+        yield {**head, "choices": [], "usage": protocol.usage(list(finals.values()), state.prompt_tokens_details)}
 
 
-async def _chat_chunks(streams: list[RequestStream], prompt: Prompt, body: ChatCompletionRequest, name: str,
-                       response_id: str) -> AsyncIterator[dict]:
+async def _chat_chunks(state: ServerState, streams: list[RequestStream], prompt: Prompt, body: ChatCompletionRequest,
+                       name: str, response_id: str) -> AsyncIterator[dict]:
     head = protocol.envelope("chat.completion.chunk", response_id, name)
     deltas, final, num_prompt = _Deltas(), None, len(prompt.token_ids)
+    final_usage, continuous = body.usage_flags(state.force_include_usage)
     for index in range(body.n):  # the first delta of each choice carries the role (OpenAI)
         chunk = {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}]}
         if body.return_token_ids and index == 0:  # vLLM: the prompt's ids on the first chunk only
             chunk["prompt_token_ids"] = list(prompt.token_ids)
-        yield _with_usage(body, chunk, num_prompt, 0)
+        yield _with_usage(continuous, chunk, num_prompt, 0)
+    echoed = body.echoed_content()
+    for index in range(body.n if echoed else 0):  # vLLM: the echo is each choice's first content delta
+        chunk = {**head, "choices": [{"index": index, "delta": {"content": echoed}, "logprobs": None,
+                                      "finish_reason": None}]}
+        yield _with_usage(continuous, chunk, num_prompt, 0)
     async for _, output in _merged(streams):
         _check_output(output)
         final = output
@@ -408,15 +459,14 @@ async def _chat_chunks(streams: list[RequestStream], prompt: Prompt, body: ChatC
                 choice["token_ids"] = completion.token_ids[start:end]
             if completion.finished():
                 choice.update(protocol.finish_fields(completion))
-            yield _with_usage(body, {**head, "choices": [choice]}, num_prompt, end)
-    if body.stream_options and body.stream_options.include_usage and final is not None:
-        yield {**head, "choices": [], "usage": protocol.usage([final])}
+            yield _with_usage(continuous, {**head, "choices": [choice]}, num_prompt, end)
+    if final_usage and final is not None:
+        yield {**head, "choices": [], "usage": protocol.usage([final], state.prompt_tokens_details)}
 
 
-def _with_usage(body: CompletionRequest | ChatCompletionRequest, chunk: dict, prompt_tokens: int,
-                completion_tokens: int) -> dict:
-    """vLLM's continuous_usage_stats: each chunk counts its prompt and its choice's tokens so far."""
-    if body.continuous_usage():
+def _with_usage(continuous: bool, chunk: dict, prompt_tokens: int, completion_tokens: int) -> dict:
+    """vLLM's continuous usage: with it, each chunk counts its prompt and its choice's tokens so far."""
+    if continuous:
         chunk["usage"] = protocol.usage_counts(prompt_tokens, completion_tokens)
     return chunk
 

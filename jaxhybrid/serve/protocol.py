@@ -56,7 +56,7 @@ def _off(value: Any) -> bool:
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _off, "length_penalty": lambda v: v == 1, "watermarking": _off,
     "spaces_between_special_tokens": lambda v: v is True, "truncation_side": lambda v: v in (None, "left"),
-    "logprob_token_ids": _unset, "prompt_embeds": _unset, "priority": lambda v: v == 0,
+    "prompt_embeds": _unset, "priority": lambda v: v == 0,
     "structured_outputs": _unset, "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
     "guided_grammar": _unset, "structural_tag": _unset,
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
@@ -65,7 +65,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "stream_interval": lambda v: v in (None, 1),
 }
 _CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "tools": _off, "tool_choice": lambda v: v in (None, "none", "auto"), "echo": _off,
+    "tools": _off, "tool_choice": lambda v: v in (None, "none", "auto"),
     "reasoning_effort": _unset, "documents": _unset, "chat_template": _unset, "mm_processor_kwargs": _unset,
     "media_io_kwargs": _unset, "return_prompt_text": _off,
 }
@@ -104,6 +104,7 @@ class _Request(BaseModel):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     request_id: str | None = None  # the response id's default (an X-Request-Id header wins)
+    logprob_token_ids: list[int] | None = None
 
     _unsupported: ClassVar[dict[str, Callable[[Any], bool]]] = _UNSUPPORTED
 
@@ -112,15 +113,31 @@ class _Request(BaseModel):
         for name, is_default in self._unsupported.items():
             if name in extra and not is_default(extra[name]):
                 raise BadRequest(f"{name} is not supported by this server (only its default)", name)
+        self._check_logprob_token_ids()
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options can only be set when stream is true", "stream_options")
         if self.stream and self.prompt_logprobs is not None:
             raise BadRequest("prompt_logprobs is not available when streaming", "prompt_logprobs")
 
-    def continuous_usage(self) -> bool:
-        """Usage on every streamed chunk (vLLM: both stream options set)."""
+    def _check_logprob_token_ids(self) -> None:
+        """vLLM's rules for the field first, so a malformed one says what is wrong; a well-formed one is
+        refused: the engine reports top-k logprobs, not those of chosen ids."""
+        if self.logprob_token_ids is None:
+            return
+        if not self.logprob_token_ids:
+            raise BadRequest("`logprob_token_ids` must not be an empty list", "logprob_token_ids")
+        if self.logprobs is None or self.logprobs is False:
+            raise BadRequest("`logprobs` must be set when using `logprob_token_ids`", "logprob_token_ids")
+        raise BadRequest("logprob_token_ids is not supported by this server", "logprob_token_ids")
+
+    def usage_flags(self, force_include_usage: bool = False) -> tuple[bool, bool]:
+        """(a usage chunk at the end of a stream, usage on every chunk): vLLM's stream options, or both
+        when the server forces usage (--enable-force-include-usage)."""
+        if force_include_usage:
+            return True, True
         options = self.stream_options
-        return bool(options and options.include_usage and options.continuous_usage_stats)
+        include = bool(options and options.include_usage)
+        return include, include and bool(options.continuous_usage_stats)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
                         defaults: dict[str, Any]) -> SamplingParams:
@@ -196,15 +213,40 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # the reply starts with the last message's content when its role is the reply's
+    prompt_token_ids: list[int] | None = None  # a rendered prompt, instead of messages (vLLM's token in)
 
     _unsupported: ClassVar[dict[str, Callable[[Any], bool]]] = {**_UNSUPPORTED, **_CHAT_UNSUPPORTED}
+    _TEMPLATE_OPTIONS: ClassVar[tuple[str, ...]] = ("add_generation_prompt", "continue_final_message",
+                                                    "chat_template_kwargs")
 
     def check(self) -> None:
         super().check()
-        if not self.messages:
+        if self.prompt_token_ids is not None:
+            self._check_token_in()
+        elif not self.messages:
             raise BadRequest("messages must not be empty", "messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
+
+    def _check_token_in(self) -> None:
+        """Pre-tokenized input is already rendered: messages and chat-template options would be ignored."""
+        if not self.prompt_token_ids:
+            raise BadRequest("prompt_token_ids must not be empty", "prompt_token_ids")
+        if self.messages:
+            raise BadRequest("send either messages or prompt_token_ids, not both", "messages")
+        for name in self._TEMPLATE_OPTIONS:
+            if name in self.model_fields_set:
+                raise BadRequest(f"{name} applies to messages; prompt_token_ids are already rendered", name)
+
+    def echoed_content(self) -> str:
+        """vLLM's chat echo: the last message's text when its role is the reply's (the assistant's after a
+        generation prompt, else the last message's own), "" otherwise or without echo."""
+        if not self.echo or not self.messages:
+            return ""
+        last = _text_content(self.messages[-1:], "messages")[0]
+        role = "assistant" if self.add_generation_prompt else last.get("role")
+        return (last.get("content") or "") if last.get("role") == role else ""
 
     def params(self, defaults: dict[str, Any]) -> SamplingParams:
         # unset: whatever fits in max_model_len (the engine resolves None)
@@ -259,11 +301,15 @@ def usage_counts(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def usage(outputs: list[RequestOutput]) -> dict:
+def usage(outputs: list[RequestOutput], prompt_tokens_details: bool = False) -> dict:
+    """The counts over `outputs`; with `prompt_tokens_details` (vLLM's --enable-prompt-tokens-details),
+    how many prompt tokens came from the prefix cache."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {**usage_counts(prompt, completion),
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
+    counts = usage_counts(prompt, completion)
+    if prompt_tokens_details:
+        counts["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}
+    return counts
 
 
 def _clamp(logprob: float) -> float:
@@ -391,11 +437,14 @@ def _token_content(value: Any) -> Any:
     return value
 
 
-def prompt_text(llm: LLM, prompt: Prompt, param: str = "echo") -> str:
-    """A prompt's text for echo: as sent, or decoded from its token ids."""
+def prompt_text(llm: LLM, prompt: Prompt) -> str:
+    """A prompt's text for echo: as sent, or decoded from its token ids; without a tokenizer a token-id
+    prompt has no text, and echoes as "" (vLLM: its ids come back as prompt_token_ids)."""
     if prompt.text is not None:
         return prompt.text
-    return require_tokenizer(llm, param).decode(list(prompt.token_ids), skip_special_tokens=False)
+    if llm.tokenizer is None:
+        return ""
+    return llm.tokenizer.decode(list(prompt.token_ids), skip_special_tokens=False)
 
 
 def prompt_for(llm: LLM, prompt: str | list[int] | dict, params: SamplingParams) -> Prompt:
@@ -421,7 +470,8 @@ def prompt_for(llm: LLM, prompt: str | list[int] | dict, params: SamplingParams)
 
 def completion_response(body: CompletionRequest, finals: list[RequestOutput], model: str,
                         echoed: list[str] | None = None, response_id: str | None = None,
-                        created: int | None = None, decode: Callable[[int], str] | None = None) -> dict:
+                        created: int | None = None, decode: Callable[[int], str] | None = None,
+                        prompt_tokens_details: bool = False) -> dict:
     """The `text_completion` object of finished requests, one per prompt; `echoed` holds the prompts' texts
     when the body asks for echo, `decode` names an echoed prompt's first token."""
     choices = []
@@ -441,21 +491,21 @@ def completion_response(body: CompletionRequest, finals: list[RequestOutput], mo
             choices.append(choice)
     choices.sort(key=lambda c: c["index"])
     return {**envelope("text_completion", response_id or new_id("cmpl"), model, created), "choices": choices,
-            "usage": usage(finals)}
+            "usage": usage(finals, prompt_tokens_details)}
 
 
 def chat_response(body: ChatCompletionRequest, final: RequestOutput, model: str, response_id: str | None = None,
-                  created: int | None = None) -> dict:
-    choices = []
+                  created: int | None = None, prompt_tokens_details: bool = False) -> dict:
+    choices, echoed = [], body.echoed_content()
     for completion in final.outputs:
-        choice = {"index": completion.index, "message": {"role": "assistant", "content": completion.text},
+        choice = {"index": completion.index, "message": {"role": "assistant", "content": echoed + completion.text},
                   "logprobs": None, **finish_fields(completion), **token_ids_fields(body, completion.token_ids)}
         if completion.logprobs is not None:
             choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs, body.top_logprobs or 0,
                                                body.return_tokens_as_token_ids)
         choices.append(choice)
     reply = {**envelope("chat.completion", response_id or new_id("chatcmpl"), model, created), "choices": choices,
-             "usage": usage([final])}
+             "usage": usage([final], prompt_tokens_details)}
     reply["prompt_logprobs"] = None if body.prompt_logprobs is None else prompt_logprobs_json(final.prompt_logprobs)
     reply["prompt_token_ids"] = final.prompt_token_ids if body.return_token_ids else None
     return reply

@@ -26,7 +26,8 @@ CODE = "import os\nimport sys\n\n\ndef read_config(path):\n    with open(path) a
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
     process = ServerProcess(["--api-key", KEY, "--max-num-queued-requests", str(MAX_QUEUED),
-                             "--served-model-name", "tiny", "jaxhybrid-default"], tmp / "server.log",
+                             "--enable-prompt-tokens-details", "--served-model-name", "tiny", "jaxhybrid-default"],
+                            tmp / "server.log",
                             tmp_path_factory.getbasetemp() / "compile-cache")
     yield process
     assert process.stop() in (0, -15), process.log()

@@ -8,13 +8,17 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 import httpx
 import pytest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxhybrid.api import LLM
 from jaxhybrid.metrics import ServerMetrics, cache_config_info
 from jaxhybrid.sampling_params import SamplingParams
+from jaxhybrid.serve import app as serve_app
 from jaxhybrid.serve.app import ServerState, build_app
 from jaxhybrid.serve.engine_loop import EngineLoop
 
@@ -35,12 +39,14 @@ def serve(llm):
     """`serve(body, **flags)` drives an app (with `build_app`'s flags, both on by default) on a fresh engine
     loop with an httpx client, then checks that nothing is left in the engine."""
 
-    def run(body, request_id_headers: bool = True, tokenizer_info: bool = True) -> None:
+    def run(body, request_id_headers: bool = True, tokenizer_info: bool = True, server_load_tracking: bool = False,
+            **state_flags) -> None:
         config = llm.config
         loop = EngineLoop(llm.engine, ServerMetrics("tiny", config.max_model_len, 0, cache_config_info(config)),
                           idle_poll=0.05)
-        app = build_app(ServerState(llm, loop, ("tiny",), "embedded", config.max_model_len),
-                        request_id_headers=request_id_headers, tokenizer_info=tokenizer_info)
+        app = build_app(ServerState(llm, loop, ("tiny",), "embedded", config.max_model_len, **state_flags),
+                        request_id_headers=request_id_headers, tokenizer_info=tokenizer_info,
+                        server_load_tracking=server_load_tracking)
 
         async def main():
             loop.start()
@@ -171,6 +177,103 @@ def test_continuous_usage_stats_on_every_chunk(serve):
     serve(body)
 
 
+def test_prompt_tokens_details_only_when_enabled(serve):
+    """vLLM's --enable-prompt-tokens-details: off, usage has no prompt_tokens_details, plain or streamed."""
+    streamed = {"stream": True, "stream_options": {"include_usage": True}}
+
+    def usages(plain: httpx.Response, stream: httpx.Response) -> list[dict]:
+        return [plain.json()["usage"], events(stream)[-1]["usage"]]
+
+    async def enabled(client: httpx.AsyncClient) -> None:
+        for path, base in [("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": CHAT})]:
+            body = {**base, "max_tokens": 2, **GREEDY}
+            for usage in usages(await ok(client, path, body), await ok(client, path, {**body, **streamed})):
+                assert usage["prompt_tokens_details"]["cached_tokens"] >= 0
+
+    async def disabled(client: httpx.AsyncClient) -> None:
+        for path, base in [("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": CHAT})]:
+            body = {**base, "max_tokens": 2, **GREEDY}
+            for usage in usages(await ok(client, path, body), await ok(client, path, {**body, **streamed})):
+                assert "prompt_tokens_details" not in usage and usage["prompt_tokens"] > 0
+
+    serve(disabled)
+    serve(enabled, prompt_tokens_details=True)
+
+
+def test_force_include_usage_puts_usage_on_every_chunk(serve):
+    """vLLM's --enable-force-include-usage: a stream that asks for no usage has it on every chunk and in a
+    final usage chunk; a plain request is unchanged."""
+    async def body(client: httpx.AsyncClient) -> None:
+        for path, base in [("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": CHAT})]:
+            chunks = events(await ok(client, path, {**base, "max_tokens": 3, "stream": True, **GREEDY}))
+            assert all("usage" in c for c in chunks)
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+            assert chunks[-2]["usage"]["completion_tokens"] == 3  # the continuous count of the last token
+            plain = (await ok(client, path, {**base, "max_tokens": 3, **GREEDY})).json()
+            assert plain["usage"]["completion_tokens"] == 3
+
+    serve(body, force_include_usage=True)
+
+
+def test_server_load_counts_requests_until_their_response_is_out(serve):
+    """vLLM's --enable-server-load-tracking: GET /load counts a plain request until its handler returns and a
+    stream until its last event is out; without the flag there is no /load."""
+    state = SimpleNamespace(server_load=0)
+
+    async def events_of_a_stream() -> AsyncIterator[str]:
+        yield "data: 1\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def streamed() -> Response:
+        return StreamingResponse(events_of_a_stream())
+
+    async def plain() -> Response:
+        assert state.server_load == 1  # while its handler runs
+        return JSONResponse({})
+
+    async def counts() -> None:
+        await serve_app._load_aware(state)(plain)()
+        assert state.server_load == 0
+        response = await serve_app._load_aware(state)(streamed)()
+        lines = response.body_iterator
+        assert (await anext(lines), state.server_load) == ("data: 1\n\n", 1)
+        assert [line async for line in lines] == ["data: [DONE]\n\n"] and state.server_load == 0
+
+    asyncio.run(counts())
+
+    async def enabled(client: httpx.AsyncClient) -> None:
+        await ok(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stream": True, **GREEDY})
+        assert (await client.get("/load")).json() == {"server_load": 0}
+
+    async def disabled(client: httpx.AsyncClient) -> None:
+        assert (await client.get("/load")).status_code == 404
+
+    serve(enabled, server_load_tracking=True)
+    serve(disabled)
+
+
+def test_chat_echo_streams_the_last_message_first(serve):
+    """vLLM's chat echo, streamed: the last message's content is each choice's first content delta."""
+    saying = "An apple a day, keeps"
+    messages = [{"role": "user", "content": "tell me a common saying"}, {"role": "assistant", "content": saying}]
+    body = {"messages": messages, "echo": True, "continue_final_message": True, "add_generation_prompt": False,
+            "max_tokens": 3, **GREEDY}
+
+    async def run(client: httpx.AsyncClient) -> None:
+        plain = (await ok(client, "/v1/chat/completions", body)).json()["choices"][0]["message"]["content"]
+        chunks = events(await ok(client, "/v1/chat/completions", {**body, "stream": True}))
+        contents = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
+        assert contents[0] == "" and contents[1] == saying  # the role's delta, then the echo
+        assert "".join(c or "" for c in contents) == plain and plain.startswith(saying)
+        # a generation prompt makes the reply the assistant's: a user's last message is not echoed
+        user_last = {**body, "messages": messages[:1], "continue_final_message": False,
+                     "add_generation_prompt": True}
+        reply = (await ok(client, "/v1/chat/completions", user_last)).json()["choices"][0]["message"]["content"]
+        assert not reply.startswith("tell me")
+
+    serve(run)
+
+
 def test_chat_content_text_parts_are_joined_and_other_parts_refused(serve):
     parts = [{"role": "user", "content": [{"type": "text", "text": "Write a function"},
                                           {"type": "text", "text": "that reads a file."}]}]
@@ -274,7 +377,7 @@ REFUSED = [
     ("/v1/completions", "stream_interval", 4), ("/v1/completions", "spaces_between_special_tokens", False),
     ("/v1/completions", "repetition_detection", {"max_pattern_size": 4}),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("/v1/chat/completions", "tool_choice", "required"), ("/v1/chat/completions", "echo", True),
+    ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "reasoning_effort", "low"), ("/v1/chat/completions", "chat_template", "{{ 1 }}"),
     ("/v1/chat/completions", "documents", [{"title": "t", "text": "x"}]),

@@ -1,33 +1,49 @@
 """Servers, clients and reference tokenization for the ports of vLLM's OpenAI-server tests.
 
-One default server for the whole session (the ports' modules share it, as CI's two cores cannot afford a
-server per module); the few vLLM modules that start a server with other flags get their own, through
-`start_server`. The reference tokenizer is the checkpoint's `tokenizer.json` read by the `tokenizers`
-library itself, so expected token ids never come from the code under test.
+Compiling the engine's step is what a server costs (tens of seconds a configuration on two cores), and vLLM's
+modules start servers with flags that contradict each other, so the ports serve in process: two `LLM`s for
+the session, each module an app of its own on one of them with its module's flags, on a uvicorn thread
+(starting one costs milliseconds). The session `LLM` is SMALL's server; the long one has what the other
+cannot: --max-logprobs at the vocabulary size (vLLM's tests that give -1; the default limit of 20 is
+asserted elsewhere) and the cancellation test's --max-model-len (vLLM's tokenization tests assert a
+max_model_len within the tokenizer's 512, and its chat tests without max_tokens would generate to it). Only
+--skip-tokenizer-init needs a process of its own (`start_server`); its compiled step, the session `LLM`'s,
+comes from the session's compilation cache. The reference tokenizer is the checkpoint's `tokenizer.json`
+read by the `tokenizers` library itself, so expected token ids never come from the code under test.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import jinja2
 import openai
 import pytest
+import uvicorn
 from tokenizers import Tokenizer
 
 from jaxhybrid.weights import DEFAULT_MODEL_DIR
-from tests.jaxhybrid.serve.server_process import ServerProcess
+from tests.jaxhybrid.serve.server_process import SMALL, ServerProcess, free_port
 
 MODEL_NAME = "jaxhybrid-default"  # the served name of the embedded model without --served-model-name
 _CONFIG = json.loads((Path(DEFAULT_MODEL_DIR) / "config.json").read_text())
 _TOKENIZER_CONFIG = json.loads((Path(DEFAULT_MODEL_DIR) / "tokenizer_config.json").read_text())
 VOCAB_SIZE: int = _CONFIG["vocab_size"]
+SERVER_FLAGS = {"tokenizer_info": True, "server_load_tracking": True}  # `build_app`'s, on every module's app
+MAX_MODEL_LEN = int(SMALL[SMALL.index("--max-model-len") + 1])  # the session `LLM`'s
+LONG_MODEL_LEN = 10100  # vLLM's cancellation test asks for 10000 tokens; 700 KV blocks hold one such sequence
 
 
 def start_server(tmp_path_factory, name: str, args: list[str]) -> ServerProcess:
     tmp = tmp_path_factory.mktemp(name)
-    return ServerProcess(args, tmp / "server.log", tmp_path_factory.getbasetemp() / "compile-cache")
+    return ServerProcess(args, tmp / "server.log", _compile_cache(tmp_path_factory))
+
+
+def _compile_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp() / "compile-cache"
 
 
 def stop_server(server: ServerProcess) -> None:
@@ -39,24 +55,68 @@ def make_client(server: ServerProcess, **kwargs) -> openai.OpenAI:
                          **{"timeout": 120, **kwargs})
 
 
+def _llm(tmp_path_factory, flags: list[str]):
+    """The `LLM` of `python -m jaxhybrid.serve` with SMALL's flags, then `flags`."""
+    from jaxhybrid.engine_args import build_llm
+    from jaxhybrid.serve.__main__ import parse_args
+
+    return build_llm(parse_args([*SMALL, "--compilation-cache-dir", str(_compile_cache(tmp_path_factory)), *flags]))
+
+
 @pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    process = start_server(tmp_path_factory, "vllm-openai", [])
+def session_llm(tmp_path_factory):
+    return _llm(tmp_path_factory, [])
+
+
+@pytest.fixture(scope="session")
+def long_llm(tmp_path_factory):
+    """--max-logprobs at the vocabulary size and the long --max-model-len."""
+    return _llm(tmp_path_factory, ["--max-logprobs", str(VOCAB_SIZE), "--max-model-len", str(LONG_MODEL_LEN),
+                                   "--num-blocks", "700"])
+
+
+@pytest.fixture(scope="module")
+def server(session_llm):
+    """The module's server: the session `LLM` with SERVER_FLAGS."""
+    process = InProcessServer(session_llm, SERVER_FLAGS)
     yield process
-    stop_server(process)
+    process.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
     return make_client(server)
 
 
-@pytest.fixture(scope="session")
-def vocab_logprobs_client(tmp_path_factory) -> openai.OpenAI:
-    """A server whose --max-logprobs is the whole vocabulary (vLLM's tests give the vocabulary size or -1)."""
-    process = start_server(tmp_path_factory, "vocab-logprobs", ["--max-logprobs", str(VOCAB_SIZE)])
-    yield make_client(process)
-    stop_server(process)
+class InProcessServer:
+    """An app on an `LLM` of this process, served by uvicorn on a thread at `url` (the url a
+    `ServerProcess` has, so `make_client` takes either); `app_flags` are `build_app`'s, `state_flags`
+    `ServerState`'s."""
+
+    def __init__(self, llm, app_flags: dict | None = None, **state_flags):
+        from jaxhybrid.metrics import ServerMetrics, cache_config_info
+        from jaxhybrid.serve.app import ServerState, build_app
+        from jaxhybrid.serve.engine_loop import EngineLoop
+
+        config = llm.config
+        loop = EngineLoop(llm.engine, ServerMetrics(MODEL_NAME, config.max_model_len, 0, cache_config_info(config)))
+        state = ServerState(llm, loop, (MODEL_NAME,), str(DEFAULT_MODEL_DIR), config.max_model_len, **state_flags)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self._server = uvicorn.Server(uvicorn.Config(build_app(state, **(app_flags or {})), host="127.0.0.1",
+                                                     port=port, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, name="in-process-server", daemon=True)
+        self._thread.start()
+        for _ in range(600):  # started: the lifespan (the engine loop) is up and the socket listens
+            if self._server.started or not self._thread.is_alive():
+                break
+            time.sleep(0.05)
+        assert self._server.started, "the in-process server did not start"
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(60)
+        assert not self._thread.is_alive(), "the in-process server did not stop"
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 from jaxhybrid.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 
@@ -36,6 +37,19 @@ def output(text: str, token_ids: list[int], finish_reason: str | None,
     return RequestOutput(request_id="test-id", prompt=prompt, prompt_token_ids=list(prompt_token_ids),
                          prompt_logprobs=None, outputs=[completion], finished=finish_reason is not None,
                          metrics=RequestMetrics(arrival_time=0.0))
+
+
+def server_state(**flags) -> SimpleNamespace:
+    """What the serving functions read of a `ServerState` (its flags off unless given): no engine loop, and
+    an `LLM` without a tokenizer (the hand-made outputs name their logprob tokens themselves)."""
+    llm = SimpleNamespace(get_tokenizer=lambda: None, tokenizer=None)
+    return SimpleNamespace(llm=llm, loop=None, **{"prompt_tokens_details": False, "force_include_usage": False,
+                                                   **flags})
+
+
+def prompt(token_ids: tuple[int, ...] = (1, 2, 3)) -> SimpleNamespace:
+    """What the chat stream reads of a `Prompt`."""
+    return SimpleNamespace(token_ids=token_ids, text=None)
 
 
 def collect(events: AsyncIterator) -> list:

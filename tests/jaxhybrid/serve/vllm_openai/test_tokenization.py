@@ -1,17 +1,14 @@
 """Port of vLLM's tests/entrypoints/openai/test_tokenization.py (its tools case is out of scope, SKIPS.md):
 /tokenize of a prompt and of chats (generation prompt, continued final message, special tokens),
 token_strs, /detokenize, and /tokenizer_info's schema, all against the reference tokenizer. vLLM's
-max_model_len of 8192 is the session server's (server_process.SMALL); vLLM serves /tokenizer_info only with
---enable-tokenizer-info-endpoint."""
+max_model_len of 8192 is the session `LLM`'s (conftest.MAX_MODEL_LEN); vLLM serves /tokenizer_info only
+with --enable-tokenizer-info-endpoint, which every module's server has (conftest.SERVER_FLAGS)."""
 
 from __future__ import annotations
 
 import httpx
 
-from tests.jaxhybrid.serve.server_process import SMALL
-from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, render_chat
-
-MAX_MODEL_LEN = int(SMALL[SMALL.index("--max-model-len") + 1])
+from tests.jaxhybrid.serve.vllm_openai.conftest import MAX_MODEL_LEN, MODEL_NAME, render_chat
 
 
 def _post(server, path: str, body: dict) -> dict:

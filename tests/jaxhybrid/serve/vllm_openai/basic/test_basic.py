@@ -1,8 +1,8 @@
 """Port of vLLM's tests/entrypoints/openai/basic/test_basic.py: /version, /health, cancelling a flood of
-requests whose clients time out, a wrong content type, and /health's 503 once the engine is dead. The
-server runs with --max-model-len 10100, as vLLM's cancellation case (its KV pool sized to hold one such
-sequence). --disable-frontend-multiprocessing has no counterpart here, so each test runs once; the
-/load tracking test is in SKIPS.md."""
+requests whose clients time out, a wrong content type, and /health's 503 once the engine is dead, on an
+in-process server whose --max-model-len fits the cancellation case's 10000 tokens.
+--disable-frontend-multiprocessing has no counterpart here, so each test runs once; test_server_load is in
+SKIPS.md."""
 
 from __future__ import annotations
 
@@ -17,33 +17,33 @@ import pytest
 from fastapi.testclient import TestClient
 
 from jaxhybrid.serve.app import ServerState, build_app
-from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, make_client, start_server, stop_server
+from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, InProcessServer, make_client
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    process = start_server(tmp_path_factory, "basic", ["--max-model-len", "10100", "--num-blocks", "700"])
-    yield process
-    stop_server(process)
+def long_server(long_llm):
+    server = InProcessServer(long_llm)
+    yield server
+    server.stop()
 
 
-def test_show_version(server):
-    response = httpx.get(f"{server.url}/version")
+def test_show_version(long_server):
+    response = httpx.get(f"{long_server.url}/version")
     response.raise_for_status()
     assert response.json() == {"version": version("jaxhybrid")}
 
 
-def test_check_health(server):
-    assert httpx.get(f"{server.url}/health").status_code == HTTPStatus.OK
+def test_check_health(long_server):
+    assert httpx.get(f"{long_server.url}/health").status_code == HTTPStatus.OK
 
 
-def test_request_cancellation(server):
+def test_request_cancellation(long_server):
     # clunky test: send an ungodly amount of load in with short timeouts, then ensure that it still responds
     # quickly afterwards
     chat_input = [{"role": "user", "content": "Write a long story"}]
 
     async def flood() -> list[BaseException | None]:
-        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0,
+        async with openai.AsyncOpenAI(base_url=f"{long_server.url}/v1", api_key="EMPTY", max_retries=0,
                                       timeout=0.5) as client:
             tasks = [asyncio.create_task(client.chat.completions.create(
                 messages=chat_input, model=MODEL_NAME, max_tokens=10000, extra_body={"min_tokens": 10000}))
@@ -57,14 +57,14 @@ def test_request_cancellation(server):
         assert isinstance(error, openai.APITimeoutError), error
 
     # had the server not cancelled the others, it could not answer this one within the timeout
-    response = make_client(server, timeout=5).chat.completions.create(messages=chat_input, model=MODEL_NAME,
+    response = make_client(long_server, timeout=5).chat.completions.create(messages=chat_input, model=MODEL_NAME,
                                                                       max_tokens=10)
     assert len(response.choices) == 1
 
 
-def test_request_wrong_content_type(server):
+def test_request_wrong_content_type(long_server):
     with pytest.raises(openai.APIStatusError):
-        make_client(server).chat.completions.create(
+        make_client(long_server).chat.completions.create(
             messages=[{"role": "user", "content": "Write a long story"}], model=MODEL_NAME, max_tokens=10000,
             extra_headers={"Content-Type": "application/x-www-form-urlencoded"})
 

@@ -1,17 +1,19 @@
 """Port of vLLM's tests/entrypoints/openai/chat_completion/test_chat_echo.py: chat echo with
-continue_final_message, prompt_logprobs=-1 and top_logprobs=-1 (the whole vocabulary), on a server whose
---max-logprobs is the vocabulary size, as vLLM's."""
+continue_final_message, prompt_logprobs=-1 and top_logprobs=-1 (the whole vocabulary), on an in-process
+server whose --max-logprobs is the vocabulary size, as vLLM's."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, VOCAB_SIZE
+from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, VOCAB_SIZE, InProcessServer, make_client
 
 
 @pytest.fixture(scope="module")
-def client(vocab_logprobs_client):
-    return vocab_logprobs_client
+def client(long_llm):
+    server = InProcessServer(long_llm)
+    yield make_client(server)
+    server.stop()
 
 
 @pytest.mark.parametrize("echo", [True, False])

@@ -13,7 +13,7 @@ import pytest
 from jaxhybrid.serve import app
 from jaxhybrid.serve.protocol import ChatCompletionRequest
 from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME
-from tests.jaxhybrid.serve.vllm_openai.fakes import FakeStream, collect, output
+from tests.jaxhybrid.serve.vllm_openai.fakes import FakeStream, collect, output, prompt, server_state
 
 
 def test_chat_error_non_stream():
@@ -21,7 +21,8 @@ def test_chat_error_non_stream():
     request = ChatCompletionRequest(model=MODEL_NAME, messages=[{"role": "user", "content": "Test prompt"}],
                                     max_tokens=10, stream=False)
     with pytest.raises(app._EngineFailed):
-        asyncio.run(app._chat_response([FakeStream([output("", [], "error")])], request, MODEL_NAME))
+        asyncio.run(app._chat_response(server_state(), [FakeStream([output("", [], "error")])], request, MODEL_NAME,
+                                       "chatcmpl-test"))
 
 
 def test_chat_error_stream():
@@ -29,7 +30,8 @@ def test_chat_error_stream():
     request = ChatCompletionRequest(model=MODEL_NAME, messages=[{"role": "user", "content": "Test prompt"}],
                                     max_tokens=10, stream=True)
     streams = [FakeStream([output("Hello", [100], None), output("Hello", [100], "error")])]
-    response = app._sse(None, app._chat_chunks(streams, request, MODEL_NAME))
+    state = server_state()
+    response = app._sse(state, app._chat_chunks(state, streams, prompt(), request, MODEL_NAME, "chatcmpl-test"))
 
     chunks = collect(response.body_iterator)
 

@@ -1,18 +1,19 @@
 """Port of vLLM's tests/entrypoints/openai/chat_completion/test_enable_force_include_usage.py: a server
-started with --enable-force-include-usage puts usage in every chunk of every stream, asked or not."""
+started with --enable-force-include-usage puts usage in every chunk of every stream, asked or not (an
+in-process server with that flag, on the package's in-process `LLM`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, make_client, start_server, stop_server
+from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, InProcessServer, make_client
 
 
 @pytest.fixture(scope="module")
-def chat_client_with_force_include_usage(tmp_path_factory):
-    process = start_server(tmp_path_factory, "force-include-usage", ["--enable-force-include-usage"])
-    yield make_client(process)
-    stop_server(process)
+def chat_client_with_force_include_usage(long_llm):
+    server = InProcessServer(long_llm, force_include_usage=True)
+    yield make_client(server)
+    server.stop()
 
 
 def test_chat_with_enable_force_include_usage(chat_client_with_force_include_usage):

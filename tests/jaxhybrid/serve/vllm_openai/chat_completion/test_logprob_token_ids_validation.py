@@ -1,7 +1,7 @@
 """Port of vLLM's tests/entrypoints/openai/chat_completion/test_logprob_token_ids_validation.py: an empty
 `logprob_token_ids`, or one without logprobs, is refused naming the field; a non-list is a validation
 error. vLLM refuses when the request is built; this server in `check()` (its BatchChatCompletionRequest
-has no counterpart here)."""
+has no counterpart here). A well-formed one is refused too, as not supported (SKIPS.md)."""
 
 from __future__ import annotations
 
@@ -38,3 +38,10 @@ def test_rejects_token_ids_without_logprobs(cls):
 def test_defers_non_list_to_pydantic(cls, val):
     with pytest.raises(ValidationError):
         cls.model_validate({**BASE[cls], "logprob_token_ids": val})
+
+
+@pytest.mark.parametrize("cls", MODELS)
+def test_refuses_well_formed_token_ids_as_unsupported(cls):
+    with pytest.raises(BadRequest, match="not supported") as exc:
+        cls.model_validate({**BASE[cls], "logprob_token_ids": [100], "logprobs": 1}).check()
+    assert exc.value.param == "logprob_token_ids"

@@ -1,6 +1,7 @@
 """Port of vLLM's tests/entrypoints/openai/completion/test_completion.py: single, batched, parallel (n > 1)
 and streamed completions, logprobs limits, prompt_logprobs, stream_options and echo with logprobs, on the
-session's default server (vLLM's opt-125m token counts become the reference tokenizer's counts)."""
+module's server with --enable-prompt-tokens-details, as vLLM's (vLLM's opt-125m token counts become the
+reference tokenizer's counts)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import openai
 import pytest
 from openai import BadRequestError
 
-from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, decode
+from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, SERVER_FLAGS, InProcessServer, decode
+
+
+@pytest.fixture(scope="module")
+def server(session_llm):
+    process = InProcessServer(session_llm, SERVER_FLAGS, prompt_tokens_details=True)
+    yield process
+    process.stop()
 
 
 def test_single_completion(client, tokenizer) -> None:

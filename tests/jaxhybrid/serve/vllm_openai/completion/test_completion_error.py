@@ -6,7 +6,6 @@ here the serving layer is fed hand-made outputs (`fakes.FakeStream`), and the pr
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import openai
 import pytest
@@ -14,9 +13,9 @@ import pytest
 from jaxhybrid.serve import app
 from jaxhybrid.serve.protocol import CompletionRequest
 from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME
-from tests.jaxhybrid.serve.vllm_openai.fakes import FakeStream, collect, output
+from tests.jaxhybrid.serve.vllm_openai.fakes import FakeStream, collect, output, server_state
 
-STATE = SimpleNamespace(llm=None, loop=None)  # the error paths touch neither
+STATE = server_state()
 
 
 def test_completion_error_non_stream():
@@ -24,14 +23,14 @@ def test_completion_error_non_stream():
     request = CompletionRequest(model=MODEL_NAME, prompt="Test prompt", max_tokens=10, stream=False)
     streams = [FakeStream([output("", [], "error")])]
     with pytest.raises(app._EngineFailed):
-        asyncio.run(app._completion_response(STATE, streams, [None], request, MODEL_NAME))
+        asyncio.run(app._completion_response(STATE, streams, [None], request, MODEL_NAME, "cmpl-test"))
 
 
 def test_completion_error_stream():
     """finish_reason='error' is an in-band 500 InternalServerError (streaming)."""
     request = CompletionRequest(model=MODEL_NAME, prompt="Test prompt", max_tokens=10, stream=True)
     streams = [FakeStream([output("Hello", [100], None), output("Hello", [100], "error")])]
-    response = app._sse(STATE, app._completion_chunks(STATE, streams, [None], request, MODEL_NAME))
+    response = app._sse(STATE, app._completion_chunks(STATE, streams, [None], request, MODEL_NAME, "cmpl-test"))
 
     chunks = collect(response.body_iterator)
 

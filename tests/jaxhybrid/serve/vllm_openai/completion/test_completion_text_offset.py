@@ -5,12 +5,10 @@ hand-made outputs, as vLLM's test does."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from jaxhybrid.outputs import Logprob
 from jaxhybrid.serve import app, protocol
 from jaxhybrid.serve.protocol import CompletionRequest
-from tests.jaxhybrid.serve.vllm_openai.fakes import FakeStream, collect, output
+from tests.jaxhybrid.serve.vllm_openai.fakes import FakeStream, collect, output, server_state
 
 TOKENS = [(1, "abc"), (2, " de"), (3, "!")]
 # Text deltas as the detokenizer streams them with stop=["\n\n"]: one char is held back until the request
@@ -36,8 +34,8 @@ def _request(stream: bool) -> CompletionRequest:
 def test_stream_text_offset_matches_non_stream_with_stop_holdback():
     cumulative = [_output("".join(TEXT_DELTAS[:i + 1]), list(range(i + 1)), i == len(TEXT_DELTAS) - 1)
                   for i in range(len(TEXT_DELTAS))]
-    state = SimpleNamespace(llm=None, loop=None)
-    events = collect(app._completion_chunks(state, [FakeStream(cumulative)], [None], _request(stream=True), "m"))
+    events = collect(app._completion_chunks(server_state(), [FakeStream(cumulative)], [None], _request(stream=True),
+                                            "m", "cmpl-test"))
     stream_offsets = [offset for event in events for choice in event["choices"]
                       for offset in choice["logprobs"]["text_offset"]]
 
