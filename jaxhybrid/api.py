@@ -8,7 +8,7 @@ import numbers
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -169,23 +169,28 @@ class LLM:
         self.engine.reset_prefix_cache()
         return True
 
-    def parse_prompt(self, prompt: PromptInput, params: SamplingParams | None = None) -> Prompt:
+    def parse_prompt(self, prompt: PromptInput, params: SamplingParams | None = None,
+                     truncation_side: Literal["left", "right"] = "left") -> Prompt:
         """Text, token ids, `{"prompt": text}`, `{"prompt_token_ids": ids}` (optionally with
         "checkpoint_position") or `{"messages": [...]}` (the chat template) -> the engine's Prompt, cut to
-        `params.truncate_prompt_tokens`."""
+        `params.truncate_prompt_tokens` from `truncation_side`."""
         parsed = self._parse(prompt)
         keep = None if params is None else params.truncate_prompt_tokens
-        return parsed if keep is None else self._truncated(parsed, keep)
+        return parsed if keep is None else self._truncated(parsed, keep, truncation_side)
 
-    def _truncated(self, prompt: Prompt, keep: int) -> Prompt:
-        """The prompt's last `keep` tokens (vLLM's left truncation; -1: max_model_len). A cut prompt has no
-        text (echo decodes what is left) and no checkpoint (its marker no longer ends the same prefix)."""
+    def _truncated(self, prompt: Prompt, keep: int, side: Literal["left", "right"]) -> Prompt:
+        """The prompt's last (side "left", vLLM's default) or first `keep` tokens (-1: max_model_len). A cut
+        prompt has no text (echo decodes what is left) and no checkpoint (its marker may be cut off)."""
         limit = self.config.max_model_len
         if keep > limit:
             raise ValueError(f"SamplingParams.truncate_prompt_tokens ({keep}) is greater than max_model_len "
                              f"({limit}); select a smaller truncation size")
-        dropped = len(prompt.token_ids) - (limit if keep == -1 else keep)
-        return prompt if dropped <= 0 else Prompt(prompt.token_ids[dropped:])
+        if side not in ("left", "right"):
+            raise ValueError(f"truncation_side must be 'left' or 'right', got {side!r}")
+        keep = limit if keep == -1 else keep
+        if len(prompt.token_ids) <= keep:
+            return prompt
+        return Prompt(prompt.token_ids[-keep:] if side == "left" else prompt.token_ids[:keep])
 
     def _parse(self, prompt: PromptInput) -> Prompt:
         if isinstance(prompt, dict):

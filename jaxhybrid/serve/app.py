@@ -159,7 +159,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_
         name = _check_model(state, body.model)
         body.check()
         params = body.params(state.llm.generation_defaults)
-        prompts = [protocol.prompt_for(state.llm, p, params) for p in body.prompts()]
+        prompts = [protocol.prompt_for(state.llm, p, params, body.truncation_side) for p in body.prompts()]
         response_id = protocol.response_id("cmpl", request.headers.get("X-Request-Id"), body.request_id)
         streams = await _add_all(state, protocol.new_id(response_id), prompts, params, body.cache_salt)
         if body.stream:
@@ -174,11 +174,11 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_
         body.check()
         params = body.params(state.llm.generation_defaults)
         if body.prompt_token_ids is not None:
-            prompt = protocol.prompt_for(state.llm, body.prompt_token_ids, params)
+            prompt = protocol.prompt_for(state.llm, body.prompt_token_ids, params, body.truncation_side)
         else:
             text = protocol.render_chat(state.llm, body.messages, body.add_generation_prompt, "messages",
                                         body.continue_final_message, body.chat_template_kwargs)
-            prompt = protocol.prompt_for(state.llm, text, params)
+            prompt = protocol.prompt_for(state.llm, text, params, body.truncation_side)
         response_id = protocol.response_id("chatcmpl", request.headers.get("X-Request-Id"), body.request_id)
         streams = await _add_all(state, protocol.new_id(response_id), [prompt], params, body.cache_salt)
         if body.stream:

@@ -12,7 +12,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,7 +39,7 @@ def error_body(message: str, kind: str, status: int, param: str | None = None) -
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool | None = True  # vLLM's default once stream_options is sent
+    include_usage: bool | None = False  # vLLM's (an empty stream_options adds no usage)
     continuous_usage_stats: bool | None = False  # usage on every chunk too
 
 
@@ -55,7 +55,7 @@ def _off(value: Any) -> bool:
 # any other value is a 400 naming the field
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _off, "length_penalty": lambda v: v == 1, "watermarking": _off,
-    "spaces_between_special_tokens": lambda v: v is True, "truncation_side": lambda v: v in (None, "left"),
+    "spaces_between_special_tokens": lambda v: v is True,
     "prompt_embeds": _unset, "priority": lambda v: v == 0,
     "structured_outputs": _unset, "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
     "guided_grammar": _unset, "structural_tag": _unset,
@@ -101,6 +101,7 @@ class _Request(BaseModel):
     bad_words: list[str] | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     request_id: str | None = None  # the response id's default (an X-Request-Id header wins)
@@ -417,9 +418,10 @@ def _text_content(messages: list[dict], param: str) -> list[dict]:
 
 
 def tokenizer_info(tokenizer: Tokenizer) -> dict:
-    """vLLM's /tokenizer_info: the tokenizer's config without file paths, added tokens by their text, with
-    its class and chat template."""
-    info = {k: _token_content(v) for k, v in tokenizer.config.items() if k not in ("vocab_file", "merges_file")}
+    """vLLM's /tokenizer_info: the tokenizer's config without file paths, special tokens by their text (the
+    added-tokens table keeps its entries' content and flags), with its class and chat template."""
+    info = {k: v if k == "added_tokens_decoder" else _token_content(v) for k, v in tokenizer.config.items()
+            if k not in ("vocab_file", "merges_file")}
     info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")  # what a tokenizer.json alone loads as
     if tokenizer.chat_template:
         info["chat_template"] = tokenizer.chat_template
@@ -447,7 +449,8 @@ def prompt_text(llm: LLM, prompt: Prompt) -> str:
     return llm.tokenizer.decode(list(prompt.token_ids), skip_special_tokens=False)
 
 
-def prompt_for(llm: LLM, prompt: str | list[int] | dict, params: SamplingParams) -> Prompt:
+def prompt_for(llm: LLM, prompt: str | list[int] | dict, params: SamplingParams,
+               truncation_side: Literal["left", "right"] | None = None) -> Prompt:
     """Tokenize, place the checkpoint marker and truncate (`LLM.parse_prompt`); check the lengths against
     max_model_len (vLLM's messages)."""
     if isinstance(prompt, list):
@@ -455,7 +458,7 @@ def prompt_for(llm: LLM, prompt: str | list[int] | dict, params: SamplingParams)
             raise BadRequest("prompt token ids must be greater than or equal to 0", "prompt")
         prompt = {"prompt_token_ids": prompt}
     try:
-        parsed = llm.parse_prompt(prompt, params)
+        parsed = llm.parse_prompt(prompt, params, truncation_side or "left")
     except ValueError as error:
         raise as_bad_request(error) from error
     length, limit = len(parsed.token_ids), llm.config.max_model_len

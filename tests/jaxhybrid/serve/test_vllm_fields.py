@@ -168,11 +168,10 @@ def test_continuous_usage_stats_on_every_chunk(serve):
         chat = events(await ok(client, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "stream": True,
                                                                 "stream_options": options, **GREEDY}))
         assert chat[0]["usage"]["completion_tokens"] == 0 and chat[-2]["usage"]["completion_tokens"] == 3
-        # vLLM: include_usage defaults to true once stream_options is sent
+        # vLLM: an empty stream_options asks for no usage
         plain = events(await ok(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stream": True,
                                                             "stream_options": {}, **GREEDY}))
-        assert plain[-1]["choices"] == [] and plain[-1]["usage"]["completion_tokens"] == 2
-        assert all("usage" not in c for c in plain[:-1])
+        assert plain[-1]["choices"] and all("usage" not in c for c in plain)
 
     serve(body)
 
@@ -299,7 +298,8 @@ def test_tokenizer_info_only_when_enabled(serve, llm):
         info = (await client.get("/tokenizer_info")).json()
         assert info["tokenizer_class"] == "PreTrainedTokenizerFast" and info["eos_token"] == "<|endoftext|>"
         assert info["chat_template"] == llm.get_tokenizer().chat_template
-        assert info["added_tokens_decoder"]["0"] == "<|endoftext|>"  # an AddedToken by its text (vLLM)
+        entry = info["added_tokens_decoder"]["0"]  # vLLM's test: each entry a dict with content and special
+        assert entry["content"] == "<|endoftext|>" and entry["special"] is True
 
     async def disabled(client: httpx.AsyncClient) -> None:
         assert (await client.get("/tokenizer_info")).status_code == 404
