@@ -28,10 +28,12 @@ from jaxhybrid.models.pools import DeviceState, copy_pages, init_device_state
 from jaxhybrid.plan_transfer import DevicePlan, PlanLayout, pack_plan, unpack_plan
 from jaxhybrid.sampling import (
     ROW_DTYPE,
+    Constraint,
     Logprobs,
     SamplingRows,
     apply_constraints,
     apply_penalties,
+    batch_constraints,
     has_penalties,
     logprobs,
     sample,
@@ -124,7 +126,7 @@ class Runner:
         its rows' constraint entries [R, E, 4] (`sampling.batch_constraints`), None for none."""
         buffer, layout = pack_plan(plan)
         if constraints is None:
-            constraints = np.zeros((plan.row_kind.shape[0], 0, 4), np.int32)
+            constraints = batch_constraints([], plan.row_kind.shape[0])
         if self.channel is not None:  # the other processes run the step too: they get the plan first
             if not is_leader():
                 raise RuntimeError("in a multi-host job only process 0 dispatches; the others call follow()")
@@ -330,7 +332,7 @@ def _sample_rows(logits: jax.Array, plan: DevicePlan, rows: SamplingRows, histor
                  k: int) -> tuple[jax.Array, jax.Array]:
     """[R, 1+K] tokens and [R] accepted drafts: verify rows verify their drafts at their 1 + K logits, every
     other row samples at its last logit (update ignores rows whose prefill goes on). Constraints (vLLM's
-    order) come before penalties; a step without any compiles without them."""
+    order) come before penalties, each skipped at run time in a step where no row has any."""
     verify = plan.row_kind == RowKind.VERIFY
     last = plan.cu_logits[1:] - 1
     first = jnp.where(verify, plan.cu_logits[:-1], last)
@@ -339,8 +341,9 @@ def _sample_rows(logits: jax.Array, plan: DevicePlan, rows: SamplingRows, histor
     real = plan.row_kind != RowKind.PADDING
     rows = rows._replace(repetition_penalty=jnp.where(real, rows.repetition_penalty, 1.0))  # padding: zero records
     target = logits[entry]
-    if constraints.shape[1]:
-        target = _constrained(target, rows, history, plan.state_slots, predicted, constraints)
+    target = jax.lax.cond(jnp.any(constraints[..., 0] != Constraint.NONE),
+                          lambda: _constrained(target, rows, history, plan.state_slots, predicted, constraints),
+                          lambda: target)
     target = jax.lax.cond(jnp.any(has_penalties(rows) & real),
                           lambda: _penalized(target, plan, rows, history, predicted), lambda: target)
     greedy = jnp.all(rows.temperature <= 0)

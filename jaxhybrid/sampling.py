@@ -36,7 +36,8 @@ ROW_DTYPE = np.dtype([
 # Constraints on a row's logits (logit_bias, allowed_token_ids, bad_words, min_tokens' bans) travel beside
 # the plan as a padded list of entries per row, [R, E, 4] int32 of (kind, token, value, back), scattered
 # onto the row's logits on device: the transfer grows with the entries, never with the vocabulary. E is
-# one of CONSTRAINT_WIDTHS (a compilation each); a step where no row has any has E = 0 and skips them.
+# one of CONSTRAINT_WIDTHS: every step has at least the first (all padding when no row has any, and then
+# skipped at run time), so the common requests compile nothing beyond the precompiled steps.
 CONSTRAINT_WIDTHS = tuple(8 * 4**i for i in range(12))
 
 
@@ -108,10 +109,9 @@ def constraint_entries(logit_bias: dict[int, float], allowed_token_ids: tuple[in
 
 
 def batch_constraints(per_row: list[np.ndarray | None], num_rows: int) -> np.ndarray:
-    """Rows' entries padded to [num_rows, E, 4], E the first of CONSTRAINT_WIDTHS that holds the longest
-    (0 when no row has any)."""
+    """Rows' entries padded to [num_rows, E, 4], E the first of CONSTRAINT_WIDTHS that holds the longest."""
     longest = max((len(entries) for entries in per_row if entries is not None), default=0)
-    width = next((w for w in CONSTRAINT_WIDTHS if w >= longest), longest) if longest else 0
+    width = next((w for w in CONSTRAINT_WIDTHS if w >= longest), longest)
     batch = np.zeros((num_rows, width, 4), np.int32)
     for row, entries in enumerate(per_row):
         if entries is not None:

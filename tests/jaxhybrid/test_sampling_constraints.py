@@ -90,9 +90,10 @@ def test_device_constraints_match_the_numpy_reference(rows):
 
 
 def test_the_constraint_transfer_is_sparse_and_bucketed():
-    """No entries: width 0 (the step compiles without constraints); otherwise the first bucket that holds
-    the longest row's entries, never the vocabulary."""
-    assert batch_constraints([None, None], 4).shape == (4, 0, 4)
+    """No entries: the narrowest width, all padding (every step has it, so it compiles nothing new);
+    otherwise the first bucket that holds the longest row's entries, never the vocabulary."""
+    empty = batch_constraints([None, None], 4)
+    assert empty.shape == (4, CONSTRAINT_WIDTHS[0], 4) and not empty.any()
     nine = constraint_entries({1: 2.0}, tuple(range(8)), [], ())
     batch = batch_constraints([None, nine], 4)
     assert batch.shape == (4, min(w for w in CONSTRAINT_WIDTHS if w >= 9), 4) and not batch[0].any()

@@ -371,7 +371,7 @@ REFUSED = [
     ("/v1/completions", "structured_outputs", {"regex": "[a-z]+"}), ("/v1/completions", "guided_json", {}),
     ("/v1/completions", "guided_choice", ["a", "b"]), ("/v1/completions", "priority", 1),
     ("/v1/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("/v1/completions", "logprob_token_ids", [1, 2]), ("/v1/completions", "truncation_side", "right"),
+    ("/v1/completions", "logprob_token_ids", [1, 2]),
     ("/v1/completions", "prompt_embeds", "AAAA"), ("/v1/completions", "vllm_xargs", {"a": 1}),
     ("/v1/completions", "kv_transfer_params", {"a": 1}), ("/v1/completions", "thinking_token_budget", 8),
     ("/v1/completions", "stream_interval", 4), ("/v1/completions", "spaces_between_special_tokens", False),
@@ -394,7 +394,7 @@ def test_unimplemented_vllm_fields_are_refused_and_their_defaults_accepted(serve
             assert (response.status_code, error["param"], error["type"]) == (400, field, "BadRequestError"), field
             assert field in error["message"]
         defaults = {"use_beam_search": False, "priority": 0, "response_format": {"type": "text"},
-                    "tool_choice": "auto", "length_penalty": 1.0, "truncation_side": "left"}
+                    "tool_choice": "auto", "length_penalty": 1.0}
         await ok(client, "/v1/chat/completions", {**bases["/v1/chat/completions"], **defaults})
 
     serve(body)
