@@ -11,8 +11,21 @@ from jaxhybrid.engine import Engine, Prompt
 from jaxhybrid.model import Model
 from jaxhybrid.outputs import RequestOutput
 from jaxhybrid.sampling import ROW_DTYPE
+from jaxhybrid.tokenizer import Tokenizer
+from jaxhybrid.weights import DEFAULT_MODEL_DIR, load_model
 from scheduler import SchedulerConfig
 from scheduler.invariants import check_drained
+
+
+@functools.cache
+def default_model() -> Model:
+    """The embedded default model, loaded once per process."""
+    return load_model()
+
+
+@functools.cache
+def default_tokenizer() -> Tokenizer:
+    return Tokenizer.from_pretrained(DEFAULT_MODEL_DIR)
 
 
 def engine_for(model: Model, *, k: int = 0, ring_size: int = 16, cache_mode: str = "align", budget: int = 64,

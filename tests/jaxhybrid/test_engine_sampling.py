@@ -5,7 +5,6 @@ References are computed independently in numpy from the full forward."""
 from __future__ import annotations
 
 import collections
-import functools
 
 import jax
 import numpy as np
@@ -13,20 +12,8 @@ import pytest
 
 from jaxhybrid.engine import Prompt
 from jaxhybrid.sampling_params import SamplingParams
-from jaxhybrid.tokenizer import Tokenizer
-from jaxhybrid.weights import DEFAULT_MODEL_DIR, load_model
 from tests.hf_fixtures import fixture_model
-from tests.jaxhybrid.engine_helpers import engine_for, run_to_completion
-
-
-@functools.cache
-def default_model():
-    return load_model()
-
-
-@functools.cache
-def default_tokenizer():
-    return Tokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+from tests.jaxhybrid.engine_helpers import default_model, default_tokenizer, engine_for, run_to_completion
 
 
 def _penalized_greedy(model, prompt: tuple[int, ...], params: SamplingParams) -> list[int]:

@@ -5,8 +5,6 @@ token, plain decode, one step ahead and MTP verification."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import numpy as np
 import pytest
@@ -17,21 +15,9 @@ from jaxhybrid.detokenize import IncrementalDetokenizer
 from jaxhybrid.engine import Prompt
 from jaxhybrid.sampling import CONSTRAINT_WIDTHS, apply_constraints, batch_constraints, constraint_entries
 from jaxhybrid.sampling_params import SamplingParams
-from jaxhybrid.tokenizer import Tokenizer
-from jaxhybrid.weights import DEFAULT_MODEL_DIR, load_model
-from tests.jaxhybrid.engine_helpers import engine_for, run_to_completion
+from tests.jaxhybrid.engine_helpers import default_model, default_tokenizer, engine_for, run_to_completion
 
 PROMPT = "import os\n\n\ndef read_config(path):\n    with open("
-
-
-@functools.cache
-def default_model():
-    return load_model()
-
-
-@functools.cache
-def default_tokenizer():
-    return Tokenizer.from_pretrained(DEFAULT_MODEL_DIR)
 
 
 def constrained_reference(logits: np.ndarray, output: list[int], logit_bias: dict[int, float],

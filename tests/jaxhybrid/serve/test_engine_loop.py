@@ -16,6 +16,7 @@ from jaxhybrid.api import LLM
 from jaxhybrid.metrics import ServerMetrics
 from jaxhybrid.serve.app import ServerState, build_app
 from jaxhybrid.serve.engine_loop import EngineLoop
+from tests.jaxhybrid.serve.asgi import drive
 
 PROMPT = "def read_config(path):\n"
 
@@ -34,20 +35,7 @@ def serve(llm, monkeypatch):
     loop = EngineLoop(llm.engine, metrics, watchdog_timeout=0.5, idle_poll=0.05)
     app = build_app(ServerState(llm, loop, ("tiny",), "embedded", config.max_model_len))
 
-    def run(body) -> None:
-        async def main():
-            loop.start()
-            try:
-                async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test",
-                                             timeout=60) as client:
-                    await body(client)
-            finally:
-                loop.stop()
-
-        asyncio.run(main())
-        assert not any(llm.engine.load()[:4]), llm.engine.load()
-
-    return run
+    return lambda body: drive(llm, loop, app, body)
 
 
 def test_a_stalled_step_makes_health_503_until_it_ends(serve, llm, monkeypatch):

@@ -21,6 +21,7 @@ from jaxhybrid.sampling_params import SamplingParams
 from jaxhybrid.serve import app as serve_app
 from jaxhybrid.serve.app import ServerState, build_app
 from jaxhybrid.serve.engine_loop import EngineLoop
+from tests.jaxhybrid.serve.asgi import drive
 
 PROMPT = "def read_config(path):\n    with open(path) as f:\n"
 CHAT = [{"role": "user", "content": "Write a function that reads a file."}]
@@ -47,18 +48,7 @@ def serve(llm):
         app = build_app(ServerState(llm, loop, ("tiny",), "embedded", config.max_model_len, **state_flags),
                         request_id_headers=request_id_headers, tokenizer_info=tokenizer_info,
                         server_load_tracking=server_load_tracking)
-
-        async def main():
-            loop.start()
-            try:
-                async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test",
-                                             timeout=60) as client:
-                    await body(client)
-            finally:
-                loop.stop()
-
-        asyncio.run(main())
-        assert not any(llm.engine.load()[:4]), llm.engine.load()
+        drive(llm, loop, app, body)
 
     return run
 
