@@ -136,7 +136,8 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_
             raise BadRequest("send exactly one of prompt and messages", "prompt")
         text = body.prompt if body.messages is None else protocol.render_chat(
             state.llm, body.messages, body.add_generation_prompt, "messages", body.continue_final_message)
-        ids = tokenizer.encode(text)
+        add_special_tokens = body.messages is None if body.add_special_tokens is None else body.add_special_tokens
+        ids = tokenizer.encode(text, add_special_tokens)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
                 "token_strs": tokenizer.token_strs(ids) if body.return_token_strs else None}
 
@@ -159,7 +160,8 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_
         name = _check_model(state, body.model)
         body.check()
         params = body.params(state.llm.generation_defaults)
-        prompts = [protocol.prompt_for(state.llm, p, params, body.truncation_side) for p in body.prompts()]
+        prompts = [protocol.prompt_for(state.llm, p, params, body.truncation_side, body.add_special_tokens)
+                   for p in body.prompts()]
         response_id = protocol.response_id("cmpl", request.headers.get("X-Request-Id"), body.request_id)
         streams = await _add_all(state, protocol.new_id(response_id), prompts, params, body.cache_salt)
         if body.stream:
@@ -178,7 +180,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_
         else:
             text = protocol.render_chat(state.llm, body.messages, body.add_generation_prompt, "messages",
                                         body.continue_final_message, body.chat_template_kwargs)
-            prompt = protocol.prompt_for(state.llm, text, params, body.truncation_side)
+            prompt = protocol.prompt_for(state.llm, text, params, body.truncation_side, body.add_special_tokens)
         response_id = protocol.response_id("chatcmpl", request.headers.get("X-Request-Id"), body.request_id)
         streams = await _add_all(state, protocol.new_id(response_id), [prompt], params, body.cache_salt)
         if body.stream:
