@@ -61,10 +61,12 @@ def _error(status: int, message: str, param: str | None = None, headers: dict | 
     return JSONResponse(error_body(message, _KINDS[status], status, param), status_code=status, headers=headers)
 
 
-def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_headers: bool = False,
-              tokenizer_info: bool = False, server_load_tracking: bool = False) -> FastAPI:
-    """The app; vLLM's opt-ins: `request_id_headers` echoes X-Request-Id on every response, `tokenizer_info`
-    serves GET /tokenizer_info, `server_load_tracking` GET /load (the generation requests in flight)."""
+def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: str = "",
+              request_id_headers: bool = False, tokenizer_info: bool = False,
+              server_load_tracking: bool = False) -> FastAPI:
+    """The app; vLLM's opt-ins: `root_path` (--root-path) also serves every path under that prefix,
+    `request_id_headers` echoes X-Request-Id on every response, `tokenizer_info` serves GET /tokenizer_info,
+    `server_load_tracking` GET /load (the generation requests in flight)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop.start()
@@ -74,6 +76,8 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_
     app = FastAPI(title="jaxhybrid", version=_version(), lifespan=lifespan)
     if api_keys:
         app.add_middleware(_ApiKeyGuard, keys=api_keys)
+    if root_path:  # added last, so outermost: the key guard sees the root path too
+        app.add_middleware(_RootPath, root_path=root_path)
     if request_id_headers:
         app.add_middleware(_RequestIdHeader)
     if server_load_tracking:
@@ -494,6 +498,26 @@ class _RequestIdHeader:
         await self.app(scope, receive, send_with_id)
 
 
+class _RootPath:
+    """FastAPI's (deprecated) `root_path` argument: the scope names the prefix, and routing matches a path
+    with the prefix cut off (a path without it matches as is)."""
+
+    def __init__(self, app, root_path: str):
+        self.app = app
+        self.root_path = root_path
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)
+
+
+def _route_path(scope) -> str:
+    """The path routing matches: without the root path where it starts with it (Starlette's rule)."""
+    root, path = scope.get("root_path", ""), scope["path"]
+    return path[len(root):] if root and (path == root or path.startswith(root + "/")) else path
+
+
 class _ApiKeyGuard:
     """Bearer auth on /v1/* (vLLM's paths); /health, /metrics, /tokenize and /version stay open."""
 
@@ -502,7 +526,7 @@ class _ApiKeyGuard:
         self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and _route_path(scope).startswith("/v1"):
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             digest = hashlib.sha256(header.removeprefix("Bearer ").encode()).digest()
             if not header.startswith("Bearer ") or not any(secrets.compare_digest(digest, d) for d in self._digests):
