@@ -237,9 +237,11 @@ async def _released_at_end(state: ServerState, lines: AsyncIterator) -> AsyncIte
 # -- parsing -------------------------------------------------------------------------------------------------
 
 def _check_model(state: ServerState, model: str | None) -> str:
-    if model is not None and model not in state.model_names:
+    """The model a response names: the first served name, whichever of them the request gave, or none (an
+    empty name too), as vLLM's --served-model-name; an unknown name is a 404."""
+    if model and model not in state.model_names:
         raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
-    return model or state.model_names[0]
+    return state.model_names[0]
 
 
 async def _add_all(state: ServerState, response_id: str, prompts: list[Prompt], params: SamplingParams,
