@@ -170,11 +170,12 @@ class LLM:
         return True
 
     def parse_prompt(self, prompt: PromptInput, params: SamplingParams | None = None,
-                     truncation_side: Literal["left", "right"] = "left") -> Prompt:
+                     truncation_side: Literal["left", "right"] = "left", add_special_tokens: bool = False) -> Prompt:
         """Text, token ids, `{"prompt": text}`, `{"prompt_token_ids": ids}` (optionally with
         "checkpoint_position") or `{"messages": [...]}` (the chat template) -> the engine's Prompt, cut to
-        `params.truncate_prompt_tokens` from `truncation_side`."""
-        parsed = self._parse(prompt)
+        `params.truncate_prompt_tokens` from `truncation_side`; `add_special_tokens` has the tokenizer add
+        its special tokens to a text (vLLM's request field)."""
+        parsed = self._parse(prompt, add_special_tokens)
         keep = None if params is None else params.truncate_prompt_tokens
         return parsed if keep is None else self._truncated(parsed, keep, truncation_side)
 
@@ -192,20 +193,22 @@ class LLM:
             return prompt
         return Prompt(prompt.token_ids[-keep:] if side == "left" else prompt.token_ids[:keep])
 
-    def _parse(self, prompt: PromptInput) -> Prompt:
+    def _parse(self, prompt: PromptInput, add_special_tokens: bool = False) -> Prompt:
         if isinstance(prompt, dict):
             unknown = sorted(set(prompt) - PROMPT_KEYS)
             if unknown:
                 raise ValueError(f"prompt dict keys {unknown} are not supported (known: {sorted(PROMPT_KEYS)})")
             if "messages" in prompt:
-                return self._parse(self._require_tokenizer("chat").apply_chat_template(prompt["messages"]))
+                text = self._require_tokenizer("chat").apply_chat_template(prompt["messages"])
+                return self._parse(text, add_special_tokens)
             if "prompt" in prompt:
-                return self._parse(prompt["prompt"])
+                return self._parse(prompt["prompt"], add_special_tokens)
             if "prompt_token_ids" in prompt:
                 return self._token_prompt(prompt["prompt_token_ids"], prompt.get("checkpoint_position"))
             raise ValueError(f"a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages', got {sorted(prompt)}")
         if isinstance(prompt, str):
-            parsed = self._require_tokenizer("text prompts").encode_prompt(prompt, self.config.hash_unit)
+            parsed = self._require_tokenizer("text prompts").encode_prompt(prompt, self.config.hash_unit,
+                                                                                     add_special_tokens)
             return Prompt(parsed.token_ids, parsed.checkpoint_position, prompt)
         return self._token_prompt(prompt, None)
 

@@ -45,16 +45,17 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`text`'s ids; `add_special_tokens` adds what the tokenizer's post-processor adds (a BOS, say)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def encode_prompt(self, text: str, hash_unit: int) -> ParsedPrompt:
+    def encode_prompt(self, text: str, hash_unit: int, add_special_tokens: bool = False) -> ParsedPrompt:
         """A prompt's token ids with the `<|mamba_checkpoint|>` marker stripped and its position recorded
         (rounded down to `hash_unit`); a misplaced marker raises `CheckpointMarkerError` (a 400)."""
-        ids, marker = self.encode(text), self.token_id(CHECKPOINT_MARKER)
+        ids, marker = self.encode(text, add_special_tokens), self.token_id(CHECKPOINT_MARKER)
         if marker is None:
             if CHECKPOINT_MARKER in text:
                 raise CheckpointMarkerError(f"this tokenizer has no {CHECKPOINT_MARKER} token")

@@ -22,6 +22,8 @@ _SERVER_FLAGS: dict[str, dict] = {
     "--host": dict(default="0.0.0.0"),
     "--port": dict(type=int, default=8000),
     "--served-model-name": dict(nargs="+", default=None, help="names clients use (default: the model path)"),
+    "--root-path": dict(default="", help="the path prefix a path-routing proxy serves this under (FastAPI's "
+                        "root_path); paths with and without it are served"),
     "--api-key": dict(nargs="+", default=None, help="Bearer keys for /v1/* (env JAXHYBRID_API_KEY)"),
     "--max-num-queued-requests": dict(type=int, default=None,
                                       help="sequences queued or running before new requests get 429"),
@@ -69,7 +71,8 @@ def build_server(args: argparse.Namespace):
     state = ServerState(llm, loop, names, str(args.model or DEFAULT_MODEL_DIR), config.max_model_len,
                         prompt_tokens_details=args.enable_prompt_tokens_details,
                         force_include_usage=args.enable_force_include_usage)
-    app = build_app(state, tuple(args.api_key or ()), request_id_headers=args.enable_request_id_headers,
+    app = build_app(state, tuple(args.api_key or ()), root_path=args.root_path,
+                    request_id_headers=args.enable_request_id_headers,
                     tokenizer_info=args.enable_tokenizer_info_endpoint,
                     server_load_tracking=args.enable_server_load_tracking)
     return app, state

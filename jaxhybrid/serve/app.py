@@ -61,10 +61,12 @@ def _error(status: int, message: str, param: str | None = None, headers: dict | 
     return JSONResponse(error_body(message, _KINDS[status], status, param), status_code=status, headers=headers)
 
 
-def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_headers: bool = False,
-              tokenizer_info: bool = False, server_load_tracking: bool = False) -> FastAPI:
-    """The app; vLLM's opt-ins: `request_id_headers` echoes X-Request-Id on every response, `tokenizer_info`
-    serves GET /tokenizer_info, `server_load_tracking` GET /load (the generation requests in flight)."""
+def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: str = "",
+              request_id_headers: bool = False, tokenizer_info: bool = False,
+              server_load_tracking: bool = False) -> FastAPI:
+    """The app; vLLM's opt-ins: `root_path` (--root-path) also serves every path under that prefix,
+    `request_id_headers` echoes X-Request-Id on every response, `tokenizer_info` serves GET /tokenizer_info,
+    `server_load_tracking` GET /load (the generation requests in flight)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop.start()
@@ -74,6 +76,8 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_
     app = FastAPI(title="jaxhybrid", version=_version(), lifespan=lifespan)
     if api_keys:
         app.add_middleware(_ApiKeyGuard, keys=api_keys)
+    if root_path:  # added last, so outermost: the key guard sees the root path too
+        app.add_middleware(_RootPath, root_path=root_path)
     if request_id_headers:
         app.add_middleware(_RequestIdHeader)
     if server_load_tracking:
@@ -136,7 +140,8 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_
             raise BadRequest("send exactly one of prompt and messages", "prompt")
         text = body.prompt if body.messages is None else protocol.render_chat(
             state.llm, body.messages, body.add_generation_prompt, "messages", body.continue_final_message)
-        ids = tokenizer.encode(text)
+        add_special_tokens = body.messages is None if body.add_special_tokens is None else body.add_special_tokens
+        ids = tokenizer.encode(text, add_special_tokens)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
                 "token_strs": tokenizer.token_strs(ids) if body.return_token_strs else None}
 
@@ -159,7 +164,8 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_
         name = _check_model(state, body.model)
         body.check()
         params = body.params(state.llm.generation_defaults)
-        prompts = [protocol.prompt_for(state.llm, p, params, body.truncation_side) for p in body.prompts()]
+        prompts = [protocol.prompt_for(state.llm, p, params, body.truncation_side, body.add_special_tokens)
+                   for p in body.prompts()]
         response_id = protocol.response_id("cmpl", request.headers.get("X-Request-Id"), body.request_id)
         streams = await _add_all(state, protocol.new_id(response_id), prompts, params, body.cache_salt)
         if body.stream:
@@ -178,7 +184,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, request_id_
         else:
             text = protocol.render_chat(state.llm, body.messages, body.add_generation_prompt, "messages",
                                         body.continue_final_message, body.chat_template_kwargs)
-            prompt = protocol.prompt_for(state.llm, text, params, body.truncation_side)
+            prompt = protocol.prompt_for(state.llm, text, params, body.truncation_side, body.add_special_tokens)
         response_id = protocol.response_id("chatcmpl", request.headers.get("X-Request-Id"), body.request_id)
         streams = await _add_all(state, protocol.new_id(response_id), [prompt], params, body.cache_salt)
         if body.stream:
@@ -231,9 +237,11 @@ async def _released_at_end(state: ServerState, lines: AsyncIterator) -> AsyncIte
 # -- parsing -------------------------------------------------------------------------------------------------
 
 def _check_model(state: ServerState, model: str | None) -> str:
-    if model is not None and model not in state.model_names:
+    """The model a response names: the first served name, whichever of them the request gave, or none (an
+    empty name too), as vLLM's --served-model-name; an unknown name is a 404."""
+    if model and model not in state.model_names:
         raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
-    return model or state.model_names[0]
+    return state.model_names[0]
 
 
 async def _add_all(state: ServerState, response_id: str, prompts: list[Prompt], params: SamplingParams,
@@ -492,6 +500,26 @@ class _RequestIdHeader:
         await self.app(scope, receive, send_with_id)
 
 
+class _RootPath:
+    """FastAPI's (deprecated) `root_path` argument: the scope names the prefix, and routing matches a path
+    with the prefix cut off (a path without it matches as is)."""
+
+    def __init__(self, app, root_path: str):
+        self.app = app
+        self.root_path = root_path
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)
+
+
+def _route_path(scope) -> str:
+    """The path routing matches: without the root path where it starts with it (Starlette's rule)."""
+    root, path = scope.get("root_path", ""), scope["path"]
+    return path[len(root):] if root and (path == root or path.startswith(root + "/")) else path
+
+
 class _ApiKeyGuard:
     """Bearer auth on /v1/* (vLLM's paths); /health, /metrics, /tokenize and /version stay open."""
 
@@ -500,7 +528,7 @@ class _ApiKeyGuard:
         self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and _route_path(scope).startswith("/v1"):
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             digest = hashlib.sha256(header.removeprefix("Bearer ").encode()).digest()
             if not header.startswith("Bearer ") or not any(secrets.compare_digest(digest, d) for d in self._digests):

@@ -182,6 +182,7 @@ class CompletionRequest(_Request):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # the tokenizer's own special tokens (a BOS, say) around the prompt
 
     def check(self) -> None:
         super().check()
@@ -216,6 +217,7 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False  # the reply starts with the last message's content when its role is the reply's
     prompt_token_ids: list[int] | None = None  # a rendered prompt, instead of messages (vLLM's token in)
+    add_special_tokens: bool = False  # the chat template already wrote them
 
     _unsupported: ClassVar[dict[str, Callable[[Any], bool]]] = {**_UNSUPPORTED, **_CHAT_UNSUPPORTED}
     _TEMPLATE_OPTIONS: ClassVar[tuple[str, ...]] = ("add_generation_prompt", "continue_final_message",
@@ -261,7 +263,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # vLLM's defaults: True for a prompt, False for messages
     return_token_strs: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -450,15 +452,15 @@ def prompt_text(llm: LLM, prompt: Prompt) -> str:
 
 
 def prompt_for(llm: LLM, prompt: str | list[int] | dict, params: SamplingParams,
-               truncation_side: Literal["left", "right"] | None = None) -> Prompt:
-    """Tokenize, place the checkpoint marker and truncate (`LLM.parse_prompt`); check the lengths against
-    max_model_len (vLLM's messages)."""
+               truncation_side: Literal["left", "right"] | None = None, add_special_tokens: bool = False) -> Prompt:
+    """Tokenize (adding the tokenizer's special tokens when asked), place the checkpoint marker and truncate
+    (`LLM.parse_prompt`); check the lengths against max_model_len (vLLM's messages)."""
     if isinstance(prompt, list):
         if any(t < 0 for t in prompt):
             raise BadRequest("prompt token ids must be greater than or equal to 0", "prompt")
         prompt = {"prompt_token_ids": prompt}
     try:
-        parsed = llm.parse_prompt(prompt, params, truncation_side or "left")
+        parsed = llm.parse_prompt(prompt, params, truncation_side or "left", add_special_tokens)
     except ValueError as error:
         raise as_bad_request(error) from error
     length, limit = len(parsed.token_ids), llm.config.max_model_len

@@ -1,7 +1,7 @@
 """vLLM's request fields and endpoints beyond the OpenAI basics, on the app in process (httpx's ASGI transport):
-truncate_prompt_tokens (server and `LLM`), return_token_ids, return_tokens_as_token_ids, continuous usage stats,
-text content parts, /tokenizer_info, X-Request-Id, the per-request metrics, and a 400 naming every vLLM field
-the server does not implement."""
+truncate_prompt_tokens (server and `LLM`), add_special_tokens, return_token_ids, return_tokens_as_token_ids,
+continuous usage stats, text content parts, /tokenizer_info, X-Request-Id, the per-request metrics, and a 400
+naming every vLLM field the server does not implement."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from tokenizers.processors import TemplateProcessing
 
 from jaxhybrid.api import LLM
 from jaxhybrid.metrics import ServerMetrics, cache_config_info
@@ -123,6 +124,34 @@ def test_return_token_ids_plain_and_streamed(serve, llm):
         assert streamed[0]["prompt_token_ids"] == rendered
         assert all("prompt_token_ids" not in c for c in streamed[1:])
         assert [t for c in streamed[1:] for t in c["choices"][0]["token_ids"]] == chat["choices"][0]["token_ids"]
+
+    serve(body)
+
+
+def test_add_special_tokens_adds_the_tokenizers_own_tokens(serve, llm, monkeypatch):
+    """vLLM's defaults: a completion prompt gets the tokenizer's special tokens, a rendered chat does not
+    (the template wrote them); the field turns either way. The embedded tokenizer adds none, so it is given
+    a post-processor that puts its eos token first, as a BOS-adding checkpoint's does."""
+    tokenizer = llm.get_tokenizer()
+    bos = tokenizer.eos_token_id
+    adds_bos = TemplateProcessing(single=f"{tokenizer.eos_token} $A", special_tokens=[(tokenizer.eos_token, bos)])
+    monkeypatch.setattr(tokenizer._tok, "post_processor", adds_bos)
+    plain = tokenizer.encode(PROMPT)
+
+    async def body(client: httpx.AsyncClient) -> None:
+        asked = {"prompt": PROMPT, "max_tokens": 2, "return_token_ids": True, **GREEDY}
+        default = (await ok(client, "/v1/completions", asked)).json()["choices"][0]["prompt_token_ids"]
+        off = (await ok(client, "/v1/completions", {**asked, "add_special_tokens": False})).json()
+        assert default == [bos, *plain] and off["choices"][0]["prompt_token_ids"] == plain
+
+        chat_body = {"messages": CHAT, "max_tokens": 2, "return_token_ids": True, **GREEDY}
+        rendered = tokenizer.encode(tokenizer.apply_chat_template(CHAT))
+        chat = (await ok(client, "/v1/chat/completions", chat_body)).json()
+        on = (await ok(client, "/v1/chat/completions", {**chat_body, "add_special_tokens": True})).json()
+        assert chat["prompt_token_ids"] == rendered and on["prompt_token_ids"] == [bos, *rendered]
+
+        assert (await ok(client, "/tokenize", {"prompt": PROMPT})).json()["tokens"] == [bos, *plain]
+        assert (await ok(client, "/tokenize", {"messages": CHAT})).json()["tokens"] == rendered
 
     serve(body)
 

@@ -90,17 +90,18 @@ def client(server) -> openai.OpenAI:
 
 class InProcessServer:
     """An app on an `LLM` of this process, served by uvicorn on a thread at `url` (the url a
-    `ServerProcess` has, so `make_client` takes either); `app_flags` are `build_app`'s, `state_flags`
-    `ServerState`'s."""
+    `ServerProcess` has, so `make_client` takes either); `app_flags` are `build_app`'s, `model_names` and
+    `state_flags` `ServerState`'s."""
 
-    def __init__(self, llm, app_flags: dict | None = None, **state_flags):
+    def __init__(self, llm, app_flags: dict | None = None, model_names: tuple[str, ...] = (MODEL_NAME,),
+                 **state_flags):
         from jaxhybrid.metrics import ServerMetrics, cache_config_info
         from jaxhybrid.serve.app import ServerState, build_app
         from jaxhybrid.serve.engine_loop import EngineLoop
 
         config = llm.config
         loop = EngineLoop(llm.engine, ServerMetrics(MODEL_NAME, config.max_model_len, 0, cache_config_info(config)))
-        state = ServerState(llm, loop, (MODEL_NAME,), str(DEFAULT_MODEL_DIR), config.max_model_len, **state_flags)
+        state = ServerState(llm, loop, model_names, str(DEFAULT_MODEL_DIR), config.max_model_len, **state_flags)
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self._server = uvicorn.Server(uvicorn.Config(build_app(state, **(app_flags or {})), host="127.0.0.1",
