@@ -9,6 +9,7 @@ import re
 import pytest
 
 from jaxhybrid.runner import pack_plan, padding_plan
+from jaxhybrid.sampling import batch_constraints
 from tests.hf_fixtures import fixture_model
 from tests.jaxhybrid.engine_helpers import engine_for
 
@@ -20,8 +21,11 @@ def test_the_step_copies_no_pool(family, k, rows):
     engine = engine_for(fixture_model(family), k=k, ring_size=4, budget=16, max_num_seqs=rows,
                         num_state_slots=SLOTS, num_blocks=BLOCKS)
     runner, config = engine.runner, engine.config
-    buffer, layout = pack_plan(padding_plan(config, 16, rows, config.block_table_buckets[0], 16))
-    hlo = runner._step.lower(runner.param_leaves, runner.state, runner.carried, layout, buffer).compile().as_text()
+    plan = padding_plan(config, 16, rows, config.block_table_buckets[0], 16)
+    buffer, layout = pack_plan(plan)
+    constraints = batch_constraints([], plan.row_kind.shape[0])
+    hlo = runner._step.lower(runner.param_leaves, runner.state, runner.carried, layout, buffer,
+                             constraints).compile().as_text()
     copies = [line.strip()[:160] for line in hlo.splitlines()
               if re.search(rf"= \w+\[({SLOTS}|{BLOCKS}),[^=]*\bcopy\(", line)]
     assert not copies, copies

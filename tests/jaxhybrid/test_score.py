@@ -144,6 +144,7 @@ def test_a_killed_job_resumes_to_the_same_bytes(whole_job, tmp_path):
     assert killed.read_bytes() == whole
 
 
+@pytest.mark.timeout(900)  # two actors each load and compile an engine: minutes on a loaded machine; a hang bound
 def test_ray_data_replicas_write_the_same_bytes(whole_job, tmp_path):
     """`--ray --num-replicas 2`: windows spread over two actors, each with its own engine."""
     import ray

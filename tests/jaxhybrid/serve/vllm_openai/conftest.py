@@ -52,7 +52,7 @@ def stop_server(server: ServerProcess) -> None:
 
 def make_client(server: ServerProcess, **kwargs) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0,
-                         **{"timeout": 120, **kwargs})
+                         **{"timeout": 600, **kwargs})  # the openai client's own default: a hang bound
 
 
 def _llm(tmp_path_factory, flags: list[str]):
