@@ -159,11 +159,10 @@ def _batch_work(llm: LLM, line: dict, index: int, model: str, created: int, seed
     if isinstance(request, ChatCompletionRequest):
         text = protocol.render_chat(llm, request.messages, request.add_generation_prompt, "body.messages",
                                     request.continue_final_message, request.chat_template_kwargs)
-        prompt = protocol.prompt_for(llm, text, params, request.truncation_side, request.add_special_tokens)
+        prompt = request.engine_prompt(llm, text, params)
         return _Work([(prompt, params)], lambda finals: protocol.chat_response(
             request, finals[0], model, response_id, created))
-    prompts = [protocol.prompt_for(llm, p, params, request.truncation_side, request.add_special_tokens)
-               for p in request.prompts()]
+    prompts = [request.engine_prompt(llm, p, params) for p in request.prompts()]
     echoed = [protocol.prompt_text(llm, p) for p in prompts] if request.echo else None
     return _Work([(p, params) for p in prompts], lambda finals: protocol.completion_response(
         request, finals, model, echoed, response_id, created, protocol.token_decoder(llm)))

@@ -164,8 +164,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         name = _check_model(state, body.model)
         body.check()
         params = body.params(state.llm.generation_defaults)
-        prompts = [protocol.prompt_for(state.llm, p, params, body.truncation_side, body.add_special_tokens)
-                   for p in body.prompts()]
+        prompts = [body.engine_prompt(state.llm, p, params) for p in body.prompts()]
         response_id = protocol.response_id("cmpl", request.headers.get("X-Request-Id"), body.request_id)
         streams = await _add_all(state, protocol.new_id(response_id), prompts, params, body.cache_salt)
         if body.stream:
@@ -180,11 +179,11 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         body.check()
         params = body.params(state.llm.generation_defaults)
         if body.prompt_token_ids is not None:
-            prompt = protocol.prompt_for(state.llm, body.prompt_token_ids, params, body.truncation_side)
+            prompt = body.engine_prompt(state.llm, body.prompt_token_ids, params)
         else:
             text = protocol.render_chat(state.llm, body.messages, body.add_generation_prompt, "messages",
                                         body.continue_final_message, body.chat_template_kwargs)
-            prompt = protocol.prompt_for(state.llm, text, params, body.truncation_side, body.add_special_tokens)
+            prompt = body.engine_prompt(state.llm, text, params)
         response_id = protocol.response_id("chatcmpl", request.headers.get("X-Request-Id"), body.request_id)
         streams = await _add_all(state, protocol.new_id(response_id), [prompt], params, body.cache_salt)
         if body.stream:

@@ -109,6 +109,11 @@ class _Request(BaseModel):
 
     _unsupported: ClassVar[dict[str, Callable[[Any], bool]]] = _UNSUPPORTED
 
+    def engine_prompt(self, llm: LLM, prompt: str | list[int] | dict, params: SamplingParams) -> Prompt:
+        """`prompt_for` with this request's truncation side and special-token choice (every entry point
+        that reads a request prepares its prompts here, so none can drop an option)."""
+        return prompt_for(llm, prompt, params, self.truncation_side, self.add_special_tokens)
+
     def check(self) -> None:
         extra = self.model_extra or {}
         for name, is_default in self._unsupported.items():
