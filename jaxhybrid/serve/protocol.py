@@ -310,13 +310,15 @@ def usage_counts(prompt: int, completion: int) -> dict:
 
 
 def usage(outputs: list[RequestOutput], prompt_tokens_details: bool = False) -> dict:
-    """The counts over `outputs`; with `prompt_tokens_details` (vLLM's --enable-prompt-tokens-details),
-    how many prompt tokens came from the prefix cache."""
+    """The counts over `outputs`, with vLLM's `cache_read_input_tokens`: how many prompt tokens (counted in
+    prompt_tokens too) came from the prefix cache or a checkpoint; with `prompt_tokens_details` (vLLM's
+    --enable-prompt-tokens-details) that count again as `prompt_tokens_details.cached_tokens`."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    counts = usage_counts(prompt, completion)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    counts = {**usage_counts(prompt, completion), "cache_read_input_tokens": cached}
     if prompt_tokens_details:
-        counts["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}
+        counts["prompt_tokens_details"] = {"cached_tokens": cached}
     return counts
 
 
