@@ -360,6 +360,9 @@ def _sse(state: ServerState, events: AsyncIterator[dict]) -> StreamingResponse:
         try:
             async for event in events:
                 yield f"data: {json.dumps(event)}\n\n"
+                # while its outputs are ready, a stream awaits nothing that suspends (nor does a socket
+                # that takes the bytes): let other requests in between its chunks
+                await asyncio.sleep(0)
         except _EngineFailed:
             yield f"data: {json.dumps(error_body('Internal server error', 'InternalServerError', 500))}\n\n"
         except EngineUnavailable as error:

@@ -270,6 +270,34 @@ def test_server_load_counts_requests_until_their_response_is_out(serve):
     serve(disabled)
 
 
+def test_a_stream_whose_outputs_are_ready_lets_other_requests_in():
+    """A fast model's stream finds its outputs queued already, so draining them suspends nowhere; its
+    handler still yields the event loop between chunks: GET /health, sent once the stream has started, is
+    answered before the stream's last event."""
+    state = SimpleNamespace(loop=SimpleNamespace(healthy=lambda: True))
+    app = build_app(state)
+
+    async def ready_events() -> AsyncIterator[dict]:  # suspends nowhere, as a stream with queued outputs
+        for i in range(1000):
+            yield {"i": i}
+
+    async def run() -> None:
+        lines = serve_app._sse(state, ready_events()).body_iterator
+        assert await anext(lines) == 'data: {"i": 0}\n\n'  # the stream has started
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
+            health = asyncio.ensure_future(client.get("/health"))
+            sent = []
+            async for line in lines:
+                sent.append(line)
+                if health.done():  # answered while the stream was still sending
+                    break
+            assert health.done() and sent[-1] != "data: [DONE]\n\n", "/health waited for the stream to end"
+            assert (await health).status_code == 200
+            await lines.aclose()
+
+    asyncio.run(run())
+
+
 def test_chat_echo_streams_the_last_message_first(serve):
     """vLLM's chat echo, streamed: the last message's content is each choice's first content delta."""
     saying = "An apple a day, keeps"
