@@ -263,6 +263,35 @@ class ChatCompletionRequest(_Request):
         return self.sampling_params(max_tokens, logprobs, self.prompt_logprobs, defaults)
 
 
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's /v1/chat/completions/batch body: the chat fields, with `messages` a list of conversations, each
+    answered by one choice whose index is its position. No streaming, n = 1, no prompt_logprobs, and no
+    prompt_token_ids (one rendered prompt cannot stand for several conversations)."""
+
+    messages: list[list[dict[str, Any]]]
+
+    def check(self) -> None:
+        """The batch's own rules, then each conversation's as /v1/chat/completions checks its body."""
+        if not self.messages or not all(self.messages):
+            raise BadRequest("messages must be a non-empty list of non-empty conversations", "messages")
+        if self.stream:
+            raise BadRequest("Batch chat completions do not support streaming", "stream")
+        if self.n != 1:
+            raise BadRequest("Batch chat completions do not support `n > 1`. Please set `n` to 1.", "n")
+        if self.prompt_token_ids is not None:
+            raise BadRequest("Batch chat completions take messages: one prompt_token_ids cannot serve several "
+                             "conversations", "prompt_token_ids")
+        if self.prompt_logprobs is not None:  # vLLM's batched reply has no place for them
+            raise BadRequest("Batch chat completions do not return prompt_logprobs", "prompt_logprobs")
+        for conversation in self.conversations():
+            conversation.check()
+
+    def conversations(self) -> list[ChatCompletionRequest]:
+        """One chat request per conversation, with the batch's other fields (those it was sent)."""
+        fields = self.model_dump(exclude={"messages"}, exclude_unset=True)
+        return [ChatCompletionRequest.model_validate({**fields, "messages": messages}) for messages in self.messages]
+
+
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
@@ -508,6 +537,24 @@ def completion_response(body: CompletionRequest, finals: list[RequestOutput], mo
 
 def chat_response(body: ChatCompletionRequest, final: RequestOutput, model: str, response_id: str | None = None,
                   created: int | None = None, prompt_tokens_details: bool = False) -> dict:
+    reply = {**envelope("chat.completion", response_id or new_id("chatcmpl"), model, created),
+             "choices": chat_choices(body, final), "usage": usage([final], prompt_tokens_details)}
+    reply["prompt_logprobs"] = None if body.prompt_logprobs is None else prompt_logprobs_json(final.prompt_logprobs)
+    reply["prompt_token_ids"] = final.prompt_token_ids if body.return_token_ids else None
+    return reply
+
+
+def batch_chat_response(conversations: list[ChatCompletionRequest], finals: list[RequestOutput], model: str,
+                        response_id: str, prompt_tokens_details: bool = False) -> dict:
+    """vLLM's batched chat reply: conversation i's choice has index i, the usage counts them all (and, as
+    vLLM's, no prompt logprobs or prompt ids)."""
+    choices = [{**choice, "index": i} for i, (body, final) in enumerate(zip(conversations, finals, strict=True))
+               for choice in chat_choices(body, final)]
+    return {**envelope("chat.completion", response_id, model), "choices": choices,
+            "usage": usage(finals, prompt_tokens_details), "prompt_logprobs": None, "prompt_token_ids": None}
+
+
+def chat_choices(body: ChatCompletionRequest, final: RequestOutput) -> list[dict]:
     choices, echoed = [], body.echoed_content()
     for completion in final.outputs:
         choice = {"index": completion.index, "message": {"role": "assistant", "content": echoed + completion.text},
@@ -516,11 +563,7 @@ def chat_response(body: ChatCompletionRequest, final: RequestOutput, model: str,
             choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs, body.top_logprobs or 0,
                                                body.return_tokens_as_token_ids)
         choices.append(choice)
-    reply = {**envelope("chat.completion", response_id or new_id("chatcmpl"), model, created), "choices": choices,
-             "usage": usage([final], prompt_tokens_details)}
-    reply["prompt_logprobs"] = None if body.prompt_logprobs is None else prompt_logprobs_json(final.prompt_logprobs)
-    reply["prompt_token_ids"] = final.prompt_token_ids if body.return_token_ids else None
-    return reply
+    return choices
 
 
 def token_ids_fields(body: _Request, token_ids: list[int]) -> dict:
