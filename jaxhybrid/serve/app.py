@@ -56,6 +56,7 @@ class ServerState:
     prompt_tokens_details: bool = False  # vLLM's --enable-prompt-tokens-details
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage
     server_load: int = 0  # generation requests being served (GET /load with --enable-server-load-tracking)
+    content_format: str = "string"  # vLLM's --chat-template-content-format, resolved: "string" or "openai"
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -140,7 +141,8 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("send exactly one of prompt and messages", "prompt")
         text = body.prompt if body.messages is None else protocol.render_chat(
-            state.llm, body.messages, body.add_generation_prompt, "messages", body.continue_final_message)
+            state.llm, body.messages, body.add_generation_prompt, "messages", body.continue_final_message,
+            content_format=state.content_format)
         add_special_tokens = body.messages is None if body.add_special_tokens is None else body.add_special_tokens
         ids = tokenizer.encode(text, add_special_tokens)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
@@ -258,7 +260,7 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest, params: Sampli
     if body.prompt_token_ids is not None:
         return body.engine_prompt(state.llm, body.prompt_token_ids, params)
     text = protocol.render_chat(state.llm, body.messages, body.add_generation_prompt, "messages",
-                                body.continue_final_message, body.chat_template_kwargs)
+                                body.continue_final_message, body.chat_template_kwargs, state.content_format)
     return body.engine_prompt(state.llm, text, params)
 
 

@@ -426,33 +426,66 @@ def require_tokenizer(llm: LLM, param: str) -> Tokenizer:
 
 
 def render_chat(llm: LLM, messages: list[dict], add_generation_prompt: bool, param: str = "messages",
-                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
-    """`messages` through the checkpoint's chat template (`template_kwargs` its extra variables); a bad
-    message or template is a 400."""
+                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+                content_format: str = "string") -> str:
+    """`messages` through the checkpoint's chat template (`template_kwargs` its extra variables), their
+    content in `content_format` (`_text_content`); a bad message or template is a 400."""
     tokenizer = require_tokenizer(llm, param)
     try:
-        return tokenizer.apply_chat_template(_text_content(messages, param), add_generation_prompt,
+        return tokenizer.apply_chat_template(_text_content(messages, param, content_format), add_generation_prompt,
                                              continue_final_message, None, **(template_kwargs or {}))
     except (ValueError, TypeError) as error:  # TypeError: a template variable that clashes with ours
         raise BadRequest(str(error), param) from error
 
 
-def _text_content(messages: list[dict], param: str) -> list[dict]:
-    """vLLM's "string" content format: a content list of text parts becomes their texts joined by newlines;
-    any other part type is a 400 naming it."""
+def content_format(llm: LLM, requested: str) -> str:
+    """vLLM's --chat-template-content-format: "string" or "openai" as asked, or the template's ("auto")."""
+    if requested != "auto":
+        return requested
+    return "string" if llm.tokenizer is None else llm.tokenizer.chat_template_content_format()
+
+
+# vLLM's text-like content part types -> the field holding their text
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+               "thinking": "thinking"}
+
+
+def _text_content(messages: list[dict], param: str, content_format: str = "string") -> list[dict]:
+    """vLLM's content formats for a content list: "string" joins its texts by newlines (other fields of its
+    parts are ignored); "openai" hands the template the parts, each {"type": "text", "text": ...} with the
+    part's other fields (a template may read them), a str content becoming one such part."""
     flat = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in content}
-                           - {"text"})
-            if kinds:
-                raise BadRequest(f"messages[{i}].content: part types {kinds} are not supported (only 'text')", param)
-            if not all(isinstance(p.get("text"), str) for p in content):
-                raise BadRequest(f"messages[{i}].content: every text part needs a str 'text'", param)
-            message = {**message, "content": "\n".join(p["text"] for p in content)}
+        if isinstance(content, str) and content_format == "openai":
+            message = {**message, "content": [{"type": "text", "text": content}]}
+        elif isinstance(content, list):
+            parts = _text_parts(content, f"messages[{i}].content", param)
+            message = {**message, "content": parts if content_format == "openai" else
+                       "\n".join(part["text"] for part in parts)}
         flat.append(message)
     return flat
+
+
+def _text_parts(content: list, where: str, param: str) -> list[dict]:
+    """vLLM's text parts: a str, or a text-like part (a null text skips it); any other part is a 400."""
+    kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in content
+                    if not isinstance(p, str)} - set(_TEXT_PARTS))
+    if kinds:
+        raise BadRequest(f"{where}: part types {kinds} are not supported (only text)", param)
+    parts = []
+    for part in content:
+        if isinstance(part, str):
+            parts.append({"type": "text", "text": part})
+            continue
+        field = _TEXT_PARTS[part["type"]]
+        if part.get(field) is None:
+            continue
+        if not isinstance(part[field], str):
+            raise BadRequest(f"{where}: every {part['type']} part needs a str '{field}'", param)
+        extra = {k: v for k, v in part.items() if k not in ("type", field)}
+        parts.append({"type": "text", "text": part[field], **extra})
+    return parts
 
 
 def tokenizer_info(tokenizer: Tokenizer) -> dict:

@@ -331,6 +331,17 @@ def test_chat_content_text_parts_are_joined_and_other_parts_refused(serve):
         a = (await ok(client, "/v1/chat/completions", {"messages": parts, "max_tokens": 3, **GREEDY})).json()
         b = (await ok(client, "/v1/chat/completions", {"messages": joined, "max_tokens": 3, **GREEDY})).json()
         assert a["choices"][0]["message"] == b["choices"][0]["message"] and a["usage"] == b["usage"]
+        # vLLM's other text parts: a plain str, input_text / output_text / refusal; a null text is skipped, and
+        # fields beyond the text (read by "openai"-format templates) are ignored
+        variants = [{"role": "user", "content": ["Write a function",
+                                                 {"type": "input_text", "text": "that reads a file.",
+                                                  "source_lang_code": "en"},
+                                                 {"type": "text", "text": None}]},
+                    {"role": "user", "content": [{"type": "output_text", "text": "Write a function"},
+                                                 {"type": "refusal", "refusal": "that reads a file."}]}]
+        for variant in variants:
+            assert (await ok(client, "/tokenize", {"messages": [variant]})).json() == (
+                await ok(client, "/tokenize", {"messages": joined})).json()
         image = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                               {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
         response = await client.post("/v1/chat/completions", json={"messages": image})
