@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jinja2 import nodes
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
@@ -76,8 +77,8 @@ class Tokenizer:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(
-                    message.get("content"), str):
-                raise ValueError(f"messages[{i}] must be a dict with a str 'role' and a str 'content'")
+                    message.get("content"), str | list):
+                raise ValueError(f"messages[{i}] must be a dict with a str 'role' and a str or list 'content'")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
         try:
@@ -88,15 +89,36 @@ class Tokenizer:
             raise ValueError(f"chat template: {error}") from error
         if not continue_final_message:
             return text
-        final = messages[-1]["content"] if messages else ""
+        final = _final_text(messages[-1]["content"]) if messages else ""
         final = final if final in text else final.strip()
         if not final or final not in text:
             raise ValueError("continue_final_message: the last message's content is not in the rendered chat")
         return text[:text.rindex(final) + len(final)]
 
+    def chat_template_content_format(self) -> str:
+        """vLLM's "auto" content format: "openai" when the template loops over a message's content (it reads
+        content parts), else "string" (it reads one text)."""
+        if self.chat_template is None:
+            return "string"
+        loops = ImmutableSandboxedEnvironment().parse(self.chat_template).find_all(nodes.For)
+        return "openai" if any(_names_content(loop.iter) for loop in loops) else "string"
+
     def token_strs(self, ids: list[int]) -> list[str]:
         """The tokenizer's own token strings (`Ġis`, not `" is"`), as HF `convert_ids_to_tokens`."""
         return [self._tok.id_to_token(t) for t in ids]
+
+
+def _names_content(node: nodes.Node) -> bool:
+    """`x['content']` or `x.content`."""
+    return (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content") \
+        or (isinstance(node, nodes.Getattr) and node.attr == "content")
+
+
+def _final_text(content: str | list[dict]) -> str:
+    """The text a continued final message ends with: its content, or its last text part's (HuggingFace)."""
+    if isinstance(content, str):
+        return content
+    return next((part["text"] for part in reversed(content) if isinstance(part.get("text"), str)), "")
 
 
 def _raise_template_error(message: str) -> None:

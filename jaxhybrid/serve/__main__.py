@@ -39,6 +39,10 @@ _SERVER_FLAGS: dict[str, dict] = {
                                            help="usage.prompt_tokens_details.cached_tokens in every response"),
     "--enable-force-include-usage": dict(action=argparse.BooleanOptionalAction, default=False,
                                          help="usage on every chunk of every stream, whatever stream_options say"),
+    "--chat-template-content-format": dict(choices=("auto", "string", "openai"), default="auto",
+                                           help="message content for the chat template: text parts joined "
+                                           "(string), the parts with their fields (openai), or what the "
+                                           "template reads (auto)"),
     "--enable-server-load-tracking": dict(action=argparse.BooleanOptionalAction, default=False,
                                           help="serve GET /load: the completions and chat requests in flight"),
 }
@@ -60,6 +64,7 @@ def build_server(args: argparse.Namespace):
     from jaxhybrid.metrics import ServerMetrics, cache_config_info
     from jaxhybrid.serve.app import ServerState, build_app
     from jaxhybrid.serve.engine_loop import EngineLoop
+    from jaxhybrid.serve.protocol import content_format
     from jaxhybrid.weights import DEFAULT_MODEL_DIR
 
     llm = build_llm(args)
@@ -70,7 +75,8 @@ def build_server(args: argparse.Namespace):
                       watchdog_timeout=args.watchdog_timeout)
     state = ServerState(llm, loop, names, str(args.model or DEFAULT_MODEL_DIR), config.max_model_len,
                         prompt_tokens_details=args.enable_prompt_tokens_details,
-                        force_include_usage=args.enable_force_include_usage)
+                        force_include_usage=args.enable_force_include_usage,
+                        content_format=content_format(llm, args.chat_template_content_format))
     app = build_app(state, tuple(args.api_key or ()), root_path=args.root_path,
                     request_id_headers=args.enable_request_id_headers,
                     tokenizer_info=args.enable_tokenizer_info_endpoint,

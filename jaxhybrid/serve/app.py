@@ -33,6 +33,7 @@ from jaxhybrid.serve import protocol
 from jaxhybrid.serve.engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestStream
 from jaxhybrid.serve.protocol import (
     BadRequest,
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -55,6 +56,7 @@ class ServerState:
     prompt_tokens_details: bool = False  # vLLM's --enable-prompt-tokens-details
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage
     server_load: int = 0  # generation requests being served (GET /load with --enable-server-load-tracking)
+    content_format: str = "string"  # vLLM's --chat-template-content-format, resolved: "string" or "openai"
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -139,7 +141,8 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("send exactly one of prompt and messages", "prompt")
         text = body.prompt if body.messages is None else protocol.render_chat(
-            state.llm, body.messages, body.add_generation_prompt, "messages", body.continue_final_message)
+            state.llm, body.messages, body.add_generation_prompt, "messages", body.continue_final_message,
+            content_format=state.content_format)
         add_special_tokens = body.messages is None if body.add_special_tokens is None else body.add_special_tokens
         ids = tokenizer.encode(text, add_special_tokens)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
@@ -178,17 +181,26 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         name = _check_model(state, body.model)
         body.check()
         params = body.params(state.llm.generation_defaults)
-        if body.prompt_token_ids is not None:
-            prompt = body.engine_prompt(state.llm, body.prompt_token_ids, params)
-        else:
-            text = protocol.render_chat(state.llm, body.messages, body.add_generation_prompt, "messages",
-                                        body.continue_final_message, body.chat_template_kwargs)
-            prompt = body.engine_prompt(state.llm, text, params)
+        prompt = _chat_prompt(state, body, params)
         response_id = protocol.response_id("chatcmpl", request.headers.get("X-Request-Id"), body.request_id)
         streams = await _add_all(state, protocol.new_id(response_id), [prompt], params, body.cache_salt)
         if body.stream:
             return _sse(state, _chat_chunks(state, streams, prompt, body, name, response_id))
         return await _unless_disconnected(request, state, _chat_response(state, streams, body, name, response_id))
+
+    @app.post("/v1/chat/completions/batch")
+    @_load_aware(state)
+    async def chat_batch(body: BatchChatCompletionRequest, request: Request) -> Response:
+        """vLLM's batched chat: each conversation a chat request of its own, answered together."""
+        name = _check_model(state, body.model)
+        body.check()
+        conversations = body.conversations()
+        params = conversations[0].params(state.llm.generation_defaults)  # the same fields in each
+        prompts = [_chat_prompt(state, conversation, params) for conversation in conversations]
+        response_id = protocol.response_id("chatcmpl", request.headers.get("X-Request-Id"), body.request_id)
+        streams = await _add_all(state, protocol.new_id(response_id), prompts, params, body.cache_salt)
+        return await _unless_disconnected(request, state, _batch_chat_response(state, streams, conversations, name,
+                                                                               response_id))
 
     return app
 
@@ -241,6 +253,15 @@ def _check_model(state: ServerState, model: str | None) -> str:
     if model and model not in state.model_names:
         raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
     return state.model_names[0]
+
+
+def _chat_prompt(state: ServerState, body: ChatCompletionRequest, params: SamplingParams) -> Prompt:
+    """The body's prompt: its prompt_token_ids, or its messages through the chat template."""
+    if body.prompt_token_ids is not None:
+        return body.engine_prompt(state.llm, body.prompt_token_ids, params)
+    text = protocol.render_chat(state.llm, body.messages, body.add_generation_prompt, "messages",
+                                body.continue_final_message, body.chat_template_kwargs, state.content_format)
+    return body.engine_prompt(state.llm, text, params)
 
 
 async def _add_all(state: ServerState, response_id: str, prompts: list[Prompt], params: SamplingParams,
@@ -355,11 +376,20 @@ async def _chat_response(state: ServerState, streams: list[RequestStream], body:
                                   prompt_tokens_details=state.prompt_tokens_details)
 
 
+async def _batch_chat_response(state: ServerState, streams: list[RequestStream],
+                               conversations: list[ChatCompletionRequest], name: str, response_id: str) -> dict:
+    return protocol.batch_chat_response(conversations, await _finals(streams), name, response_id,
+                                        prompt_tokens_details=state.prompt_tokens_details)
+
+
 def _sse(state: ServerState, events: AsyncIterator[dict]) -> StreamingResponse:
     async def lines() -> AsyncIterator[str]:
         try:
             async for event in events:
                 yield f"data: {json.dumps(event)}\n\n"
+                # while its outputs are ready, a stream awaits nothing that suspends (nor does a socket
+                # that takes the bytes): let other requests in between its chunks
+                await asyncio.sleep(0)
         except _EngineFailed:
             yield f"data: {json.dumps(error_body('Internal server error', 'InternalServerError', 500))}\n\n"
         except EngineUnavailable as error:

@@ -263,6 +263,35 @@ class ChatCompletionRequest(_Request):
         return self.sampling_params(max_tokens, logprobs, self.prompt_logprobs, defaults)
 
 
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's /v1/chat/completions/batch body: the chat fields, with `messages` a list of conversations, each
+    answered by one choice whose index is its position. No streaming, n = 1, no prompt_logprobs, and no
+    prompt_token_ids (one rendered prompt cannot stand for several conversations)."""
+
+    messages: list[list[dict[str, Any]]]
+
+    def check(self) -> None:
+        """The batch's own rules, then each conversation's as /v1/chat/completions checks its body."""
+        if not self.messages or not all(self.messages):
+            raise BadRequest("messages must be a non-empty list of non-empty conversations", "messages")
+        if self.stream:
+            raise BadRequest("Batch chat completions do not support streaming", "stream")
+        if self.n != 1:
+            raise BadRequest("Batch chat completions do not support `n > 1`. Please set `n` to 1.", "n")
+        if self.prompt_token_ids is not None:
+            raise BadRequest("Batch chat completions take messages: one prompt_token_ids cannot serve several "
+                             "conversations", "prompt_token_ids")
+        if self.prompt_logprobs is not None:  # vLLM's batched reply has no place for them
+            raise BadRequest("Batch chat completions do not return prompt_logprobs", "prompt_logprobs")
+        for conversation in self.conversations():
+            conversation.check()
+
+    def conversations(self) -> list[ChatCompletionRequest]:
+        """One chat request per conversation, with the batch's other fields (those it was sent)."""
+        fields = self.model_dump(exclude={"messages"}, exclude_unset=True)
+        return [ChatCompletionRequest.model_validate({**fields, "messages": messages}) for messages in self.messages]
+
+
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
@@ -310,13 +339,15 @@ def usage_counts(prompt: int, completion: int) -> dict:
 
 
 def usage(outputs: list[RequestOutput], prompt_tokens_details: bool = False) -> dict:
-    """The counts over `outputs`; with `prompt_tokens_details` (vLLM's --enable-prompt-tokens-details),
-    how many prompt tokens came from the prefix cache."""
+    """The counts over `outputs`, with vLLM's `cache_read_input_tokens`: how many prompt tokens (counted in
+    prompt_tokens too) came from the prefix cache or a checkpoint; with `prompt_tokens_details` (vLLM's
+    --enable-prompt-tokens-details) that count again as `prompt_tokens_details.cached_tokens`."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    counts = usage_counts(prompt, completion)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    counts = {**usage_counts(prompt, completion), "cache_read_input_tokens": cached}
     if prompt_tokens_details:
-        counts["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}
+        counts["prompt_tokens_details"] = {"cached_tokens": cached}
     return counts
 
 
@@ -395,33 +426,66 @@ def require_tokenizer(llm: LLM, param: str) -> Tokenizer:
 
 
 def render_chat(llm: LLM, messages: list[dict], add_generation_prompt: bool, param: str = "messages",
-                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
-    """`messages` through the checkpoint's chat template (`template_kwargs` its extra variables); a bad
-    message or template is a 400."""
+                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+                content_format: str = "string") -> str:
+    """`messages` through the checkpoint's chat template (`template_kwargs` its extra variables), their
+    content in `content_format` (`_text_content`); a bad message or template is a 400."""
     tokenizer = require_tokenizer(llm, param)
     try:
-        return tokenizer.apply_chat_template(_text_content(messages, param), add_generation_prompt,
+        return tokenizer.apply_chat_template(_text_content(messages, param, content_format), add_generation_prompt,
                                              continue_final_message, None, **(template_kwargs or {}))
     except (ValueError, TypeError) as error:  # TypeError: a template variable that clashes with ours
         raise BadRequest(str(error), param) from error
 
 
-def _text_content(messages: list[dict], param: str) -> list[dict]:
-    """vLLM's "string" content format: a content list of text parts becomes their texts joined by newlines;
-    any other part type is a 400 naming it."""
+def content_format(llm: LLM, requested: str) -> str:
+    """vLLM's --chat-template-content-format: "string" or "openai" as asked, or the template's ("auto")."""
+    if requested != "auto":
+        return requested
+    return "string" if llm.tokenizer is None else llm.tokenizer.chat_template_content_format()
+
+
+# vLLM's text-like content part types -> the field holding their text
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+               "thinking": "thinking"}
+
+
+def _text_content(messages: list[dict], param: str, content_format: str = "string") -> list[dict]:
+    """vLLM's content formats for a content list: "string" joins its texts by newlines (other fields of its
+    parts are ignored); "openai" hands the template the parts, each {"type": "text", "text": ...} with the
+    part's other fields (a template may read them), a str content becoming one such part."""
     flat = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in content}
-                           - {"text"})
-            if kinds:
-                raise BadRequest(f"messages[{i}].content: part types {kinds} are not supported (only 'text')", param)
-            if not all(isinstance(p.get("text"), str) for p in content):
-                raise BadRequest(f"messages[{i}].content: every text part needs a str 'text'", param)
-            message = {**message, "content": "\n".join(p["text"] for p in content)}
+        if isinstance(content, str) and content_format == "openai":
+            message = {**message, "content": [{"type": "text", "text": content}]}
+        elif isinstance(content, list):
+            parts = _text_parts(content, f"messages[{i}].content", param)
+            message = {**message, "content": parts if content_format == "openai" else
+                       "\n".join(part["text"] for part in parts)}
         flat.append(message)
     return flat
+
+
+def _text_parts(content: list, where: str, param: str) -> list[dict]:
+    """vLLM's text parts: a str, or a text-like part (a null text skips it); any other part is a 400."""
+    kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in content
+                    if not isinstance(p, str)} - set(_TEXT_PARTS))
+    if kinds:
+        raise BadRequest(f"{where}: part types {kinds} are not supported (only text)", param)
+    parts = []
+    for part in content:
+        if isinstance(part, str):
+            parts.append({"type": "text", "text": part})
+            continue
+        field = _TEXT_PARTS[part["type"]]
+        if part.get(field) is None:
+            continue
+        if not isinstance(part[field], str):
+            raise BadRequest(f"{where}: every {part['type']} part needs a str '{field}'", param)
+        extra = {k: v for k, v in part.items() if k not in ("type", field)}
+        parts.append({"type": "text", "text": part[field], **extra})
+    return parts
 
 
 def tokenizer_info(tokenizer: Tokenizer) -> dict:
@@ -506,6 +570,24 @@ def completion_response(body: CompletionRequest, finals: list[RequestOutput], mo
 
 def chat_response(body: ChatCompletionRequest, final: RequestOutput, model: str, response_id: str | None = None,
                   created: int | None = None, prompt_tokens_details: bool = False) -> dict:
+    reply = {**envelope("chat.completion", response_id or new_id("chatcmpl"), model, created),
+             "choices": chat_choices(body, final), "usage": usage([final], prompt_tokens_details)}
+    reply["prompt_logprobs"] = None if body.prompt_logprobs is None else prompt_logprobs_json(final.prompt_logprobs)
+    reply["prompt_token_ids"] = final.prompt_token_ids if body.return_token_ids else None
+    return reply
+
+
+def batch_chat_response(conversations: list[ChatCompletionRequest], finals: list[RequestOutput], model: str,
+                        response_id: str, prompt_tokens_details: bool = False) -> dict:
+    """vLLM's batched chat reply: conversation i's choice has index i, the usage counts them all (and, as
+    vLLM's, no prompt logprobs or prompt ids)."""
+    choices = [{**choice, "index": i} for i, (body, final) in enumerate(zip(conversations, finals, strict=True))
+               for choice in chat_choices(body, final)]
+    return {**envelope("chat.completion", response_id, model), "choices": choices,
+            "usage": usage(finals, prompt_tokens_details), "prompt_logprobs": None, "prompt_token_ids": None}
+
+
+def chat_choices(body: ChatCompletionRequest, final: RequestOutput) -> list[dict]:
     choices, echoed = [], body.echoed_content()
     for completion in final.outputs:
         choice = {"index": completion.index, "message": {"role": "assistant", "content": echoed + completion.text},
@@ -514,11 +596,7 @@ def chat_response(body: ChatCompletionRequest, final: RequestOutput, model: str,
             choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs, body.top_logprobs or 0,
                                                body.return_tokens_as_token_ids)
         choices.append(choice)
-    reply = {**envelope("chat.completion", response_id or new_id("chatcmpl"), model, created), "choices": choices,
-             "usage": usage([final], prompt_tokens_details)}
-    reply["prompt_logprobs"] = None if body.prompt_logprobs is None else prompt_logprobs_json(final.prompt_logprobs)
-    reply["prompt_token_ids"] = final.prompt_token_ids if body.return_token_ids else None
-    return reply
+    return choices
 
 
 def token_ids_fields(body: _Request, token_ids: list[int]) -> dict:

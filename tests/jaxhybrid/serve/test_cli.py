@@ -41,3 +41,11 @@ def test_api_key_from_the_environment(monkeypatch):
     monkeypatch.setenv("JAXHYBRID_API_KEY", "from-env")
     assert parse_args([]).api_key == ["from-env"]
     assert parse_args(["--api-key", "flag"]).api_key == ["flag"]
+
+
+def test_chat_template_content_format():
+    """vLLM's --chat-template-content-format: auto by default, string or openai, nothing else."""
+    assert parse_args([]).chat_template_content_format == "auto"
+    assert parse_args(["--chat-template-content-format", "openai"]).chat_template_content_format == "openai"
+    with pytest.raises(SystemExit):
+        parse_args(["--chat-template-content-format", "json"])

@@ -270,6 +270,34 @@ def test_server_load_counts_requests_until_their_response_is_out(serve):
     serve(disabled)
 
 
+def test_a_stream_whose_outputs_are_ready_lets_other_requests_in():
+    """A fast model's stream finds its outputs queued already, so draining them suspends nowhere; its
+    handler still yields the event loop between chunks: GET /health, sent once the stream has started, is
+    answered before the stream's last event."""
+    state = SimpleNamespace(loop=SimpleNamespace(healthy=lambda: True))
+    app = build_app(state)
+
+    async def ready_events() -> AsyncIterator[dict]:  # suspends nowhere, as a stream with queued outputs
+        for i in range(1000):
+            yield {"i": i}
+
+    async def run() -> None:
+        lines = serve_app._sse(state, ready_events()).body_iterator
+        assert await anext(lines) == 'data: {"i": 0}\n\n'  # the stream has started
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
+            health = asyncio.ensure_future(client.get("/health"))
+            sent = []
+            async for line in lines:
+                sent.append(line)
+                if health.done():  # answered while the stream was still sending
+                    break
+            assert health.done() and sent[-1] != "data: [DONE]\n\n", "/health waited for the stream to end"
+            assert (await health).status_code == 200
+            await lines.aclose()
+
+    asyncio.run(run())
+
+
 def test_chat_echo_streams_the_last_message_first(serve):
     """vLLM's chat echo, streamed: the last message's content is each choice's first content delta."""
     saying = "An apple a day, keeps"
@@ -303,6 +331,17 @@ def test_chat_content_text_parts_are_joined_and_other_parts_refused(serve):
         a = (await ok(client, "/v1/chat/completions", {"messages": parts, "max_tokens": 3, **GREEDY})).json()
         b = (await ok(client, "/v1/chat/completions", {"messages": joined, "max_tokens": 3, **GREEDY})).json()
         assert a["choices"][0]["message"] == b["choices"][0]["message"] and a["usage"] == b["usage"]
+        # vLLM's other text parts: a plain str, input_text / output_text / refusal; a null text is skipped, and
+        # fields beyond the text (read by "openai"-format templates) are ignored
+        variants = [{"role": "user", "content": ["Write a function",
+                                                 {"type": "input_text", "text": "that reads a file.",
+                                                  "source_lang_code": "en"},
+                                                 {"type": "text", "text": None}]},
+                    {"role": "user", "content": [{"type": "output_text", "text": "Write a function"},
+                                                 {"type": "refusal", "refusal": "that reads a file."}]}]
+        for variant in variants:
+            assert (await ok(client, "/tokenize", {"messages": [variant]})).json() == (
+                await ok(client, "/tokenize", {"messages": joined})).json()
         image = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                               {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
         response = await client.post("/v1/chat/completions", json={"messages": image})

@@ -1,12 +1,13 @@
 """Port of vLLM's tests/entrypoints/openai/basic/test_basic.py: /version, /health, cancelling a flood of
 requests whose clients time out, a wrong content type, and /health's 503 once the engine is dead, on an
 in-process server whose --max-model-len fits the cancellation case's 10000 tokens.
---disable-frontend-multiprocessing has no counterpart here, so each test runs once; test_server_load is in
-SKIPS.md."""
+GET /load (--enable-server-load-tracking) while a long completion runs.
+--disable-frontend-multiprocessing has no counterpart here, so each test runs once."""
 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from importlib.metadata import version
 from types import SimpleNamespace
@@ -22,7 +23,7 @@ from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, InProcessServ
 
 @pytest.fixture(scope="module")
 def long_server(long_llm):
-    server = InProcessServer(long_llm)
+    server = InProcessServer(long_llm, {"server_load_tracking": True})
     yield server
     server.stop()
 
@@ -67,6 +68,38 @@ def test_request_wrong_content_type(long_server):
         make_client(long_server).chat.completions.create(
             messages=[{"role": "user", "content": "Write a long story"}], model=MODEL_NAME, max_tokens=10000,
             extra_headers={"Content-Type": "application/x-www-form-urlencoded"})
+
+
+def test_server_load(long_server):
+    # Check initial server load
+    response = httpx.get(f"{long_server.url}/load")
+    assert response.status_code == HTTPStatus.OK
+    assert response.json().get("server_load") == 0
+
+    def make_long_completion_request() -> httpx.Response:
+        # min_tokens: the completion runs its 1000 tokens whatever this model's greedy text
+        return httpx.post(f"{long_server.url}/v1/completions", timeout=600,
+                          json={"prompt": "Give me a long story", "max_tokens": 1000, "temperature": 0,
+                                "min_tokens": 1000})
+
+    with ThreadPoolExecutor(1) as pool:
+        completion = pool.submit(make_long_completion_request)
+        # vLLM sleeps 0.1 s for the request to start; here /load is asked (a bounded number of times) until
+        # it counts the request, each answer given while the request runs
+        loads = []
+        while not completion.done() and 1 not in loads and len(loads) < 10000:
+            response = httpx.get(f"{long_server.url}/load")
+            assert response.status_code == HTTPStatus.OK
+            loads.append(response.json().get("server_load"))
+        assert 1 in loads, loads[-10:]
+
+        # Wait for the completion request to finish.
+        assert completion.result().status_code == HTTPStatus.OK
+
+    # Check server load after the completion request has finished.
+    response = httpx.get(f"{long_server.url}/load")
+    assert response.status_code == HTTPStatus.OK
+    assert response.json().get("server_load") == 0
 
 
 def test_health_check_engine_dead_error():

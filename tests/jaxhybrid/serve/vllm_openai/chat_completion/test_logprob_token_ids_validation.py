@@ -1,18 +1,19 @@
 """Port of vLLM's tests/entrypoints/openai/chat_completion/test_logprob_token_ids_validation.py: an empty
 `logprob_token_ids`, or one without logprobs, is refused naming the field; a non-list is a validation
-error. vLLM refuses when the request is built; this server in `check()` (its BatchChatCompletionRequest
-has no counterpart here). A well-formed one is refused too, as not supported (SKIPS.md)."""
+error. vLLM refuses when the request is built; this server in `check()`. A well-formed one is refused too,
+as not supported (SKIPS.md)."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from jaxhybrid.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest
+from jaxhybrid.serve.protocol import BadRequest, BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest
 
-MODELS = [ChatCompletionRequest, CompletionRequest]
+MODELS = [ChatCompletionRequest, CompletionRequest, BatchChatCompletionRequest]
 BASE = {ChatCompletionRequest: {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
-        CompletionRequest: {"model": "m", "prompt": "hi"}}
+        CompletionRequest: {"model": "m", "prompt": "hi"},
+        BatchChatCompletionRequest: {"messages": [[{"role": "user", "content": "hi"}]]}}
 
 
 @pytest.mark.parametrize("cls", MODELS)
