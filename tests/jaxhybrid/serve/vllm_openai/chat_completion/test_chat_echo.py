@@ -16,13 +16,18 @@ def client(long_llm):
     server.stop()
 
 
+# vLLM's request samples unseeded until the model stops; this model's unseeded samples run anywhere up to the
+# 10100-token limit, so the port seeds it (seed 0 stops after 41 tokens), which keeps its time bounded
+SEED = 0
+
+
 @pytest.mark.parametrize("echo", [True, False])
 def test_chat_session_with_echo_and_continue_final_message(client, echo: bool):
     saying: str = "Here is a common saying about apple. An apple a day, keeps"
     chat_completion = client.chat.completions.create(
         model=MODEL_NAME,
         messages=[{"role": "user", "content": "tell me a common saying"}, {"role": "assistant", "content": saying}],
-        extra_body={"echo": echo, "continue_final_message": True, "add_generation_prompt": False})
+        extra_body={"echo": echo, "continue_final_message": True, "add_generation_prompt": False, "seed": SEED})
     assert chat_completion.id is not None
     assert len(chat_completion.choices) == 1
 
