@@ -215,13 +215,15 @@ def ssd_prefill(
     x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, D: jax.Array, cu_seqlens: jax.Array,
     state_pool: jax.Array, slots: jax.Array, has_initial: jax.Array, checkpoint_lens: jax.Array | None = None,
     checkpoint_slots: jax.Array | None = None, *, chunk_size: int = 128, block_p: int = 32, block_t: int = 64,
-    num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
+    num_warps: int = 8, num_stages: int = 2, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """Same contract as `reference.ssd_prefill`; x, B, C (and y) in one of f32/bf16/fp16.
 
     Each row is chunked from its own first token in chunks of min(block_t, chunk_size) tokens; chunk_size
     chunks are whole numbers of them, so results equal the chunked reference up to rounding. A checkpoint
     state is computed inside its chunk. Checkpoint slots must not be running slots of other rows.
+    num_warps: 8, since with 4 the block_p 32 / block_t 64 program needs more than 255 registers a thread and
+    spills (`benchmarks/aot_kernels.py`, bf16).
     """
     check_rows(cu_seqlens, slots, "slots")
     block_p, block_t = _check_operands(x, B, C, state_pool, block_p, min(block_t, chunk_size), interpret)
