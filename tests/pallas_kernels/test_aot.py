@@ -3,11 +3,15 @@ and the pass/fail rule. The fixtures are real output of `pallas_kernels.aot` com
 for an H200 (state_block_v 16, output_block_v 16, 8 warps, 1 stage), with the serialized Triton IR left out
 of the HLO lines. Compiling itself needs the CUDA venv: `benchmarks/aot_kernels.py --quick` (README)."""
 
+import importlib
 from pathlib import Path
+from types import SimpleNamespace
 
+import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import aot
+from pallas_kernels import aot, tuning
+from pallas_kernels.gdn import pallas as gdn_pallas
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "aot"
 INTRA, STATE, OUTPUT = ("gdn_prefill_intra_chunk_chunk_size_64", "gdn_prefill_state_pass_block_v_16_chunk_size_64",
@@ -65,3 +69,21 @@ CLEAN = aot.KernelRecord("k", registers=255, spill_stores=0, spill_loads=0, stac
 def test_a_kernel_fails_on_spills_too_many_registers_or_too_much_shared_memory(change, problem):
     assert CLEAN.problems() == []  # at every limit, not over it
     assert any(p.startswith(problem) for p in CLEAN._replace(**change).problems())
+
+
+def test_the_sweep_drops_candidates_failing_the_compile_check_before_timing_them(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
+    tune_kernels = importlib.import_module("tune_kernels")
+    defaults = tuning.defaults(gdn_pallas.gdn_decode, "block_v", "num_warps", "num_stages")
+
+    def block_v() -> int:  # the candidate being tried
+        return tuning.launch("gdn_decode", "K128.V128", defaults)["block_v"]
+
+    # as if block_v 64 spilled on this GPU
+    monkeypatch.setattr(aot, "compile_kernels", lambda fn, specs, target: [CLEAN._replace(
+        spill_stores=4 * (block_v() == 64))])
+    timed = []
+    case = SimpleNamespace(call=lambda backend: lambda: timed.append(block_v()) or jnp.zeros(()))
+    best, _, dropped = tune_kernels.sweep(case, "gdn_decode", "pallas", 1, SimpleNamespace(fn=None, specs=()))
+    assert dropped == 6  # block_v 64 x 3 warp counts x 2 stage counts
+    assert set(timed) == {16, 32} and best["block_v"] in (16, 32)
