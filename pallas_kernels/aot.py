@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import math
 import os
 import re
 import shutil
@@ -48,11 +49,11 @@ platform_name: "CUDA"
 dnn_version_info {{ major: 9 minor: 10 patch: 0 }}
 device_description_str: "{kind}"
 """
-TARGETS = {
-    "h100": _TARGET.format(bandwidth=3352320000000, memory=84942979072, kind="NVIDIA H100 80GB HBM3"),
-    "h200": _TARGET.format(bandwidth=4800000000000, memory=151397597184, kind="NVIDIA H200"),
-}
 DEVICE_KINDS = {"h100": "NVIDIA H100 80GB HBM3", "h200": "NVIDIA H200"}  # jax's device_kind on each
+TARGETS = {
+    "h100": _TARGET.format(bandwidth=3352320000000, memory=84942979072, kind=DEVICE_KINDS["h100"]),
+    "h200": _TARGET.format(bandwidth=4800000000000, memory=151397597184, kind=DEVICE_KINDS["h200"]),
+}
 
 
 class KernelRecord(NamedTuple):
@@ -63,7 +64,7 @@ class KernelRecord(NamedTuple):
     spill_stores: int  # bytes
     spill_loads: int  # bytes
     stack: int  # bytes of stack frame
-    shared_memory: int  # bytes per block, dynamic (Triton's) + static
+    shared_memory: int  # bytes per block at launch (Triton kernels have no static shared memory)
     threads: int  # per block
     grid: tuple[int, ...]
 
@@ -116,9 +117,7 @@ def parse_thunks(text: str) -> dict[str, dict]:
     """A `*.thunk_sequence.txt` -> {kernel: grid, threads (per block), shared_memory (bytes)} per kernel launch."""
     launches = {}
     for name, grid, threads, shared in _THUNK.findall(text):
-        block = _dims(threads)
-        launches[name] = dict(grid=_dims(grid), threads=block[0] * block[1] * block[2],
-                              shared_memory=int(shared))
+        launches[name] = dict(grid=_dims(grid), threads=math.prod(_dims(threads)), shared_memory=int(shared))
     return launches
 
 
