@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "kernels"
 _OVERRIDES: dict[str, dict] = {}
+_TARGETS: list[str] = []  # device kinds being compiled for ahead of time, innermost last (`compiling_for`)
 asked: dict[str, str] = {}  # the shape class each op last asked for: the sweep records its choice there
 
 
@@ -46,6 +47,8 @@ def _recorded(path: Path) -> dict:
 
 
 def _device_kind() -> str | None:
+    if _TARGETS:
+        return _TARGETS[-1]
     device = jax.devices()[0]
     return device.device_kind if device.platform == "gpu" else None  # interpret mode: the defaults
 
@@ -87,6 +90,17 @@ def launch(op: str, shape_class: str, defaults: dict) -> dict:
 def for_launcher(op: str, launcher, shape_class: str, *tiles: str) -> dict:
     """`launch` over the launcher's own defaults for its `tiles` and Triton's num_warps / num_stages."""
     return launch(op, shape_class, defaults(launcher, *tiles, "num_warps", "num_stages"))
+
+
+@contextlib.contextmanager
+def compiling_for(device_kind: str) -> Iterator[None]:
+    """Inside the block ops take `device_kind`'s recorded launch parameters, whatever this host runs on:
+    what a deviceless compile for that GPU (`pallas_kernels.aot`) must build."""
+    _TARGETS.append(device_kind)
+    try:
+        yield
+    finally:
+        _TARGETS.pop()
 
 
 @contextlib.contextmanager

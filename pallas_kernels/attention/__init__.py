@@ -43,7 +43,7 @@ def ragged_paged_attention(
     if backend == "reference":
         return reference.ragged_paged_attention(*args, scale=scale)
     # decode-sized and prefill-sized buckets get different tiles by default, so they are separate classes
-    kind = pallas.default_block_m(q.shape[0], block_table.shape[0])
+    kind = pallas.default_block_m(q.shape[0], block_table.shape[0], q.dtype)
     launch = tuning.for_launcher("ragged_paged_attention", pallas.ragged_paged_attention,
                                  tuning.shape_class(Dh=q.shape[2], G=q.shape[1] // k.shape[1], M=kind), "block_m")
     if block_m is not None:

@@ -45,13 +45,16 @@ def tile_shape(group: int, block_m: int) -> tuple[int, int]:
     return max(1, block_m // group_pad), group_pad
 
 
-def default_block_m(num_tokens: int, num_rows: int) -> int:
-    """16 dot rows for decode/verify-sized buckets (<= 4 tokens a row: a verify row with 3 drafts), else 64.
+def default_block_m(num_tokens: int, num_rows: int, dtype) -> int:
+    """16 dot rows for decode/verify-sized buckets (<= 4 tokens a row: a verify row with 3 drafts) and for f32
+    queries, else 64.
 
     A decode row fills only `group` of the M rows, so small M wastes less there; prefill chunks want the
-    larger M to read each KV block for more tokens at once.
+    larger M to read each KV block for more tokens at once. f32 dots are IEEE FMA loops, not tensor-core
+    fragments: at M 64 and head dim 256 they need more registers than a thread has and spill
+    (`benchmarks/aot_kernels.py`).
     """
-    return MIN_BLOCK_M if num_tokens <= 4 * num_rows else 64
+    return MIN_BLOCK_M if num_tokens <= 4 * num_rows or jnp.dtype(dtype) == jnp.float32 else 64
 
 
 def default_num_splits(num_tiles: int, num_kv_heads: int, max_context: int) -> int:
@@ -182,7 +185,7 @@ def ragged_paged_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     num_rows, max_blocks = block_table.shape
     block_size, num_kv_heads = k_pool.shape[1:3]
-    block_m = default_block_m(num_tokens, num_rows) if block_m is None else block_m
+    block_m = default_block_m(num_tokens, num_rows, q.dtype) if block_m is None else block_m
     if block_m < MIN_BLOCK_M or block_m != _next_pow2(block_m):
         raise ValueError(f"block_m must be a power of two >= {MIN_BLOCK_M}, got {block_m}")
     check_dot_sides(interpret, block_size=block_size, head_dim=head_dim)  # the scores and P.V dots

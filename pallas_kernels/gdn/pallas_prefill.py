@@ -270,7 +270,7 @@ def _check_chunk_size(chunk_size: int) -> None:
 )
 def gdn_prefill(
     q, k, v, g, beta, cu_seqlens, state_pool, slots, has_initial, checkpoint_lens=None, checkpoint_slots=None,
-    *, scale=None, use_qk_l2norm=True, chunk_size=64, state_block_v=32, output_block_v=64, num_warps=4,
+    *, scale=None, use_qk_l2norm=True, chunk_size=64, state_block_v=32, output_block_v=64, num_warps=8,
     num_stages=2, interpret=False,
 ):  # fmt: skip
     """Pallas chunked prefill; contract in `pallas_kernels.gdn.gdn_prefill` (chunk_size: a power of two >= 16).
@@ -278,7 +278,8 @@ def gdn_prefill(
     state_block_v: the state pass holds a [K, BV] f32 tile per program: narrow tiles keep it in registers
       and give a single long row HV * V / BV programs.
     output_block_v: the output call has no carry and reuses its q k^T tile across BV columns.
-    num_warps, num_stages: Triton launch parameters of all three calls.
+    num_warps, num_stages: Triton launch parameters of all three calls. 8 warps: with 4 the intra-chunk call
+      needs more than 255 registers a thread at chunk 64 and spills (`benchmarks/aot_kernels.py`, bf16).
     """
     check_rows(cu_seqlens, slots, "slots")
     _check_chunk_size(chunk_size)

@@ -201,6 +201,13 @@ def _check_operands(x, B, C, state_pool, block_p, block_t, interpret):
     return block_p, block_t
 
 
+def default_tiles(state_size: int) -> tuple[int, int]:
+    """(block_p, block_t): 32 x 64, but 16 x 32 at N >= 256, where the [block_p, N] f32 state and the [block_t, N]
+    B and C tiles of the larger tiling need more than 255 registers a thread and spill (bf16, 8 warps,
+    `benchmarks/aot_kernels.py`)."""
+    return (16, 32) if state_size >= 256 else (32, 64)
+
+
 def _first_chunks(cu_seqlens, block_t):
     """[R] i32 index of each row's first chunk in `chunk_table` order (a row's chunks are consecutive)."""
     row_chunks = pl.cdiv(cu_seqlens[1:] - cu_seqlens[:-1], block_t)
@@ -214,16 +221,22 @@ def _first_chunks(cu_seqlens, block_t):
 def ssd_prefill(
     x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, D: jax.Array, cu_seqlens: jax.Array,
     state_pool: jax.Array, slots: jax.Array, has_initial: jax.Array, checkpoint_lens: jax.Array | None = None,
-    checkpoint_slots: jax.Array | None = None, *, chunk_size: int = 128, block_p: int = 32, block_t: int = 64,
-    num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
+    checkpoint_slots: jax.Array | None = None, *, chunk_size: int = 128, block_p: int | None = None,
+    block_t: int | None = None,
+    num_warps: int = 8, num_stages: int = 2, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """Same contract as `reference.ssd_prefill`; x, B, C (and y) in one of f32/bf16/fp16.
 
     Each row is chunked from its own first token in chunks of min(block_t, chunk_size) tokens; chunk_size
     chunks are whole numbers of them, so results equal the chunked reference up to rounding. A checkpoint
     state is computed inside its chunk. Checkpoint slots must not be running slots of other rows.
+    block_p, block_t: tiles of P and of a chunk's tokens; None: `default_tiles`.
+    num_warps: 8, since with 4 the block_p 32 / block_t 64 program needs more than 255 registers a thread and
+    spills (`benchmarks/aot_kernels.py`, bf16).
     """
     check_rows(cu_seqlens, slots, "slots")
+    tiles = default_tiles(state_pool.shape[-1])
+    block_p, block_t = tiles[0] if block_p is None else block_p, tiles[1] if block_t is None else block_t
     block_p, block_t = _check_operands(x, B, C, state_pool, block_p, min(block_t, chunk_size), interpret)
     if checkpoint_lens is None:
         checkpoint_lens, checkpoint_slots = jnp.zeros_like(slots), jnp.zeros_like(slots)

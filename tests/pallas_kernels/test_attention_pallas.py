@@ -94,7 +94,12 @@ def test_splits_only_where_the_grid_is_small_and_contexts_long():
     assert pallas.default_num_splits(decode_tiles, 2, 8192) > 1
     assert pallas.default_num_splits(max_num_chunks(2048, 8, 8), 2, 32768) == 1  # a prefill bucket
     assert pallas.default_num_splits(decode_tiles, 2, 256) == 1  # short contexts
-    assert pallas.default_block_m(64, 64) < pallas.default_block_m(2048, 8)
+    assert pallas.default_block_m(64, 64, jnp.bfloat16) < pallas.default_block_m(2048, 8, jnp.bfloat16)
+
+
+def test_f32_prefill_takes_the_small_tile_that_does_not_spill():
+    """f32 dots are FMA loops: M 64 at head dim 256 spilled on sm_90 (benchmarks/aot_kernels.py), M 16 did not."""
+    assert pallas.default_block_m(2048, 8, jnp.float32) == pallas.MIN_BLOCK_M
 
 
 def _model_shapes(phase, dtype):

@@ -351,3 +351,14 @@ def test_public_ops_dispatch_to_the_kernel_in_a_replay_stream():
         y_ref, _ = SsdReplay.oracle(row.stream, initial[0][row.slot], len(row.stream[0]))
         for position, y in row.outputs:
             F32.check(y, y_ref[position])
+
+
+@pytest.mark.parametrize(("state_size", "tiles"), [(NEMO_N, "block_p_32_block_t_64"), (256, "block_p_16_block_t_32")])
+def test_prefill_default_tiles_shrink_at_state_size_256(state_size, tiles):
+    """Nemotron-H 47B/56B have N = 256, where the 32 x 64 tiles spilled registers on sm_90 and 16 x 32 did not
+    (benchmarks/aot_kernels.py, bf16)."""
+    rows = [_spec(NEMO_R, dtype=jnp.int32), _spec(NEMO_R, dtype=jnp.bool_)]
+    tokens = _nemotron_tokens(256)
+    tokens[3:5] = [_spec(256, NEMO_G, state_size, dtype=jnp.bfloat16)] * 2
+    args = [*tokens, _spec(NEMO_S, NEMO_NH, NEMO_P, state_size), *rows]
+    assert f"ssd_prefill_{tiles}" in lower_for_cuda(pallas_prefill.ssd_prefill, *args)

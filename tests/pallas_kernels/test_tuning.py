@@ -28,6 +28,16 @@ def test_the_recorded_choice_applies_to_its_shape_class_only(tmp_path, monkeypat
     assert tuning.asked["gdn_decode"] == "K64.V64"
 
 
+def test_compiling_for_a_gpu_reads_its_table_on_a_host_without_one(tmp_path, monkeypatch):
+    """A deviceless compile for an H200 must build what the H200 would run: its recorded choice."""
+    (tmp_path / "nvidia_h200.yaml").write_text(yaml.safe_dump({"gdn_decode": {"K128.V128": {"block_v": 32}}}))
+    monkeypatch.setenv("JAXHYBRID_KERNEL_CONFIGS", str(tmp_path))
+    assert tuning.launch("gdn_decode", "K128.V128", DEFAULTS) == DEFAULTS  # this CPU host
+    with tuning.compiling_for("NVIDIA H200"):
+        assert tuning.launch("gdn_decode", "K128.V128", DEFAULTS) == dict(block_v=32, num_warps=4)
+    assert tuning.launch("gdn_decode", "K128.V128", DEFAULTS) == DEFAULTS
+
+
 def test_override_wins_inside_its_block_and_is_undone():
     with tuning.override("gdn_decode", num_warps=8):
         assert tuning.launch("gdn_decode", "K128.V128", DEFAULTS) == dict(block_v=64, num_warps=8)
