@@ -194,8 +194,8 @@ def op_category(op_name: str) -> str:
     """An XLA op's share of the step, from its name (the jitted step's module path)."""
     path = re.sub(r"layers_\d+", "L", op_name.removeprefix("jit(_step_fn)/"))
     if "HybridLM/L/moe" in path:
-        return "moe: expert matmuls" if "dot_general" in path else (
-            "moe: expert weight gathers" if path.endswith("gather") else "moe: routing, shared expert")
+        return "moe: expert matmuls (routed, shared)" if "dot_general" in path else (
+            "moe: expert weight gathers" if path.endswith("gather") else "moe: routing, combine")
     if "HybridLM/L/gdn" in path:
         return "gdn: state (conv, recurrence)" if ("gdn_verify" in path or "conv1d" in path) else "gdn: projections"
     if "HybridLM/L/attention" in path:
