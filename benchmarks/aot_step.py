@@ -40,7 +40,7 @@ PRESETS = Path(__file__).parents[1] / "configs" / "models"
 RESULTS = Path(__file__).parent / "results"
 GiB = 2**30
 BUCKETS = {"all": lambda shapes: shapes, "extremes": lambda shapes: [shapes[0], shapes[-1]],
-           "smallest": lambda shapes: shapes[:1]}
+           "smallest": lambda shapes: shapes[:1], "largest": lambda shapes: shapes[-1:]}
 
 
 class Setup(NamedTuple):
@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--buckets", default="all", choices=tuple(BUCKETS),
-                        help="all the engine compiles, or its smallest and largest (the memory peak), or the first")
+                        help="all the engine compiles, its smallest and largest (the memory peak), or one of them")
     parser.add_argument("--json", type=Path, help="also write every result here")
     args = parser.parse_args()
     hbm, results, lines = device_limit(args.target, args), [], []
