@@ -37,7 +37,6 @@ from jaxhybrid.runner import Runner, plan_shapes
 from pallas_kernels import aot
 
 PRESETS = Path(__file__).parents[1] / "configs" / "models"
-RESULTS = Path(__file__).parent / "results"
 GiB = 2**30
 BUCKETS = {"all": lambda shapes: shapes, "extremes": lambda shapes: [shapes[0], shapes[-1]],
            "smallest": lambda shapes: shapes[:1], "largest": lambda shapes: shapes[-1:]}
@@ -67,19 +66,19 @@ class BucketResult(NamedTuple):
         m = self.memory
         return m["argument"] + m["output"] - m["alias"] + m["temp"] + m["generated_code"]
 
-    def fits(self, hbm: int) -> bool:
-        return self.error is None and self.peak <= hbm
+    def fits(self, limit: int) -> bool:
+        return self.error is None and self.peak <= limit
 
-    def line(self, hbm: int) -> str:
+    def line(self, limit: int) -> str:
         t, r, b, logits = self.bucket
         where = f"{self.setup!s:<44} T{t:<5} R{r:<4} B{b:<5} L{logits:<5} {self.seconds:6.1f} s"
         if self.error is not None:
             return f"{where}  COMPILE ERROR {self.error}"
         m = {name: value / GiB for name, value in self.memory.items()}
-        verdict = "ok" if self.fits(hbm) else "DOES NOT FIT"
+        verdict = "ok" if self.fits(limit) else "DOES NOT FIT"
         return (f"{where}  args {m['argument']:7.2f}  out {m['output']:7.2f}  alias {m['alias']:7.2f}  "
                 f"temp {m['temp']:6.2f}  code {m['generated_code']:5.3f}  peak {self.peak / GiB:7.2f} / "
-                f"{hbm / GiB:.2f} GiB  {verdict}")
+                f"{limit / GiB:.2f} GiB  {verdict}")
 
 
 def device_limit(target: str, args: argparse.Namespace) -> int:
@@ -107,8 +106,7 @@ def build_runner(setup: Setup, target: str, args: argparse.Namespace) -> tuple[R
     config = scheduler_config(
         cfg, lambda: budget, dtype=dtype, tensor_parallel_size=setup.tp, num_spec_tokens=setup.k,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        replayssm_window=setup.window, backend="pallas")
+        max_model_len=args.max_model_len, replayssm_window=setup.window, backend="pallas")
     model = Model(cfg, params, ops=ModelOps(backend="pallas"), block_size=config.block_size)
     pools = (f"budget {budget / GiB:.2f} GiB: {config.num_blocks} KV blocks, {config.num_state_slots} state slots, "
              f"max_num_seqs {config.max_num_seqs}, max_model_len {config.max_model_len}")
@@ -144,7 +142,7 @@ def main() -> None:
                         help="all the engine compiles, its smallest and largest (the memory peak), or one of them")
     parser.add_argument("--json", type=Path, help="also write every result here")
     args = parser.parse_args()
-    hbm, results, lines = device_limit(args.target, args), [], []
+    limit, results, lines = device_limit(args.target, args), [], []
     for preset in args.preset:
         for tp in args.tp:
             for k in args.k:
@@ -161,14 +159,14 @@ def main() -> None:
                     print(lines[-1], flush=True)
                     for bucket in BUCKETS[args.buckets](plan_shapes(runner.config)):
                         results.append(check(runner, topology, setup, args.target, bucket))
-                        lines.append(results[-1].line(hbm))
+                        lines.append(results[-1].line(limit))
                         print(lines[-1], flush=True)
-    failed = sum(not r.fits(hbm) for r in results)
+    failed = sum(not r.fits(limit) for r in results)
     lines.append(f"{len(results)} buckets, {failed} failed, {sum(r.seconds for r in results):.0f} s compiling")
     print(lines[-1])
     if args.json:
         args.json.write_text(json.dumps([dict(setup=r.setup._asdict(), bucket=r.bucket, seconds=round(r.seconds, 2),
-                                              memory=r.memory, error=r.error, fits=r.fits(hbm)) for r in results],
+                                              memory=r.memory, error=r.error, fits=r.fits(limit)) for r in results],
                                         indent=1))
     sys.exit(1 if failed else 0)
 
