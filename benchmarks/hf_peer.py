@@ -1,8 +1,10 @@
 """The HuggingFace transformers side of `benchmarks/vs_transformers.py`, run by the Python given as
 `--hf-python` (torch and transformers there; this project never imports them).
 
-  python hf_peer.py write DIR            a random ~40M-parameter Qwen3-Next checkpoint (seeded), with the
-                                         default model's tokenizer (4096 ids of the 8192) so servers take text
+  python hf_peer.py write DIR [moe]      a random ~40M-parameter Qwen3-Next checkpoint (seeded), with the
+                                         default model's tokenizer (4096 ids of the 8192) so servers take text;
+                                         `moe`: the 40.75M variant vLLM can load (it needs MoE layers): vocab
+                                         4096, 8 routed experts (top 2) and a shared one in every layer
   python hf_peer.py run DIR JOBS OUT     time the jobs in JOBS (json) and write OUT (json)
 
 Jobs: "score" (prompt logprobs of each candidate's tokens after a shared anchor, full forwards in
@@ -29,11 +31,14 @@ CONFIG = dict(
     linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, mlp_only_layers=list(range(8)),
     num_experts=0, max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=0,
 )
+MOE = dict(vocab_size=4096, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+           shared_expert_intermediate_size=256, mlp_only_layers=[], decoder_sparse_step=1)
 
 
-def write(directory: str) -> None:
+def write(directory: str, variant: str = "dense") -> None:
     torch.manual_seed(0)
-    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**CONFIG)).eval()
+    config = CONFIG | (MOE if variant == "moe" else {})
+    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**config)).eval()
     model.generation_config.pad_token_id = CONFIG["eos_token_id"]  # else generate() warns on every request
     model.save_pretrained(directory)
     shutil.copy(TOKENIZER / "tokenizer.json", Path(directory) / "tokenizer.json")

@@ -448,12 +448,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(cmd: list[str], log_path: Path, cwd: Path):
+def server(cmd: list[str], log_path: Path, cwd: Path, env: dict[str, str] | None = None):
     """A server in its own process group, logging to log_path; SIGTERM (SIGKILL after 30 s) to the whole
     group on the way out, whatever happened, so nothing it spawned outlives the benchmark."""
     print(f"starting: {shlex.join(cmd)}  (log {log_path})", flush=True)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True)
         try:
             yield proc
         finally:
@@ -557,7 +557,7 @@ def compare(args: argparse.Namespace) -> int:
     return 0 if healthy(ours) else 1
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default=f"http://{HOST}:8000")
     parser.add_argument("--endpoint", default="/v1/completions")
@@ -588,9 +588,14 @@ def main() -> None:
     parser.add_argument("--ours-args", default="", help="more flags for python -m jaxhybrid.serve (--compare)")
     parser.add_argument("--hf-serve-args", default="--device cpu", help="more flags for transformers serve")
     parser.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for /health")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    cli = parser()
+    args = cli.parse_args()
     if args.compare and not args.hf_python:
-        parser.error("--compare needs --hf-python")
+        cli.error("--compare needs --hf-python")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: no orphaned servers
     sys.exit(compare(args) if args.compare else single(args))
 

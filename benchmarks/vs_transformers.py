@@ -27,50 +27,36 @@ from pathlib import Path
 
 import jax
 import numpy as np
-
-from jaxhybrid import LLM, SamplingParams
+import peer_work as peer
 
 RESULTS = Path(__file__).parent / "results"
 PEER = Path(__file__).parent / "hf_peer.py"
-ANCHOR, CANDIDATES, CANDIDATE_LEN, PROMPT_LEN, NEW_TOKENS = 512, 64, 64, 128, 64
+CANDIDATES = 64
 
 
 def jobs(vocab: int) -> dict:
     rng = np.random.default_rng(0)
-    ids = lambda n: rng.integers(1, vocab, n).tolist()
-    candidates = [ids(CANDIDATE_LEN) for _ in range(CANDIDATES)]
-    return {"score": {"kind": "score", "anchor": ids(ANCHOR), "candidates": candidates, "batch": 8},
-            "gen_b16": {"kind": "generate", "prompts": [ids(PROMPT_LEN) for _ in range(16)], "new_tokens": NEW_TOKENS},
-            "gen_b1": {"kind": "generate", "prompts": [ids(PROMPT_LEN)], "new_tokens": NEW_TOKENS}}
+    ids = lambda n: peer.random_ids(rng, vocab, n)
+    candidates = [ids(peer.CANDIDATE_LEN) for _ in range(CANDIDATES)]
+    generate = lambda rows: {"kind": "generate", "prompts": [ids(peer.PROMPT_LEN) for _ in range(rows)],
+                             "new_tokens": peer.NEW_TOKENS}
+    return {"score": {"kind": "score", "anchor": ids(peer.ANCHOR), "candidates": candidates, "batch": 8},
+            "gen_b16": generate(16), "gen_b1": generate(1)}
 
 
 def ours(directory: Path, work: dict) -> dict:
-    llm = LLM(directory, skip_tokenizer_init=True, num_blocks=4096, num_state_slots=160, max_num_seqs=64,
-              max_num_batched_tokens=1024, max_model_len=ANCHOR + CANDIDATE_LEN + 16, mamba_block_size=16,
-              token_buckets=(1, 16, 128, 1024), row_buckets=(2, 16, 64))  # XLA:CPU reads weights ~1.5x faster at M=1
     start = time.perf_counter()
-    llm.engine.precompile(progress=False)
+    llm = peer.engine(directory)
     compile_s = time.perf_counter() - start
-    out = {}
     job = work["score"]
-    checkpoint = (ANCHOR - 1) // 16 * 16  # before the anchor's last token: its logit scores each first token
-    prompts = [{"prompt_token_ids": job["anchor"] + c, "checkpoint_position": checkpoint} for c in job["candidates"]]
-    params = SamplingParams(max_tokens=0, prompt_logprobs=0)
-    other_anchor = [{**p, "prompt_token_ids": [t % 8000 + 1 for t in job["anchor"]] + c}  # warm-up, not cached
-                    for p, c in zip(prompts[:2], job["candidates"][:2], strict=True)]
-    llm.generate(other_anchor, params, use_tqdm=False)
-    start = time.perf_counter()
-    scored = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    logprobs = [[o.prompt_logprobs[p][o.prompt_token_ids[p]].logprob for p in range(ANCHOR, ANCHOR + CANDIDATE_LEN)]
-                for o in scored]
-    out["score"] = {"seconds": seconds, "values": logprobs}
+    other_anchor = [t % 8000 + 1 for t in job["anchor"]]  # warm-up, not cached
+    peer.score(llm, other_anchor, job["candidates"][:2])
+    seconds, logprobs = peer.score(llm, job["anchor"], job["candidates"])
+    out = {"score": {"seconds": seconds, "values": logprobs}}
     for name in ("gen_b16", "gen_b1"):
-        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-        llm.generate(work[name]["prompts"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        start = time.perf_counter()
-        generated = llm.generate(work[name]["prompts"], params, use_tqdm=False)
-        out[name] = {"seconds": time.perf_counter() - start, "values": [o.outputs[0].token_ids for o in generated]}
+        peer.generate(llm, work[name]["prompts"], 4)
+        seconds, tokens = peer.generate(llm, work[name]["prompts"], peer.NEW_TOKENS)
+        out[name] = {"seconds": seconds, "values": tokens}
     out["compile_s"] = compile_s
     return out
 
@@ -88,8 +74,8 @@ def main() -> None:
         subprocess.run([args.hf_python, str(PEER), "run", str(directory), str(work_path), str(peer_out)], check=True)
         hf = json.loads(peer_out.read_text())
         mine = ours(directory, work)
-    units = {"score": (CANDIDATES, "candidates/s"), "gen_b16": (16 * NEW_TOKENS, "tokens/s"),
-             "gen_b1": (NEW_TOKENS, "tokens/s")}
+    units = {"score": (CANDIDATES, "candidates/s"), "gen_b16": (16 * peer.NEW_TOKENS, "tokens/s"),
+             "gen_b1": (peer.NEW_TOKENS, "tokens/s")}
     rows = []
     for name, (count, unit) in units.items():
         row = {"job": name, "unit": unit, "jaxhybrid": count / mine[name]["seconds"],
@@ -98,8 +84,7 @@ def main() -> None:
         if name == "score":
             row["max_logprob_diff"] = float(np.abs(np.array(mine[name]["values"]) - np.array(hf[name]["values"])).max())
         else:
-            a, b = np.array(mine[name]["values"]), np.array(hf[name]["values"])
-            row["same_tokens"] = float((np.cumprod(a == b, axis=1)).mean())  # agreeing prefix, as a fraction
+            row["same_tokens"] = peer.agreeing_prefix(mine[name]["values"], hf[name]["values"])
         rows.append(row)
     print(f"checkpoint: random Qwen3-Next, {params / 1e6:.1f}M parameters; jaxhybrid compile {mine['compile_s']:.0f} s")
     print(f"{'job':<9}{'unit':>14}{'jaxhybrid':>11}{'transformers':>14}{'ratio':>8}  check")
