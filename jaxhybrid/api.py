@@ -6,15 +6,17 @@ import json
 import logging
 import numbers
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from tqdm import tqdm
 
-from jaxhybrid.distributed.tensor_parallel import make_mesh
+from jaxhybrid.config import ModelConfig
+from jaxhybrid.distributed.tensor_parallel import device_param_bytes, local_config, make_mesh
 from jaxhybrid.engine import Engine, Prompt
 from jaxhybrid.generation_config import read_generation_config, sampling_defaults
 from jaxhybrid.memory import size_pools
@@ -63,15 +65,63 @@ def speculative_tokens(speculative_config: dict | None) -> int:
     return k
 
 
-def device_memory_budget(utilization: float, params: Any) -> int:
-    """`utilization` of the device's memory less the weights; CPU_MEMORY_BUDGET where none is reported."""
+def pool_budget(utilization: float, device_bytes: int, weight_bytes: int, in_use: int = 0) -> int:
+    """One device's pool bytes: `utilization` of its `device_bytes` less its share of the weights and what
+    is already `in_use`."""
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    return int(utilization * device_bytes) - weight_bytes - in_use
+
+
+def device_memory_budget(utilization: float, weight_bytes: int) -> int:
+    """`pool_budget` on this host's first device; CPU_MEMORY_BUDGET where it reports no memory."""
     stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
-        return CPU_MEMORY_BUDGET
-    weights = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
-    return int(utilization * stats["bytes_limit"]) - weights - stats.get("bytes_in_use", 0)
+    budget = pool_budget(utilization, stats.get("bytes_limit", 0), weight_bytes, stats.get("bytes_in_use", 0))
+    return budget if "bytes_limit" in stats else CPU_MEMORY_BUDGET
+
+
+def param_bytes(params: Any, cfg: ModelConfig, mesh: Mesh | None) -> int:
+    """The params' bytes on one device: all of them, or their shards under tensor parallelism."""
+    if mesh is None:
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+    return device_param_bytes(params, cfg, mesh)
+
+
+def scheduler_config(cfg: ModelConfig, budget: Callable[[], int], *, dtype: jnp.dtype, num_spec_tokens: int = 0,
+                     max_num_seqs: int = 32, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
+                     num_blocks: int | None = None, num_state_slots: int | None = None,
+                     replayssm_window: int | None = None, block_size: int = 16, mamba_block_size: int = 64,
+                     backend: str | None = None, enable_prefix_caching: bool = True,
+                     token_buckets: tuple[int, ...] = (), row_buckets: tuple[int, ...] = (),
+                     bucket_growth: int = 2, tensor_parallel_size: int = 1) -> SchedulerConfig:
+    """The engine's SchedulerConfig from `LLM`'s arguments (defaults as there): pools sized by `size_pools`
+    for one device's `budget()` bytes and that device's share of a slot and a block (the pools split by
+    heads over `tensor_parallel_size` devices) unless both counts are given, bucket ladders, W for the
+    backend."""
+    k = num_spec_tokens
+    max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
+    if replayssm_window is None:  # the reference ops fold a ring entry with a whole pass over the state
+        replayssm_window = 16 if resolve_backend(backend) == "pallas" else 1
+    ring_size = replayssm_window and max(replayssm_window, 1 + k)  # 0: the snapshot baseline
+    if num_blocks is None or num_state_slots is None:
+        sizes = size_pools(local_config(cfg, tensor_parallel_size), budget(), block_size=block_size,
+                           ring_size=ring_size, num_spec_tokens=k, max_num_seqs=max_num_seqs,
+                           max_model_len=max_model_len, dtype_bytes=dtype.itemsize)
+        num_blocks, num_state_slots, max_num_seqs = (num_blocks or sizes.num_blocks,
+                                                     num_state_slots or sizes.num_state_slots, sizes.max_num_seqs)
+        log.info("pools: %s", sizes.describe())
+    # one block-table width and logits buckets on the token ladder keep the compiled shapes few; row
+    # buckets start at 2 (see Runner)
+    token_buckets = token_buckets or default_buckets(max_num_batched_tokens, growth=bucket_growth)
+    row_buckets = row_buckets or tuple(sorted({max(b, 2) for b in default_buckets(max_num_seqs,
+                                                                                  growth=bucket_growth)}))
+    return SchedulerConfig(
+        block_size=block_size, mamba_block_size=mamba_block_size, max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_blocks=num_blocks,
+        num_state_slots=num_state_slots, num_spec_tokens=k, cache_mode="align" if enable_prefix_caching else "none",
+        ring_size=ring_size, vocab_size=cfg.vocab_size, row_data_bytes=ROW_DTYPE.itemsize,
+        token_buckets=token_buckets, row_buckets=row_buckets, logits_buckets=token_buckets,
+        block_table_buckets=(-(-(max_model_len + k) // block_size),))
 
 
 class LLM:
@@ -117,31 +167,15 @@ class LLM:
         if k and not cfg.mtp_layers:
             raise ValueError(f"speculative_config asks for MTP, but the {cfg.model_type} checkpoint at {directory} "
                              "has no MTP weights (mtp.*)")
-        max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
-        if replayssm_window is None:  # the reference ops fold a ring entry with a whole pass over the state
-            replayssm_window = 16 if resolve_backend(backend) == "pallas" else 1
-        ring_size = replayssm_window and max(replayssm_window, 1 + k)  # 0: the snapshot baseline
-        if num_blocks is None or num_state_slots is None:
-            sizes = size_pools(cfg, device_memory_budget(gpu_memory_utilization, self.model.params),
-                               block_size=block_size, ring_size=ring_size, num_spec_tokens=k,
-                               max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                               dtype_bytes=dtype.itemsize)
-            num_blocks, num_state_slots, max_num_seqs = (num_blocks or sizes.num_blocks,
-                                                         num_state_slots or sizes.num_state_slots, sizes.max_num_seqs)
-            log.info("pools: %s", sizes.describe())
-        # one block-table width and logits buckets on the token ladder keep the compiled shapes few; row
-        # buckets start at 2 (see Runner)
-        token_buckets = token_buckets or default_buckets(max_num_batched_tokens, growth=bucket_growth)
-        row_buckets = row_buckets or tuple(sorted({max(b, 2) for b in default_buckets(max_num_seqs,
-                                                                                      growth=bucket_growth)}))
-        self.config = SchedulerConfig(
-            block_size=block_size, mamba_block_size=mamba_block_size, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_blocks=num_blocks,
-            num_state_slots=num_state_slots, num_spec_tokens=k, cache_mode="align" if enable_prefix_caching else "none",
-            ring_size=ring_size, vocab_size=cfg.vocab_size, row_data_bytes=ROW_DTYPE.itemsize,
-            token_buckets=token_buckets, row_buckets=row_buckets, logits_buckets=token_buckets,
-            block_table_buckets=(-(-(max_model_len + k) // block_size),))
         mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
+        self.config = scheduler_config(
+            cfg, lambda: device_memory_budget(gpu_memory_utilization, param_bytes(self.model.params, cfg, mesh)),
+            dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+            num_spec_tokens=k, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, num_blocks=num_blocks, num_state_slots=num_state_slots,
+            replayssm_window=replayssm_window, block_size=block_size, mamba_block_size=mamba_block_size,
+            backend=backend, enable_prefix_caching=enable_prefix_caching, token_buckets=token_buckets,
+            row_buckets=row_buckets, bucket_growth=bucket_growth)
         self.engine = Engine(self.model, self.config, self.tokenizer, seed=seed, max_logprobs=max_logprobs, mesh=mesh,
                              async_scheduling=async_scheduling)
         self._counter = 0

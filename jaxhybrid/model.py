@@ -127,9 +127,11 @@ def _init(config: ModelConfig, rng: jax.Array) -> Any:
 
 
 @functools.cache
-def abstract_params(config: ModelConfig) -> Any:
-    """The params pytree as `jax.ShapeDtypeStruct`s (float32), without allocating it."""
-    return jax.eval_shape(functools.partial(_init, config), jax.random.key(0))
+def abstract_params(config: ModelConfig, dtype: jnp.dtype = jnp.float32) -> Any:
+    """The params pytree as `jax.ShapeDtypeStruct`s of `dtype`, without allocating it (the loader's target,
+    and the weights of a compile for a GPU this host does not have)."""
+    shapes = jax.eval_shape(functools.partial(_init, config), jax.random.key(0))
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)), shapes)
 
 
 def init_params(config: ModelConfig, seed: int = 0, dtype: jnp.dtype = jnp.float32) -> Any:

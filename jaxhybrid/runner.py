@@ -78,14 +78,15 @@ class Runner:
         vocab = model.config.vocab_size
         self.num_logprobs = vocab if max_logprobs == -1 else min(max_logprobs, vocab)  # vLLM's -1: no cap
         self.params, self.module = model.params, model.module
+        # params given as ShapeDtypeStructs (`abstract_params`, with a sharding on the devices compiled for):
+        # a runner that holds no arrays and only lowers its step (`lower`), for a GPU this host may not have
+        self.abstract = isinstance(jax.tree.leaves(model.params)[0], jax.ShapeDtypeStruct)
         # multi-host: every process runs every step; the leader sends the others its plans (multihost.py)
         self.channel = PlanChannel() if jax.process_count() > 1 else None
         self._layouts: dict[tuple[int, int, int, int], PlanLayout] = {}
         shardings = {}
         if mesh is not None:  # tensor parallel: weights and pools sharded by heads, outputs replicated
-            params = model.params if self.channel is None else jax.tree.map(np.asarray, model.params)  # from the host
-            params = to_tp_layout(params, model.config, mesh.shape[AXIS])
-            self.params = jax.device_put(params, param_shardings(params, model.config, mesh))
+            self.params = self._sharded_params(model.params)
             self.module = HybridLM(model.config, dataclasses.replace(model.module.ops, mesh=mesh))
             replicated = NamedSharding(mesh, PartitionSpec())
             shardings = dict(out_shardings=(self._state_shardings(), replicated, replicated))
@@ -94,6 +95,16 @@ class Runner:
         self.param_leaves, self._param_tree = jax.tree.flatten(self.params)
         self._fresh_pools()
         self._step = jax.jit(self._step_fn, static_argnums=3, donate_argnums=(1, 2), **shardings)
+
+    def _sharded_params(self, params: Any) -> Any:
+        """The params in the head-aligned layout, placed by `param_shardings` (abstract ones only annotated:
+        the layout permutes within axes, so their shapes stand)."""
+        cfg, mesh = self.model.config, self.mesh
+        if self.abstract:
+            return _sharded_specs(params, param_shardings(params, cfg, mesh))
+        params = params if self.channel is None else jax.tree.map(np.asarray, params)  # from the host
+        params = to_tp_layout(params, cfg, mesh.shape[AXIS])
+        return jax.device_put(params, param_shardings(params, cfg, mesh))
 
     def _state_shardings(self) -> DeviceState:
         return state_shardings(jax.eval_shape(self._fresh_state), self.model.config, self.mesh)
@@ -112,10 +123,21 @@ class Runner:
             self.channel.send(Message.RESET)
         self._fresh_pools()
 
+    def _replicated(self) -> jax.sharding.Sharding | None:
+        """Where the unsharded arguments live: replicated over the mesh, else with the params."""
+        if self.mesh is not None:
+            return NamedSharding(self.mesh, PartitionSpec())
+        return getattr(self.param_leaves[0], "sharding", None)
+
     def _fresh_pools(self) -> None:
         rows, width = max(self.config.row_buckets), 1 + self.config.num_spec_tokens
         carried = Carried(np.zeros(rows * width, np.int32), np.zeros(rows, np.int32))
-        if self.mesh is None:
+        if self.abstract:  # the pools' shapes, on the devices the params are for; nothing allocated
+            shapes = jax.eval_shape(self._fresh_state)
+            self.state = (_specs(shapes, self._replicated()) if self.mesh is None
+                          else _sharded_specs(shapes, self._state_shardings()))
+            self.carried = _specs(carried, self._replicated())
+        elif self.mesh is None:
             self.state, self.carried = self._fresh_state(), jax.device_put(carried)
         else:  # built in place on the mesh, never whole on one device
             self.state = jax.jit(self._fresh_state, out_shardings=self._state_shardings())()
@@ -183,6 +205,15 @@ class Runner:
             self.step(padding_plan(self.config, *shape))
         return len(shapes)
 
+    def lower(self, bucket: tuple[int, int, int, int]) -> jax.stages.Lowered:
+        """The step of this (T, R, B, L) bucket lowered for the runner's devices, as `precompile` compiles it
+        (an all-padding plan, no constraints); with abstract params it compiles for a device this host
+        need not have (`benchmarks/aot_step.py`)."""
+        buffer, layout = pack_plan(padding_plan(self.config, *bucket))
+        constraints = batch_constraints([], bucket[1])
+        return self._step.trace(self.param_leaves, self.state, self.carried, layout,
+                                *_specs((buffer, constraints), self._replicated())).lower()
+
     def _step_fn(self, param_leaves: list[jax.Array], state: DeviceState, carried: Carried, layout: PlanLayout,
                  buffer: jax.Array, constraints: jax.Array) -> tuple[DeviceState, Carried, StepOutput]:
         plan = _with_carried(unpack_plan(buffer, layout, ROW_DTYPE.itemsize), carried, self.config.num_spec_tokens,
@@ -211,6 +242,16 @@ class Runner:
                           jnp.zeros_like(carried.accepted).at[:accepted.shape[0]].set(accepted))
         tokens = jnp.concatenate([sampled, accepted[:, None], drafts], axis=1)
         return state._replace(token_history=history), carried, StepOutput(tokens, reported)
+
+
+def _specs(tree: Any, sharding: jax.sharding.Sharding | None) -> Any:
+    """`tree`'s arrays as ShapeDtypeStructs, all with `sharding` (None: jit's default device)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+
+def _sharded_specs(tree: Any, shardings: Any) -> Any:
+    """`tree`'s arrays as ShapeDtypeStructs with the shardings of a tree of the same structure."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
 def to_host(tree: Any) -> Any:

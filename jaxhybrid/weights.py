@@ -282,7 +282,7 @@ def save_params(model: Model, directory: str | Path) -> None:
 def restore_params(directory: str | Path, config: ModelConfig, dtype: Any = jnp.float32) -> dict:
     import orbax.checkpoint as ocp
 
-    target = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), abstract_params(config))
+    target = abstract_params(config, dtype)
     with ocp.StandardCheckpointer() as checkpointer:
         return checkpointer.restore(Path(directory).absolute(), target)
 

@@ -50,9 +50,10 @@ dnn_version_info {{ major: 9 minor: 10 patch: 0 }}
 device_description_str: "{kind}"
 """
 DEVICE_KINDS = {"h100": "NVIDIA H100 80GB HBM3", "h200": "NVIDIA H200"}  # jax's device_kind on each
+DEVICE_MEMORY = {"h100": 84942979072, "h200": 151397597184}  # bytes of HBM
 TARGETS = {
-    "h100": _TARGET.format(bandwidth=3352320000000, memory=84942979072, kind=DEVICE_KINDS["h100"]),
-    "h200": _TARGET.format(bandwidth=4800000000000, memory=151397597184, kind=DEVICE_KINDS["h200"]),
+    "h100": _TARGET.format(bandwidth=3352320000000, memory=DEVICE_MEMORY["h100"], kind=DEVICE_KINDS["h100"]),
+    "h200": _TARGET.format(bandwidth=4800000000000, memory=DEVICE_MEMORY["h200"], kind=DEVICE_KINDS["h200"]),
 }
 
 
@@ -149,12 +150,22 @@ def ptxas() -> str:
 
 
 @functools.cache
-def topology_mesh(target: str) -> jax.sharding.Mesh:
-    """A one-device mesh on a topology described by TARGETS[target] (needs the CUDA plugin, no GPU)."""
+def topology_mesh(target: str, devices: int = 1, axis: str = "aot") -> jax.sharding.Mesh:
+    """A mesh of `devices` GPUs of one host on a topology described by TARGETS[target] (needs the CUDA plugin,
+    no GPU): "1x1x4" is 1 slice x 1 host x 4 devices."""
     from jax.experimental import topologies  # noqa: PLC0415 - loads the CUDA plugin's topology support
 
-    devices = topologies.get_topology_desc("", platform="cuda", target_config=TARGETS[target], topology="1x1x1").devices
-    return jax.sharding.Mesh(np.array(devices[:1]), ("aot",))
+    found = topologies.get_topology_desc("", platform="cuda", target_config=TARGETS[target],
+                                         topology=f"1x1x{devices}").devices
+    return jax.sharding.Mesh(np.array(found[:devices]), (axis,))
+
+
+@contextlib.contextmanager
+def lowering_for(target: str, mesh: jax.sharding.Mesh) -> Iterator[None]:
+    """Inside the block jit lowers for `target` on `mesh` (a `topology_mesh`): Pallas reads the GPU it lowers
+    for from the abstract mesh; the ops read their launch parameters for it."""
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), tuning.compiling_for(DEVICE_KINDS[target]):
+        yield
 
 
 def _lower(fn: Callable, specs: Sequence[jax.ShapeDtypeStruct], target: str | None) -> jax.stages.Lowered:
@@ -164,8 +175,7 @@ def _lower(fn: Callable, specs: Sequence[jax.ShapeDtypeStruct], target: str | No
     mesh = topology_mesh(target)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated) for s in specs]
-    # Pallas reads the GPU it lowers for from the abstract mesh; the ops read their launch parameters for it
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), tuning.compiling_for(DEVICE_KINDS[target]):
+    with lowering_for(target, mesh):
         return jax.jit(fn).trace(*specs).lower()
 
 

@@ -20,6 +20,7 @@ conv pools (window, conv ring), which start at zero, hold their channels in that
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -34,8 +35,9 @@ from jaxhybrid.models.pools import DeviceState, KVPool, RecurrentPool
 
 AXIS = "tp"
 MixerConfig = GDNConfig | Mamba2Config | AttentionConfig
-_COLUMN = re.compile(r"(gate_proj|up_proj)'\]\['kernel")
-_ROW = re.compile(r"down_proj'\]\['kernel")
+# MLP kernels [D, I] / [I, D] and the routed experts' stacks [E, D, I] / [E, I, D]: split on I
+_COLUMN = re.compile(r"(gate_proj|up_proj)'\](\['kernel'\])?$")
+_ROW = re.compile(r"down_proj'\](\['kernel'\])?$")
 # per mixer kind, its params (path below the mixer) that split with the heads, and on which axis
 _HEAD_AXES = {
     GDN: {"in_proj_qkvz/kernel": 1, "in_proj_ba/kernel": 1, "conv1d": 0, "A_log": 0, "dt_bias": 0,
@@ -80,6 +82,21 @@ def local_heads(mixer: MixerConfig, shards: int) -> MixerConfig:
     """The mixer's config on one device's heads, when its heads split `shards` ways."""
     counts = _head_counts(mixer)
     return dataclasses.replace(mixer, **{name: count // shards for name, count in counts.items()})
+
+
+def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The model config with every mixer's heads as one device of `tp` holds them (split, or all where
+    replicated): one device's bytes per state slot and per KV block (the pools split by heads, not slots)."""
+    mixers = {"gdn": cfg.gdn, "mamba2": cfg.mamba2, "attention": cfg.attention}
+    return dataclasses.replace(cfg, **{name: local_heads(mixer, head_shards(mixer, tp))
+                                       for name, mixer in mixers.items() if mixer is not None})
+
+
+def device_param_bytes(params: Any, cfg: ModelConfig, mesh: Mesh) -> int:
+    """Bytes of the params (arrays or ShapeDtypeStructs) on one device of `mesh` under `param_shardings`."""
+    shardings = jax.tree.leaves(param_shardings(params, cfg, mesh))
+    return sum(math.prod(sharding.shard_shape(p.shape)) * p.dtype.itemsize
+               for p, sharding in zip(jax.tree.leaves(params), shardings, strict=True))
 
 
 def recurrent_pool_specs(pool: RecurrentPool, axis: str | None) -> RecurrentPool:
@@ -164,10 +181,10 @@ def param_shardings(params: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
             heads = head_axis(_mixer_config(cfg, kind), tp)
             return NamedSharding(mesh, P() if axis is None else P(*[None] * axis, heads))
         name = jax.tree_util.keystr(path)
-        if leaf.ndim == 2 and _COLUMN.search(name):
-            return _split(mesh, leaf.shape, 1)
-        if leaf.ndim == 2 and _ROW.search(name):
-            return _split(mesh, leaf.shape, 0)
+        if _COLUMN.search(name):
+            return _split(mesh, leaf.shape, leaf.ndim - 1)
+        if _ROW.search(name):
+            return _split(mesh, leaf.shape, leaf.ndim - 2)
         return NamedSharding(mesh, P())
 
     return jax.tree_util.tree_map_with_path(rule, params)
