@@ -63,9 +63,9 @@ def test_an_abstract_runner_allocates_nothing_and_lowers_a_real_runners_step():
 
 def test_the_buckets_lowered_are_the_executables_precompile_compiles():
     cfg = tiny("tiny_nemotron_h")
-    config = small_config(cfg)
+    config = small_config(cfg, row_buckets=(4,))  # each compile takes half a minute on CI's cores
     shapes = plan_shapes(config)
-    assert len(shapes) == 2 * (1 + 2)  # rows 2, 4 x (T 8: L 8; T 16: L 8, 16)
+    assert len(shapes) == 1 + 2  # T 8: L 8; T 16: L 8, 16
     abstract = Runner(Model(cfg, abstract_params(cfg, jnp.bfloat16)), config)
     lowered = {bucket: abstract.lower(bucket).as_text() for bucket in shapes}
     assert len(set(lowered.values())) == len(shapes)  # one program per bucket
