@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -35,6 +36,7 @@ from jaxhybrid.model import Model, abstract_params
 from jaxhybrid.models.ops import ModelOps
 from jaxhybrid.runner import Runner, plan_shapes
 from pallas_kernels import aot
+from scheduler.config import SchedulerConfig
 
 PRESETS = Path(__file__).parents[1] / "configs" / "models"
 GiB = 2**30
@@ -93,8 +95,11 @@ def memory(compiled: jax.stages.Compiled) -> dict:
                 generated_code=analysis.generated_code_size_in_bytes)
 
 
-def build_runner(setup: Setup, target: str, args: argparse.Namespace) -> tuple[Runner, jax.sharding.Mesh, str]:
-    """The engine's runner for `setup` on `target` over abstract params, and how its pools were sized."""
+def build_runner(setup: Setup, target: str, args: argparse.Namespace,
+                 resize: Callable[[SchedulerConfig], SchedulerConfig] | None = None,
+                 ) -> tuple[Runner, jax.sharding.Mesh, str]:
+    """The engine's runner for `setup` on `target` over abstract params, and how its pools were sized;
+    `resize`, when given, replaces the sized config (`benchmarks/estimate.py`: pools of the fewest pages)."""
     cfg, dtype = load_config(PRESETS / f"{setup.preset}.yaml"), jnp.dtype(args.dtype)
     topology = aot.topology_mesh(target, setup.tp, AXIS)
     params = abstract_params(cfg, dtype)
@@ -107,6 +112,7 @@ def build_runner(setup: Setup, target: str, args: argparse.Namespace) -> tuple[R
         cfg, lambda: budget, dtype=dtype, tensor_parallel_size=setup.tp, num_spec_tokens=setup.k,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, replayssm_window=setup.window, backend="pallas")
+    config = config if resize is None else resize(config)
     model = Model(cfg, params, ops=ModelOps(backend="pallas"), block_size=config.block_size)
     pools = (f"budget {budget / GiB:.2f} GiB: {config.num_blocks} KV blocks, {config.num_state_slots} state slots, "
              f"max_num_seqs {config.max_num_seqs}, max_model_len {config.max_model_len}")
