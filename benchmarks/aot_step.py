@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxhybrid.api import param_bytes, pool_budget, scheduler_config
-from jaxhybrid.config import load_config
+from jaxhybrid.config import ModelConfig, load_config
 from jaxhybrid.distributed.tensor_parallel import AXIS
 from jaxhybrid.model import Model, abstract_params
 from jaxhybrid.models.ops import ModelOps
@@ -96,11 +96,12 @@ def memory(compiled: jax.stages.Compiled) -> dict:
 
 
 def build_runner(setup: Setup, target: str, args: argparse.Namespace,
-                 resize: Callable[[SchedulerConfig], SchedulerConfig] | None = None,
+                 resize: Callable[[SchedulerConfig], SchedulerConfig] | None = None, cfg: ModelConfig | None = None,
                  ) -> tuple[Runner, jax.sharding.Mesh, str]:
-    """The engine's runner for `setup` on `target` over abstract params, and how its pools were sized;
-    `resize`, when given, replaces the sized config (`benchmarks/estimate.py`: pools of the fewest pages)."""
-    cfg, dtype = load_config(PRESETS / f"{setup.preset}.yaml"), jnp.dtype(args.dtype)
+    """The engine's runner for `setup` on `target` over abstract params, and how its pools were sized.
+    `benchmarks/estimate.py` passes `resize` (replaces the sized config: pools of the fewest pages) and `cfg` (the
+    model, in place of the preset's)."""
+    cfg, dtype = cfg or load_config(PRESETS / f"{setup.preset}.yaml"), jnp.dtype(args.dtype)
     topology = aot.topology_mesh(target, setup.tp, AXIS)
     params = abstract_params(cfg, dtype)
     if setup.tp == 1:  # one device: the params live on it, as the engine's do (no mesh)

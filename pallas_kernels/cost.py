@@ -1,18 +1,22 @@
-"""The cost of a jitted program's Pallas kernels: the sum of the `pl.CostEstimate` every pallas_call carries.
+"""The cost of a jitted program: XLA's cost model for its XLA ops, the Pallas kernels' own estimates for them.
 
-XLA cannot see them on GPU: jax's Triton lowering drops a pallas_call's cost_estimate, and XLA's cost model
-counts the custom call it becomes as 0 FLOPs (`benchmarks/estimate.py` adds this sum to XLA's count of
-everything else). The walk reads each pallas_call equation of the jaxpr, through every sub-jaxpr (jit,
-shard_map, custom_jvp/vjp, remat, loops, conditionals). Inside shard_map a kernel sees one device's shards, so
-its estimate, and the sum, is per device. A scan counts its body `length` times; a while loop (fori_loop
-with a traced trip count) counts it once; a cond counts the branch `branch` picks (max: its costliest, by
-FLOPs then bytes; min: its cheapest).
+XLA cannot see the kernels on GPU: jax's Triton lowering drops a pallas_call's cost_estimate, and XLA's cost
+model counts the custom call it becomes as 0 FLOPs. So a program's cost is `xla_cost` of its compiled module
+plus `kernel_cost` of its jaxpr, the sum of the `pl.CostEstimate` every pallas_call carries.
+
+The walk reads each pallas_call equation of the jaxpr, through every sub-jaxpr (jit, shard_map,
+custom_jvp/vjp, remat, loops, conditionals). Inside shard_map a kernel sees one device's shards, so its
+estimate, and the sum, is per device. A scan counts its body `length` times; a while loop (fori_loop with a
+traced trip count) counts it once; a cond counts the branch `branch` picks (max: its costliest, by FLOPs
+then bytes; min: its cheapest).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
+
+import jax
 
 
 class Cost(NamedTuple):
@@ -62,4 +66,18 @@ def kernel_cost(jaxpr: Any, branch: Callable[[Iterable[Cost]], Cost] = max) -> C
         else:
             inner = sum((kernel_cost(j, branch) for p in eqn.params.values() for j in _jaxprs(p)), Cost())
             total += inner.times(eqn.params["length"] if name == "scan" else 1)
+    return total
+
+
+def xla_cost(compiled: jax.stages.Compiled) -> Cost:
+    """XLA's HloCostAnalysis of a compiled program's optimised modules (one device's, after SPMD partitioning).
+
+    `Compiled.cost_analysis()` is None for a deviceless compile (`pallas_kernels.aot`), so the same analysis
+    runs on the modules' HLO through the host's client; it counts a Triton custom call as 0 FLOPs."""
+    from jax._src.lib import _jax  # noqa: PLC0415 - the analysis behind Compiled.cost_analysis, on any client
+
+    client, total = jax.devices("cpu")[0].client, Cost()
+    for module in compiled.runtime_executable().hlo_modules():
+        found = _jax.hlo_module_cost_analysis(client, module)
+        total += Cost(found.get("flops", 0), found.get("transcendentals", 0), found.get("bytes accessed", 0))
     return total
