@@ -4,6 +4,7 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.conv1d import conv1d_prefill
@@ -169,3 +170,22 @@ def test_scan_multiplies_and_cond_picks_a_branch():
     assert kernel_cost(jax.make_jaxpr(scanned)(args)) == single.times(5)
     assert kernel_cost(jax.make_jaxpr(either)(spec(dtype=bool), args)) == single
     assert kernel_cost(jax.make_jaxpr(either)(spec(dtype=bool), args), branch=min) == Cost()
+
+
+def test_under_shard_map_a_kernel_is_costed_on_its_devices_channels():
+    tokens, dim, width = 8, 8, 4
+    mesh = AbstractMesh((2,), ("tp",))
+    channels, whole, windows = PartitionSpec(None, "tp"), PartitionSpec(), PartitionSpec(None, None, "tp")
+    specs = (channels, PartitionSpec("tp"), whole, windows, whole, whole)
+    shapes = ((tokens, dim, F32), (dim, width, F32), (3, I32), (SLOTS, width - 1, dim, F32), (2, I32), (2, bool))
+    args = [spec(*shape, dtype=dtype) for *shape, dtype in shapes]
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, p)) for a, p in zip(args, specs,
+                                                                                                     strict=True)]
+
+    def conv(x, weight, cu, window, slots, has_initial):
+        return conv1d_prefill(x, weight, None, cu, window, slots, has_initial, backend="interpret")
+
+    sharded = jax.shard_map(conv, mesh=mesh, in_specs=specs, out_specs=(channels, windows), check_vma=False)
+    with jax.sharding.use_abstract_mesh(mesh):
+        per_device = kernel_cost(jax.make_jaxpr(sharded)(*args))
+    assert per_device.flops == tokens * (dim // 2) * (2 * width + 1)  # half the channels
