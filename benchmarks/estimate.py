@@ -9,16 +9,17 @@ H200. Its cost, per device:
     flops, transcendentals, bytes = xla_cost(compiled step) + kernel_cost(step jaxpr)
 
 `xla_cost`: XLA's HloCostAnalysis of the compiled, SPMD-partitioned module (one device's program), which
-counts each Triton custom call, i.e. each pallas_call, as 0 FLOPs; `kernel_cost`: the summed
+counts each Triton custom call, i.e. each pallas_call, as 0 FLOPs and 0 bytes; `kernel_cost`: the summed
 `pl.CostEstimate`s of the step's pallas_calls (`pallas_kernels/*/cost.py`), which inside shard_map see one
 device's heads (`pallas_kernels/cost.py`). Compiled, not lowered: on qwen3_5_0_8b's (8, 8, 256, 8) bucket
 the lowered (unoptimised) module has the compiled one's FLOPs within 1.3% (12.52 vs 12.68 G) but counts
 8.75 GB against 3.38 GB (every unfused elementwise op's operands and outputs), and at TP 2 it is the global
-program (12.49 GFLOP) where the compiled one is a device's (8.67 GFLOP). A compile takes about a minute a
-bucket here, a lowering 4 s. The step is built with the fewest pool pages (2 KV blocks, 4 state slots): XLA
-counts a scatter into a pool as reading and writing all of it (361 GB on that bucket's lowered module with
-real pools), where the GPU updates the rows in place; the kernels' estimates count only the slots and blocks
-their rows touch, and no other shape depends on the pools.
+program (12.49 GFLOP) where the compiled one is a device's (8.67 GFLOP). A compile takes 1-2.5 min a
+bucket on two busy cores (Nemotron-H-8B 52 s, Qwen3-Next-80B-A3B at TP 4 136 s), a lowering 4-7 s. The
+step is built with the fewest pool pages (2 KV blocks, 4 state slots): XLA counts a scatter into a pool as
+reading and writing all of it (361 GB on that bucket's lowered module with real pools), where the GPU
+updates the rows in place; the kernels' estimates count only the slots and blocks their rows touch, and no
+other shape depends on the pools.
 
 XLA's model is static: a MoE layer counts its whole expert stack (Qwen3-Next's 512 experts) as read every
 step, where a small batch reads only its tokens' top-10, so Qwen3-Next's estimate at small batches is

@@ -1,7 +1,7 @@
 """The cost of a jitted program: XLA's cost model for its XLA ops, the Pallas kernels' own estimates for them.
 
 XLA cannot see the kernels on GPU: jax's Triton lowering drops a pallas_call's cost_estimate, and XLA's cost
-model counts the custom call it becomes as 0 FLOPs. So a program's cost is `xla_cost` of its compiled module
+model counts the custom call it becomes as 0 FLOPs and 0 bytes. So a program's cost is `xla_cost` of its compiled module
 plus `kernel_cost` of its jaxpr, the sum of the `pl.CostEstimate` every pallas_call carries.
 
 The walk reads each pallas_call equation of the jaxpr, through every sub-jaxpr (jit, shard_map,
@@ -73,7 +73,9 @@ def xla_cost(compiled: jax.stages.Compiled) -> Cost:
     """XLA's HloCostAnalysis of a compiled program's optimised modules (one device's, after SPMD partitioning).
 
     `Compiled.cost_analysis()` is None for a deviceless compile (`pallas_kernels.aot`), so the same analysis
-    runs on the modules' HLO through the host's client; it counts a Triton custom call as 0 FLOPs."""
+    runs on the modules' HLO through the host's client. It counts a Triton custom call as 0 FLOPs and 0 bytes:
+    `ssd_decode` at Nemotron-H-8B's shapes (256 rows, 300 slots) compiled alone costs 2.1 MFLOP and 2.525 GB
+    there, all of it the output's zero-padding fusion and a copy of the (undonated) 1.26 GB pool."""
     from jax._src.lib import _jax  # noqa: PLC0415 - the analysis behind Compiled.cost_analysis, on any client
 
     client, total = jax.devices("cpu")[0].client, Cost()
