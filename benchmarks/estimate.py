@@ -221,33 +221,35 @@ def mtp_ratios(result: dict) -> list[dict]:
     return ratios
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path, context: int) -> None:
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, (decode, ratios) = plt.subplots(1, 2, figsize=(14, 5.5))
+    series = 0
     for i, r in enumerate(results):
         name = r["preset"].split("_")[0] + f" tp{r['tp']}"
-        for k, window in sorted({(d["k"], d["window"]) for d in r["decode"]}):
+        for k, window in sorted({(d["k"], d["window"]) for d in r["decode"]}, key=lambda kw: (kw[0], -kw[1])):
             rows = [d for d in r["decode"] if (d["k"], d["window"]) == (k, window)]
             for target, style in (("h200", "-"), ("h100", ":")):
                 decode.plot([d["batch"] for d in rows], [d["tokens_per_s"][target] for d in rows], style, marker="o",
-                            color=f"C{i * 3 + len({d['k'] for d in r['decode'] if d['k'] < k}) + (window == 0)}",
-                            label=f"{name} K={k} W={window} {target.upper()}")
-        for ratio in mtp_ratios(r):
-            marker = {("K=0", 16): "s", ("K=0", 0): "x", ("W=0", 16): "*"}[ratio["vs"], ratio["window"]]
-            ratios.scatter(ratio["batch"], ratio["speedup"], color=f"C{i}", marker=marker)
+                            color=f"C{series}", label=f"{name} K={k} W={window} {target.upper()}")
+            series += 1
+        marks = {("K=0", 16): "s", ("K=0", 0): "x", ("W=0", 16): "*"}
+        for (vs, window), marker in marks.items():
+            found = [m for m in mtp_ratios(r) if (m["vs"], m["window"]) == (vs, window)]
+            if found:
+                ratios.plot([m["batch"] for m in found], [m["speedup"] for m in found], marker=marker, color=f"C{i}",
+                            label=f"{name}: MTP K={found[0]['k']} W={window} vs {vs}, by batch")
         ratios.plot([c["candidates"] for c in r["checkpoint"]], [c["speedup"] for c in r["checkpoint"]], "--",
-                    color=f"C{i}", marker="^", label=f"{name}: checkpoint x N candidates (x: N)")
+                    color=f"C{i}", marker="^", label=f"{name}: checkpoint vs none, by N candidates")
     for (label, value), colour in zip(SEEDS.values(), ("C3", "C4"), strict=True):
         ratios.axhline(value, color=colour, linewidth=1, label=label.split(", ")[0] + f": {value}x measured")
     decode.set(xscale="log", yscale="log", xlabel="batch (rows)", ylabel="decode tokens/s per device",
-               title=f"decode, {LABEL}")
-    ratios.set(xscale="log", xlabel="batch (MTP K=3 vs K=0: squares W=16, crosses W=0; stars: W=16 vs W=0) or N "
-               "candidates", ylabel="speed-up",
-               title=f"speed-ups, {LABEL}")
+               title=f"decode at context {context}, {LABEL}")
+    ratios.set(xscale="log", xlabel="batch, or N candidates", ylabel="speed-up", title=f"speed-ups, {LABEL}")
     decode.legend(fontsize=6)
     ratios.legend(fontsize=6)
     for ax in (decode, ratios):
@@ -290,7 +292,7 @@ def main() -> None:
     record = dict(label=LABEL, args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                   peaks=PEAKS, seeds=SEEDS, results=results)
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=1))
-    plot(results, args.out.with_suffix(".png"))
+    plot(results, args.out.with_suffix(".png"), args.max_model_len)
 
 
 if __name__ == "__main__":
