@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,12 +30,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxhybrid.api import param_bytes, pool_budget, scheduler_config
-from jaxhybrid.config import load_config
+from jaxhybrid.config import ModelConfig, load_config
 from jaxhybrid.distributed.tensor_parallel import AXIS
 from jaxhybrid.model import Model, abstract_params
 from jaxhybrid.models.ops import ModelOps
 from jaxhybrid.runner import Runner, plan_shapes
 from pallas_kernels import aot
+from scheduler.config import SchedulerConfig
 
 PRESETS = Path(__file__).parents[1] / "configs" / "models"
 GiB = 2**30
@@ -93,9 +95,13 @@ def memory(compiled: jax.stages.Compiled) -> dict:
                 generated_code=analysis.generated_code_size_in_bytes)
 
 
-def build_runner(setup: Setup, target: str, args: argparse.Namespace) -> tuple[Runner, jax.sharding.Mesh, str]:
-    """The engine's runner for `setup` on `target` over abstract params, and how its pools were sized."""
-    cfg, dtype = load_config(PRESETS / f"{setup.preset}.yaml"), jnp.dtype(args.dtype)
+def build_runner(setup: Setup, target: str, args: argparse.Namespace,
+                 resize: Callable[[SchedulerConfig], SchedulerConfig] | None = None, cfg: ModelConfig | None = None,
+                 ) -> tuple[Runner, jax.sharding.Mesh, str]:
+    """The engine's runner for `setup` on `target` over abstract params, and how its pools were sized.
+    `benchmarks/estimate.py` passes `resize` (replaces the sized config: pools of the fewest pages) and `cfg` (the
+    model, in place of the preset's)."""
+    cfg, dtype = cfg or load_config(PRESETS / f"{setup.preset}.yaml"), jnp.dtype(args.dtype)
     topology = aot.topology_mesh(target, setup.tp, AXIS)
     params = abstract_params(cfg, dtype)
     if setup.tp == 1:  # one device: the params live on it, as the engine's do (no mesh)
@@ -107,6 +113,7 @@ def build_runner(setup: Setup, target: str, args: argparse.Namespace) -> tuple[R
         cfg, lambda: budget, dtype=dtype, tensor_parallel_size=setup.tp, num_spec_tokens=setup.k,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, replayssm_window=setup.window, backend="pallas")
+    config = config if resize is None else resize(config)
     model = Model(cfg, params, ops=ModelOps(backend="pallas"), block_size=config.block_size)
     pools = (f"budget {budget / GiB:.2f} GiB: {config.num_blocks} KV blocks, {config.num_state_slots} state slots, "
              f"max_num_seqs {config.max_num_seqs}, max_model_len {config.max_model_len}")

@@ -1,4 +1,5 @@
-"""Kernel cases at real model shapes, with the FLOPs and minimum HBM bytes each call must spend.
+"""Kernel cases at real model shapes, with the FLOPs and HBM bytes of each call: the sum of its kernels'
+CostEstimates (`pallas_kernels/*/cost.py`, read from the op's jaxpr by `pallas_kernels.cost.kernel_cost`).
 
 Used by `kernels.py --gpu`. Shapes come from the presets in configs/models (Qwen3-Next-80B-A3B for GDN and
 gated attention, Nemotron-H-8B for Mamba2, conv1d and GQA attention), with heads divided by the
@@ -15,19 +16,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxhybrid.config import load_config
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.conv1d import conv1d_prefill
+from pallas_kernels.cost import kernel_cost
 from pallas_kernels.gdn import gdn_decode, gdn_materialise, gdn_prefill, gdn_verify
 from pallas_kernels.mamba2 import ssd_decode, ssd_materialise, ssd_prefill, ssd_verify
 
 PRESETS = Path(__file__).parents[1] / "configs" / "models"
 H200 = dict(bf16_flops=989e12, hbm_bytes=4.8e12)
-GDN_CHUNK = 64  # the Pallas kernel's chunk; the FLOP count below is FLA's chunked algorithm's
-F32 = 4
 
 
 class Case(NamedTuple):
@@ -62,6 +63,13 @@ def threaded(op, pools):
     return make
 
 
+def kernel_case(op: str, shape: str, call, pools, target: str) -> Case:
+    """A Case of `call(backend, *pools)` whose FLOPs and bytes are its kernels' CostEstimates at these shapes
+    (traced in interpret mode: the same pallas_calls, nothing run)."""
+    estimate = kernel_cost(jax.make_jaxpr(lambda *p: call("interpret", *p))(*pools))
+    return Case(op, shape, threaded(call, pools), estimate.flops, estimate.bytes_accessed, target)
+
+
 def _rows(lengths) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
@@ -90,119 +98,94 @@ def _per_rank(heads: int, tp: int) -> int:
 
 
 def conv_cases(inputs: Inputs, model: str, conv_dim: int, kernel: int, tokens: int):
-    act = inputs.dtype.itemsize
     x, weight = inputs.act(tokens, conv_dim), inputs.act(conv_dim, kernel, scale=0.5)
     pool, cu, slots, ones = inputs.act(2, kernel - 1, conv_dim), _rows([tokens]), np.ones(1, np.int32), np.ones(1, bool)
-    yield Case(
-        "conv1d_prefill", f"{model} T={tokens} D={conv_dim}",
-        threaded(lambda b, p: conv1d_prefill(x, weight, None, cu, p, slots, ones, backend=b), [pool]),
-        2 * tokens * conv_dim * kernel, 2 * tokens * conv_dim * act, "",
-    )  # fmt: skip
+    yield kernel_case("conv1d_prefill", f"{model} T={tokens} D={conv_dim}",
+                      lambda b, p: conv1d_prefill(x, weight, None, cu, p, slots, ones, backend=b), [pool], "")
 
 
 def gdn_cases(inputs: Inputs, model: str, cfg, tp: int, tokens: int, batch: int, width=8, drafts=3):
+    """Rings of E = W + 1 + K entries; verify rows commit W / 2 of them and materialise folds E // 2, as the
+    kernels' estimates assume (`pallas_kernels.common.folded_entries`)."""
     h, hv = _per_rank(cfg.num_k_heads, tp), _per_rank(cfg.num_v_heads, tp)
-    dk, dv, act = cfg.head_k_dim, cfg.head_v_dim, inputs.dtype.itemsize
+    dk, dv = cfg.head_k_dim, cfg.head_v_dim
     shape = f"{model} tp{tp} H={h} HV={hv}"
 
     def tokens_of(n):
         return (inputs.act(n, h, dk), inputs.act(n, h, dk), inputs.act(n, hv, dv), inputs.decay(n, hv),
                 inputs.unit(n, hv))  # fmt: skip
 
-    def token_bytes(n):
-        return n * ((2 * h * dk + 2 * hv * dv) * act + 2 * hv * F32)  # q, k, v in; o out; g, beta
-
-    state = hv * dk * dv * F32
     pool = inputs.f32(2 * batch + 1, hv, dk, dv, scale=0.1)
     slots, ones = np.arange(1, batch + 1, dtype=np.int32), np.ones(batch, bool)
     prefill = tokens_of(tokens)
-    per_token = 2 * hv * (3 * GDN_CHUNK * dk + 2 * GDN_CHUNK * dv + 3 * dk * dv)
-    yield Case(
+    yield kernel_case(
         "gdn_prefill", f"{shape} T={tokens}",
-        threaded(lambda b, p: gdn_prefill(*prefill, _rows([tokens]), p, slots[:1], ones[:1], backend=b), [pool]),
-        tokens * per_token, token_bytes(tokens) + 2 * state, "tensor",
+        lambda b, p: gdn_prefill(*prefill, _rows([tokens]), p, slots[:1], ones[:1], backend=b), [pool], "tensor",
     )  # fmt: skip
     decode = tokens_of(batch)
-    yield Case(
-        "gdn_decode", f"{shape} R={batch}",
-        threaded(lambda b, p: gdn_decode(*decode, _rows([1] * batch), p, slots, backend=b), [pool]),
-        batch * 6 * hv * dk * dv, token_bytes(batch) + 2 * batch * state, "hbm",
-    )  # fmt: skip
-    verify, entry = tokens_of(batch * (1 + drafts)), (h * dk + hv * dv + hv) * F32
-    entries = width + 1 + drafts
+    yield kernel_case("gdn_decode", f"{shape} R={batch}",
+                      lambda b, p: gdn_decode(*decode, _rows([1] * batch), p, slots, backend=b), [pool], "hbm")
+    verify, entries = tokens_of(batch * (1 + drafts)), width + 1 + drafts
     rings = (inputs.f32(2 * batch + 1, h, entries, dk), inputs.f32(2 * batch + 1, hv, entries, dv),
              inputs.decay(2 * batch + 1, hv, entries))  # fmt: skip
     committed = width // 2
     trackers = (slots, np.zeros(batch, np.int32), np.full(batch, committed, np.int32), np.zeros(batch, bool))
-    yield Case(
+    yield kernel_case(
         "gdn_verify", f"{shape} R={batch} T/row={1 + drafts} committed={committed}",
-        threaded(lambda b, *p: gdn_verify(*verify, _rows([1 + drafts] * batch), *p, *trackers, backend=b),
-                 [pool, *rings]),
-        batch * (1 + drafts + committed) * 6 * hv * dk * dv,
-        token_bytes(batch * (1 + drafts)) + batch * (state + (committed + 1 + drafts) * entry), "hbm",
+        lambda b, *p: gdn_verify(*verify, _rows([1 + drafts] * batch), *p, *trackers, backend=b), [pool, *rings],
+        "hbm",
     )  # fmt: skip
-    dst, starts, live = slots + batch, np.zeros(batch, np.int32), np.full(batch, committed, np.int32)
-    yield Case(
-        "gdn_materialise", f"{shape} M={batch} entries={committed}",
-        threaded(lambda b, p: (gdn_materialise(p, *rings, slots, dst, starts, live, backend=b),), [pool]),
-        batch * committed * 3 * hv * dk * dv, batch * (2 * state + committed * entry), "hbm",
+    dst, starts, live = slots + batch, np.zeros(batch, np.int32), np.full(batch, entries // 2, np.int32)
+    yield kernel_case(
+        "gdn_materialise", f"{shape} M={batch} entries={entries // 2}",
+        lambda b, p: (gdn_materialise(p, *rings, slots, dst, starts, live, backend=b),), [pool], "hbm",
     )  # fmt: skip
 
 
 def ssd_cases(inputs: Inputs, model: str, cfg, tp: int, tokens: int, batch: int, width=8, drafts=3):
+    """Rings and committed entries as `gdn_cases`."""
     nh, g = _per_rank(cfg.num_heads, tp), _per_rank(cfg.n_groups, tp)
-    p, n, c, act = cfg.head_dim, cfg.state_size, cfg.chunk_size, inputs.dtype.itemsize
+    p, n = cfg.head_dim, cfg.state_size
     shape = f"{model} tp{tp} NH={nh} G={g}"
     a, d = -jnp.exp(inputs.unit(nh, low=-1.0)), inputs.f32(nh)
 
     def tokens_of(m):
         return inputs.act(m, nh, p), inputs.unit(m, nh, low=0.001, high=0.1), inputs.act(m, g, n), inputs.act(m, g, n)
 
-    def token_bytes(m):
-        return m * ((2 * nh * p + 2 * g * n) * act + nh * F32)  # x in, y out, B, C, dt
-
-    state = nh * p * n * F32
     pool = inputs.f32(2 * batch + 1, nh, p, n, scale=0.1)
     slots, ones = np.arange(1, batch + 1, dtype=np.int32), np.ones(batch, bool)
     x, dt, bb, cc = tokens_of(tokens)
-    per_token = 2 * g * c * n + nh * (2 * c * p + 4 * p * n)  # C.B^T per group; intra-chunk, state in/out per head
-    yield Case(
+    yield kernel_case(
         "ssd_prefill", f"{shape} T={tokens}",
-        threaded(lambda b, p: ssd_prefill(x, dt, a, bb, cc, d, _rows([tokens]), p, slots[:1], ones[:1], backend=b),
-                 [pool]),
-        tokens * per_token, token_bytes(tokens) + 2 * state, "tensor",
+        lambda b, p: ssd_prefill(x, dt, a, bb, cc, d, _rows([tokens]), p, slots[:1], ones[:1], backend=b), [pool],
+        "tensor",
     )  # fmt: skip
     x1, dt1, b1, c1 = tokens_of(batch)
-    yield Case(
-        "ssd_decode", f"{shape} R={batch}",
-        threaded(lambda b, p: ssd_decode(x1, dt1, a, b1, c1, d, _rows([1] * batch), p, slots, backend=b), [pool]),
-        batch * 6 * nh * p * n, token_bytes(batch) + 2 * batch * state, "hbm",
-    )  # fmt: skip
+    yield kernel_case("ssd_decode", f"{shape} R={batch}",
+                      lambda b, p: ssd_decode(x1, dt1, a, b1, c1, d, _rows([1] * batch), p, slots, backend=b), [pool],
+                      "hbm")
     xv, dtv, bv, cv = tokens_of(batch * (1 + drafts))
-    entry = (nh * p + nh + g * n) * F32
-    rings = (inputs.f32(2 * batch + 1, nh, width + 1 + drafts, p),
-             inputs.unit(2 * batch + 1, nh, width + 1 + drafts, low=0.001, high=0.1),
-             inputs.f32(2 * batch + 1, g, width + 1 + drafts, n))  # fmt: skip
+    entries = width + 1 + drafts
+    rings = (inputs.f32(2 * batch + 1, nh, entries, p), inputs.unit(2 * batch + 1, nh, entries, low=0.001, high=0.1),
+             inputs.f32(2 * batch + 1, g, entries, n))  # fmt: skip
     committed = width // 2
     trackers = (slots, np.zeros(batch, np.int32), np.full(batch, committed, np.int32), np.zeros(batch, bool))
-    yield Case(
+    yield kernel_case(
         "ssd_verify", f"{shape} R={batch} T/row={1 + drafts} committed={committed}",
-        threaded(lambda b, *p: ssd_verify(xv, dtv, a, bv, cv, d, _rows([1 + drafts] * batch), *p, *trackers,
-                                          backend=b), [pool, *rings]),
-        batch * (1 + drafts + committed) * 6 * nh * p * n,
-        token_bytes(batch * (1 + drafts)) + batch * (state + (committed + 1 + drafts) * entry), "hbm",
+        lambda b, *p: ssd_verify(xv, dtv, a, bv, cv, d, _rows([1 + drafts] * batch), *p, *trackers, backend=b),
+        [pool, *rings], "hbm",
     )  # fmt: skip
-    dst, starts, entries = slots + batch, np.zeros(batch, np.int32), np.full(batch, committed, np.int32)
-    yield Case(
-        "ssd_materialise", f"{shape} M={batch} entries={committed}",
-        threaded(lambda b, p: (ssd_materialise(p, *rings, a, slots, dst, starts, entries, backend=b),), [pool]),
-        batch * committed * 3 * nh * p * n, batch * (2 * state + committed * entry), "hbm",
+    dst, starts, live = slots + batch, np.zeros(batch, np.int32), np.full(batch, entries // 2, np.int32)
+    yield kernel_case(
+        "ssd_materialise", f"{shape} M={batch} entries={entries // 2}",
+        lambda b, p: (ssd_materialise(p, *rings, a, slots, dst, starts, live, backend=b),), [pool], "hbm",
     )  # fmt: skip
 
 
 def attention_cases(inputs: Inputs, model: str, cfg, tp: int, tokens: int, batch: int, context: int, block=16):
+    """Rows that end at their block table's span, as the kernel's estimate assumes (`attention/cost.py`)."""
     hq, hkv, dh = _per_rank(cfg.num_heads, tp), _per_rank(cfg.num_kv_heads, tp), cfg.head_dim
-    act, shape = inputs.dtype.itemsize, f"{model} tp{tp} HQ={hq} HKV={hkv} Dh={dh}"
+    shape = f"{model} tp{tp} HQ={hq} HKV={hkv} Dh={dh}"
 
     def case(op, new_tokens, rows, total, target):  # `rows` rows of `new_tokens` each, `total` tokens after
         per_row = -(-total // block)
@@ -213,14 +196,11 @@ def attention_cases(inputs: Inputs, model: str, cfg, tp: int, tokens: int, batch
         slot_mapping = (tables[row_of, positions // block] * block + positions % block).astype(np.int32)
         q, k, v = inputs.act(rows * new_tokens, hq, dh), *(inputs.act(rows * new_tokens, hkv, dh) for _ in range(2))
         context_lens, cu = np.full(rows, total - new_tokens, np.int32), _rows([new_tokens] * rows)
-        pairs = rows * (new_tokens * (total - new_tokens) + new_tokens * (new_tokens + 1) / 2)  # causal (q, key)
-        moved = rows * total * 2 * hkv * dh * act + 2 * rows * new_tokens * hq * dh * act  # K/V read; q in, o out
-        return Case(
+        return kernel_case(
             op, f"{shape} {new_tokens} x{rows} ctx={total}",
-            threaded(lambda b, kp, vp: ragged_paged_attention(q, k, v, kp, vp, slot_mapping, tables, cu, context_lens,
-                                                              scale=dh**-0.5, backend=b),
-                     [k_pool, v_pool]),
-            4 * pairs * hq * dh, moved, target,
+            lambda b, kp, vp: ragged_paged_attention(q, k, v, kp, vp, slot_mapping, tables, cu, context_lens,
+                                                     scale=dh**-0.5, backend=b),
+            [k_pool, v_pool], target,
         )  # fmt: skip
 
     yield case("attention_prefill", tokens, 1, tokens, "")
@@ -267,7 +247,7 @@ def plot(records, path: Path, peak=H200) -> None:
     ax.legend(fontsize=7, loc="lower right")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP / byte of minimum HBM traffic)")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte, the kernels' CostEstimates)")
     ax.set_ylabel("achieved TFLOP/s (filled: Pallas kernel, hollow: XLA reference)")
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()

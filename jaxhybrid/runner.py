@@ -205,14 +205,18 @@ class Runner:
             self.step(padding_plan(self.config, *shape))
         return len(shapes)
 
-    def lower(self, bucket: tuple[int, int, int, int]) -> jax.stages.Lowered:
-        """The step of this (T, R, B, L) bucket lowered for the runner's devices, as `precompile` compiles it
-        (an all-padding plan, no constraints); with abstract params it compiles for a device this host
-        need not have (`benchmarks/aot_step.py`)."""
+    def trace(self, bucket: tuple[int, int, int, int]) -> jax.stages.Traced:
+        """The step of this (T, R, B, L) bucket traced as `precompile` compiles it (an all-padding plan, no
+        constraints): its jaxpr (`benchmarks/estimate.py` sums its kernels' cost estimates) and `lower()`."""
         buffer, layout = pack_plan(padding_plan(self.config, *bucket))
         constraints = batch_constraints([], bucket[1])
         return self._step.trace(self.param_leaves, self.state, self.carried, layout,
-                                *_specs((buffer, constraints), self._replicated())).lower()
+                                *_specs((buffer, constraints), self._replicated()))
+
+    def lower(self, bucket: tuple[int, int, int, int]) -> jax.stages.Lowered:
+        """The step of this bucket lowered for the runner's devices (`trace`); with abstract params it compiles
+        for a device this host need not have (`benchmarks/aot_step.py`)."""
+        return self.trace(bucket).lower()
 
     def _step_fn(self, param_leaves: list[jax.Array], state: DeviceState, carried: Carried, layout: PlanLayout,
                  buffer: jax.Array, constraints: jax.Array) -> tuple[DeviceState, Carried, StepOutput]:

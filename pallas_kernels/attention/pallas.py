@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.attention import cost
 from pallas_kernels.attention.reference import write_kv
 from pallas_kernels.common import check_dot_sides, chunk_table, dot_precision, max_num_chunks, zero_padding
 
@@ -211,6 +212,7 @@ def ragged_paged_attention(
         grid=(num_tiles, num_kv_heads, num_splits),
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        cost_estimate=cost.attention(q, k_pool, block_table, num_splits),
         name=f"ragged_paged_attention_{block_m=}_{group=}_{num_splits=}",
     )(table.rows, table.starts, table.lengths, cu_seqlens, context_lens, block_table, grouped, k_pool, v_pool)
     out = outs if num_splits == 1 else _merge_splits(*outs)

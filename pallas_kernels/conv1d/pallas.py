@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.common import check_rows, dividing_tile, int32
+from pallas_kernels.conv1d import cost
 
 
 def _tile_table(cu_seqlens: jax.Array, num_tokens: int, block_t: int, width: int) -> dict[str, jax.Array]:
@@ -156,6 +157,7 @@ def _conv1d_call(x, weight, bias, cu_seqlens, window_pool, per_row, *, activatio
         input_output_aliases={list(operands).index("window"): 1},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
+        cost_estimate=cost.conv1d(x, weight, bias, window_pool, per_row["slots"].shape[0], activation=activation),
         name=f"conv1d_prefill_{block_t=}_{block_d=}",
     )(*operands.values())
 

@@ -13,6 +13,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.common import append_tokens, check_rows, dividing_tile, zero_padding
+from pallas_kernels.gdn import cost
 from pallas_kernels.gdn.reference import normalise_qk
 
 
@@ -113,6 +114,8 @@ def _replay_call(q, k, v, g, beta, cu_seqlens, state_pool, rings, trackers, *, w
         grid=(cu_seqlens.shape[0] - 1, num_heads, head_v // block_v),
         input_output_aliases={list(operands).index("state"): 2},
         **_launch(num_warps, num_stages, interpret),
+        cost_estimate=cost.replay(q, k, v, g, beta, state_pool, **rings, num_rows=cu_seqlens.shape[0] - 1,
+                                  write_final=write_final),
         name=f"gdn_replay_{block_v=}_{write_final=}",
     )(*operands.values())
 
@@ -193,6 +196,7 @@ def gdn_verify_snapshots(
         grid=(cu_seqlens.shape[0] - 1, num_heads, head_v // block_v),
         input_output_aliases={len(operands) - 2: 1, len(operands) - 1: 2},
         **_launch(num_warps, num_stages, interpret),
+        cost_estimate=cost.snapshots(qn, kn, v, g, beta, snapshots, state_pool, slots.shape[0]),
         name=f"gdn_snapshots_{block_v=}",
     )(*operands.values())
     return zero_padding(o, cu_seqlens, v.dtype), state_pool, snapshots
@@ -267,5 +271,6 @@ def gdn_materialise(
         grid=(src_slots.shape[0], num_heads, head_v // block_v),
         input_output_aliases={list(operands).index("state"): 0},
         **_launch(num_warps, num_stages, interpret),
+        cost_estimate=cost.materialise(ring_k, ring_u, ring_g, state_pool, src_slots.shape[0]),
         name=f"gdn_materialise_{block_v=}",
     )(*operands.values())

@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.common import check_dot_sides, check_rows, chunk_table, dividing_tile, int32, zero_padding
+from pallas_kernels.gdn import cost
 from pallas_kernels.gdn.reference import l2norm
 from pallas_kernels.gdn.wy import (
     BLOCK,
@@ -199,7 +200,7 @@ def _output_kernel(
         _store_rows(o_ref, start, length, o + dot(dot_nt(q, k, cfg.dtype) * gamma, v_new, cfg.dtype), i_h, cols)
 
 
-def _pallas_call(kernel, operands: dict, out_shape, grid, name, cfg, interpret, aliases=None):
+def _pallas_call(kernel, operands: dict, out_shape, grid, name, cfg, interpret, cost_estimate, aliases=None):
     """pl.pallas_call over named operands; `aliases` maps an operand name to the output it becomes."""
     return pl.pallas_call(
         kernel,
@@ -208,6 +209,7 @@ def _pallas_call(kernel, operands: dict, out_shape, grid, name, cfg, interpret, 
         input_output_aliases={list(operands).index(n): i for n, i in (aliases or {}).items()},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        cost_estimate=cost_estimate,
         name=name,
     )(*operands.values())
 
@@ -222,8 +224,9 @@ def _intra_chunk(table, k, v, g, beta, cfg, interpret):
     )
     grid = (table.starts.shape[0], num_heads)
     name = f"gdn_prefill_intra_chunk_chunk_size={cfg.chunk_size}"
+    estimate = cost.intra_chunk(k, v, g, beta, cfg.dtype, cfg.chunk_size)
     return _pallas_call(functools.partial(_intra_chunk_kernel, cfg=cfg), operands, out_shape, grid, name, cfg,
-                        interpret)
+                        interpret, estimate)
 
 
 def _state_pass(table, rows: dict, k, w, u, g, state_pool, cfg, interpret):
@@ -241,7 +244,8 @@ def _state_pass(table, rows: dict, k, w, u, g, state_pool, cfg, interpret):
     grid = (rows["slots"].shape[0], num_heads, head_v // block_v)
     kernel = functools.partial(_state_pass_kernel, cfg=cfg, block_v=block_v)
     name = f"gdn_prefill_state_pass_{block_v=}_chunk_size={cfg.chunk_size}"
-    return _pallas_call(kernel, operands, out_shape, grid, name, cfg, interpret, aliases={"state": 2})
+    estimate = cost.state_pass(k, w, u, g, state_pool, cfg.dtype, rows["slots"].shape[0], num_chunks)
+    return _pallas_call(kernel, operands, out_shape, grid, name, cfg, interpret, estimate, aliases={"state": 2})
 
 
 def _output(table, q, k, g, h, v_new, out_dtype, cfg, interpret):
@@ -254,7 +258,8 @@ def _output(table, q, k, g, h, v_new, out_dtype, cfg, interpret):
     grid = (table.starts.shape[0], v_new.shape[1], head_v // block_v)
     kernel = functools.partial(_output_kernel, cfg=cfg, block_v=block_v)
     name = f"gdn_prefill_output_{block_v=}_chunk_size={cfg.chunk_size}"
-    return _pallas_call(kernel, operands, out_shape, grid, name, cfg, interpret)
+    estimate = cost.output(q, k, g, h, v_new, out_dtype, cfg.chunk_size)
+    return _pallas_call(kernel, operands, out_shape, grid, name, cfg, interpret, estimate)
 
 
 def _check_chunk_size(chunk_size: int) -> None:

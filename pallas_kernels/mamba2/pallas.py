@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.common import append_tokens, check_rows, dividing_tile, int32, zero_padding
+from pallas_kernels.mamba2 import cost
 
 _f32 = jnp.float32
 
@@ -198,7 +199,8 @@ def check_tiles(state_pool, block_p):
     return dividing_tile(head_dim, block_p, "block_p")
 
 
-def pool_call(kernel, operands, out_shapes, *, num_rows, block_p, interpret, name, num_warps=4, num_stages=1):
+def pool_call(kernel, operands, out_shapes, *, num_rows, block_p, interpret, name, cost_estimate, num_warps=4,
+              num_stages=1):
     """pallas_call over (row, head, P tile); the last operand, the state pool, is the last output, in place."""
     num_heads, head_dim = operands[-1].shape[1:3]
     return pl.pallas_call(
@@ -208,6 +210,7 @@ def pool_call(kernel, operands, out_shapes, *, num_rows, block_p, interpret, nam
         input_output_aliases={len(operands) - 1: len(out_shapes) - 1},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        cost_estimate=cost_estimate,
         name=name,
     )(*operands)
 
@@ -224,9 +227,11 @@ def _replay_call(x, dt, A, B, C, D, cu_seqlens, state_pool, rings, trackers, *, 
     kernel = functools.partial(
         _ssd_replay_kernel, heads_per_group=x.shape[1] // B.shape[1], block_p=block_p, write_final=write_final
     )
+    num_rows = trackers[0].shape[0]
+    estimate = cost.replay(x, dt, B, C, state_pool, *rings, num_rows, write_final=write_final)
     y, state_pool = pool_call(
-        kernel, operands, (x, state_pool), num_rows=trackers[0].shape[0], block_p=block_p, interpret=interpret,
-        name=f"ssd_{'decode' if write_final else 'verify'}_{block_p=}", **launch,
+        kernel, operands, (x, state_pool), num_rows=num_rows, block_p=block_p, interpret=interpret,
+        name=f"ssd_{'decode' if write_final else 'verify'}_{block_p=}", cost_estimate=estimate, **launch,
     )  # fmt: skip
     return zero_padding(y, cu_seqlens, x.dtype), state_pool
 
@@ -287,6 +292,7 @@ def ssd_verify_snapshots(
         input_output_aliases={len(operands) - 2: 1, len(operands) - 1: 2},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        cost_estimate=cost.snapshots(x, dt, B, C, snapshots, state_pool, slots.shape[0]),
         name=f"ssd_snapshots_{block_p=}",
     )(*operands)
     return zero_padding(y, cu_seqlens, x.dtype), state_pool, snapshots
@@ -311,5 +317,6 @@ def ssd_materialise(
     (state_pool,) = pool_call(
         kernel, operands, (state_pool,), num_rows=src_slots.shape[0], block_p=block_p, interpret=interpret,
         name=f"ssd_materialise_{block_p=}", num_warps=num_warps, num_stages=num_stages,
+        cost_estimate=cost.materialise(ring_x, ring_dt, ring_B, state_pool, src_slots.shape[0]),
     )  # fmt: skip
     return state_pool

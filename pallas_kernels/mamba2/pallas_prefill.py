@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.common import check_rows, chunk_table, dot_precision, int32
+from pallas_kernels.mamba2 import cost
 from pallas_kernels.mamba2.pallas import check_tiles, pool_call, program_tile
 
 _f32 = jnp.float32
@@ -67,6 +68,7 @@ def _chunk_cb(B, C, starts, lengths, *, block_t, interpret):
         grid=(num_chunks, num_groups),
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        cost_estimate=cost.chunk_cb(B, C, block_t),
         name=f"ssd_chunk_cb_{block_t=}",
     )(*int32(starts, lengths), B, C)
 
@@ -251,4 +253,5 @@ def ssd_prefill(
     return pool_call(
         kernel, operands, (x, state_pool), num_rows=slots.shape[0], block_p=block_p, interpret=interpret,
         name=f"ssd_prefill_{block_p=}_{block_t=}", num_warps=num_warps, num_stages=num_stages,
+        cost_estimate=cost.prefill(x, dt, B, C, state_pool, slots.shape[0], block_t),
     )  # fmt: skip
