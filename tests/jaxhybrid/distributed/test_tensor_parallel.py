@@ -1,6 +1,6 @@
 """Tensor parallelism on 4 host devices (a subprocess: the device count is fixed when JAX starts): TP = 2 and 4
-give TP = 1's greedy tokens and logprobs with the Pallas kernels (interpreted, in shard_map) and with the
-reference ops, on a Qwen3-Next-style model (GDN, MTP) and a Nemotron-H-style one (Mamba2), through prefix
+give TP = 1's greedy tokens and logprobs with the Pallas kernels (interpreted, in shard_map), and TP = 2 does
+with the reference ops, on a Qwen3-Next-style model (GDN, MTP) and a Nemotron-H-style one (Mamba2), through prefix
 hits, publishes and materialisations, with the weights and pools really split by heads (4 ways on a model
 four heads wide); and the head-aligned conv layout, which needs no devices."""
 
@@ -23,7 +23,10 @@ from tests.tolerances import assert_close
 
 # the same maths with the heads' partial sums added in another order (the row-parallel projections)
 LOGPROB_ATOL = 1e-4
-CASES = ("qwen3_next/reference", "qwen3_next/interpret", "nemotron_h/reference", "nemotron_h/interpret")
+# each case's TP sizes: the Pallas kernels (the GPU's path) at 2 and 4, the reference ops at 2 (4 ways
+# replicates the same heads, which the interpret cases and the wide model's case check)
+CASES = {"qwen3_next/reference": ("2",), "qwen3_next/interpret": ("2", "4"), "nemotron_h/reference": ("2",),
+         "nemotron_h/interpret": ("2", "4")}
 # a worker compiles the whole engine three times: about a minute on a quiet machine, several on a loaded one;
 # these bounds only catch a hang
 WORKER_TIMEOUT = 840
@@ -47,9 +50,10 @@ def tp_runs(*cases: str) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def tp_1_2_4(case: str) -> dict:
-    """One case's reports at TP = 1, 2 and 4 (a subprocess per case keeps each test well inside its timeout)."""
-    return tp_runs(f"{case}=1,2,4")[case]
+def tp_reports(case: str) -> dict:
+    """One case's reports at TP = 1 and its CASES sizes (a subprocess per case keeps each test well inside its
+    timeout)."""
+    return tp_runs(f"{case}={','.join(('1', *CASES[case]))}")[case]
 
 
 def split_axis(spec: list | None) -> int | None:
@@ -58,13 +62,13 @@ def split_axis(spec: list | None) -> int | None:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_tp_2_and_4_equal_one_device(case):
-    runs = tp_1_2_4(case)
+def test_tp_gives_one_devices_tokens_and_logprobs(case):
+    runs = tp_reports(case)
     one = runs["1"]
     assert one["state_devices"] == 1
     # the slot-indexed page ops ran too: prefix hits copied in, states published and materialised
     assert min(one["page_ops"].values()) > 0, one["page_ops"]
-    for tp in ("2", "4"):
+    for tp in CASES[case]:
         run = runs[tp]
         assert run["state_devices"] == int(tp)
         assert run["page_ops"] == one["page_ops"]
@@ -81,13 +85,15 @@ SPLIT_AXES = {"state": 1, "window": 2, "conv_ring": 3, "kv": 2, "in_proj": 1, "c
 
 @pytest.mark.parametrize("case", CASES)
 def test_weights_and_pools_split_by_heads_where_tp_divides_them(case):
-    runs = tp_1_2_4(case)
+    runs = tp_reports(case)
     # both models have 2 GDN key heads (Mamba2 groups) and 2 kv heads: split 2 ways, replicated 4 ways
-    two, four = runs["2"]["specs"], runs["4"]["specs"]
+    two = runs["2"]["specs"]
     assert {name: split_axis(two[name]) for name in SPLIT_AXES} == SPLIT_AXES
     assert [split_axis(spec) for spec in two["rings"] + two["mtp_kv"]] == [1] * 3 + [2] * len(two["mtp_kv"])
-    assert {name: split_axis(four[name]) for name in SPLIT_AXES} == {name: None for name in SPLIT_AXES} | {"mlp": 1}
-    assert [split_axis(spec) for spec in four["rings"] + four["mtp_kv"]] == [None] * (3 + len(four["mtp_kv"]))
+    if "4" in runs:
+        four = runs["4"]["specs"]
+        assert {name: split_axis(four[name]) for name in SPLIT_AXES} == {name: None for name in SPLIT_AXES} | {"mlp": 1}
+        assert [split_axis(spec) for spec in four["rings"] + four["mtp_kv"]] == [None] * (3 + len(four["mtp_kv"]))
 
 
 def test_a_model_four_heads_wide_splits_every_mixer_four_ways():

@@ -1,7 +1,7 @@
 """Port of vLLM's tests/entrypoints/openai/chat_completion/test_root_path.py: with --root-path /llm and an API
 key, chat completions are served both at /v1 and at /llm/v1, and the key is checked on both. vLLM's key comes
 from VLLM_API_KEY, ours from the app's `api_keys` (--api-key); the server is the long `LLM`'s, as in
-test_chat_echo.py, whose same (seeded) request ends with "stop" there."""
+test_chat_echo.py, and the request is that module's, bounded the same way."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import openai
 import pytest
 
-from tests.jaxhybrid.serve.vllm_openai.chat_completion.test_chat_echo import SEED
+from tests.jaxhybrid.serve.vllm_openai.chat_completion.test_chat_echo import BOUNDED
 from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, InProcessServer
 
 API_KEY = "abc-123"
@@ -52,7 +52,7 @@ def test_chat_session_root_path_with_api_key(server, test_case: Case):
         chat_completion = client.chat.completions.create(
             model=test_case.model_name,
             messages=[{"role": "user", "content": "tell me a common saying"}, {"role": "assistant", "content": saying}],
-            extra_body={"continue_final_message": True, "add_generation_prompt": False, "seed": SEED})
+            extra_body={"continue_final_message": True, "add_generation_prompt": False, **BOUNDED})
 
         assert chat_completion.id is not None
         assert len(chat_completion.choices) == 1
