@@ -8,7 +8,7 @@ attention prefill and decode. One line per kernel: ok or the reason, registers, 
 against the 232,448 B limit, threads and grid. Exits 1 on a compile error, a spill, or registers or shared
 memory over the limit.
 
-Needs the CUDA plugin and ptxas (a venv of its own, README "Kernel compile check"):
+Needs the CUDA plugin and ptxas (a venv of its own: docs/kernels.md, "Compile check without a GPU"):
     JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python benchmarks/aot_kernels.py --quick
 """
 

@@ -12,7 +12,7 @@ Per bucket: compile ok or the error, seconds, and XLA's `memory_analysis()` per 
 outputs, aliased (donated) bytes, temporaries, generated code) and the peak against that limit.
 Exits 1 on a compile error or a peak over the limit.
 
-Needs the CUDA plugin (README "Kernel compile check"):
+Needs the CUDA plugin (docs/kernels.md, "Compile check without a GPU"):
     JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python benchmarks/aot_step.py --preset nemotron_h_8b_base_8k
 """
 

@@ -25,7 +25,7 @@ contention (a GPU's host keeps its cores); its CPU time is the work itself. A st
 work is hidden when, as its dispatch returns, the step before is still running (`is_ready()` read on
 the host thread). Reported: p50/p99/max of each, host/device at p99, the hidden
 fraction, tokens/s of both runs, the ratio ahead/serial, and ahead against the device-only bound (the
-tokens over the replay's time). Target (issue 15): p99 host/device <= 0.5 where the device step is
+tokens over the replay's time). Target: p99 host/device <= 0.5 where the device step is
 at least 5 ms (over the steps whose device time is), and one step ahead within 5% of the device-only bound
 there (loads whose median device step is).
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU check of issue 18 in one run on a device machine (jax with CUDA already installed), sized
+# The whole GPU check in one run on a device machine (jax with CUDA already installed), sized
 # for a 10-minute command: the Triton-compiled kernels' tests at model shapes, the roofline benchmark at the
 # kernels' defaults, then the block-size sweep with what time is left (it records after every case).
 # Results land in benchmarks/results/ and configs/kernels/, copied to $OUT.

@@ -33,7 +33,7 @@ def reference_logprobs(llm: LLM, tokens: list[int]) -> np.ndarray:
     return logprobs[np.arange(len(tokens) - 1), tokens[1:]]
 
 
-SCORE_ATOL = 1e-4  # the job's contract with its users (issue 17), tighter than the worst-case float32 bound
+SCORE_ATOL = 1e-4  # the job's contract with its users, tighter than the worst-case float32 bound
 
 
 def assert_logprobs_close(llm: LLM, actual, tokens: list[int], start: int) -> None:

@@ -1,7 +1,7 @@
 """The deviceless compile check without the CUDA plugin: reading ptxas and XLA's dumps into per-kernel records,
 and the pass/fail rule. The fixtures are real output of `pallas_kernels.aot` compiling the f32 GDN prefill
 for an H200 (state_block_v 16, output_block_v 16, 8 warps, 1 stage), with the serialized Triton IR left out
-of the HLO lines. Compiling itself needs the CUDA venv: `benchmarks/aot_kernels.py --quick` (README)."""
+of the HLO lines. Compiling itself needs the CUDA venv: `benchmarks/aot_kernels.py --quick` (docs/kernels.md)."""
 
 import importlib
 from pathlib import Path

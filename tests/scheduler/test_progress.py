@@ -1,4 +1,4 @@
-"""The progress bound for running prefills (schedule.py, "Progress bound"): the issue-31 starvation cases, and
+"""The progress bound for running prefills (schedule.py, "Progress bound"): the starvation cases that motivated it, and
 the bound's step property over random accepted configs and workloads."""
 
 from __future__ import annotations

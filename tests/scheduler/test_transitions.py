@@ -64,7 +64,7 @@ def _busy_state(k: int = 2):
 
 
 def test_a_consumed_state_raises_and_handed_out_arrays_stay_put():
-    """The sequence of the issue: arrays taken from a state stay readable, a consumed state raises."""
+    """Arrays taken from a state stay readable, a consumed state raises."""
     driver = Driver(make_config(mamba_block_size=64))
     driver.add(request("a", range(1, 21), max_tokens=4))
     s0 = driver.state
