@@ -27,7 +27,7 @@ LOGPROB_ATOL = 1e-4
 # replicates the same heads, which the interpret cases and the wide model's case check)
 CASES = {"qwen3_next/reference": ("2",), "qwen3_next/interpret": ("2", "4"), "nemotron_h/reference": ("2",),
          "nemotron_h/interpret": ("2", "4")}
-# a worker compiles the whole engine three times: about a minute on a quiet machine, several on a loaded one;
+# a worker compiles the whole engine once per TP size: about a minute on a quiet machine, several on a loaded one;
 # these bounds only catch a hang
 WORKER_TIMEOUT = 840
 pytestmark = pytest.mark.timeout(WORKER_TIMEOUT + 60)
