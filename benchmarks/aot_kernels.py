@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from jaxhybrid.config import load_config
-from jaxhybrid.distributed.tensor_parallel import head_shards, local_heads
+from jaxhybrid.models.config import load_config
+from jaxhybrid.models.tensor_parallel import head_shards, local_heads
 from pallas_kernels import aot
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.conv1d import conv1d_prefill

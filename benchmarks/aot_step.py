@@ -1,7 +1,7 @@
 """The engine's whole jitted step compiled for an H100/H200 without a GPU, at a preset's real sizes.
 
 For each preset, TP size, MTP K and ReplaySSM window W (0: the snapshot baseline), the engine is built as
-`LLM` builds it (`api.scheduler_config`, pools sized by `size_pools` for `gpu_memory_utilization` of the
+`LLM` builds it (`EngineArgs.scheduler_config`, pools sized by `size_pools` for `gpu_memory_utilization` of the
 target's HBM less the weights) over ABSTRACT params (`abstract_params`: ShapeDtypeStructs, nothing
 allocated), and its step is compiled (`Runner.lower`) for every bucket the engine compiles
 (`plan_shapes`). At TP > 1 the step is compiled for a multi-device deviceless topology ("1x1x<tp>").
@@ -29,12 +29,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.api import param_bytes, pool_budget, scheduler_config
-from jaxhybrid.config import ModelConfig, load_config
-from jaxhybrid.distributed.tensor_parallel import AXIS
-from jaxhybrid.model import Model, abstract_params
+from jaxhybrid.engine_args import EngineArgs
+from jaxhybrid.models.config import ModelConfig, load_config
+from jaxhybrid.models.model import Model, abstract_params
 from jaxhybrid.models.ops import ModelOps
-from jaxhybrid.runner import Runner, plan_shapes
+from jaxhybrid.models.tensor_parallel import AXIS
+from jaxhybrid.worker.buckets import plan_shapes
+from jaxhybrid.worker.memory import param_bytes, pool_budget
+from jaxhybrid.worker.runner import Runner
 from pallas_kernels import aot
 from scheduler.config import SchedulerConfig
 
@@ -109,10 +111,11 @@ def build_runner(setup: Setup, target: str, args: argparse.Namespace,
         params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=replicated), params)
     mesh = topology if setup.tp > 1 else None
     budget = pool_budget(args.gpu_memory_utilization, device_limit(target, args), param_bytes(params, cfg, mesh))
-    config = scheduler_config(
-        cfg, lambda: budget, dtype=dtype, tensor_parallel_size=setup.tp, num_spec_tokens=setup.k,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, replayssm_window=setup.window, backend="pallas")
+    mtp = {"method": "mtp", "num_speculative_tokens": setup.k} if setup.k else None
+    engine_args = EngineArgs(tensor_parallel_size=setup.tp, speculative_config=mtp, max_num_seqs=args.max_num_seqs,
+                             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                             replayssm_window=setup.window, backend="pallas")
+    config = engine_args.scheduler_config(cfg, lambda: budget, dtype=dtype)
     config = config if resize is None else resize(config)
     model = Model(cfg, params, ops=ModelOps(backend="pallas"), block_size=config.block_size)
     pools = (f"budget {budget / GiB:.2f} GiB: {config.num_blocks} KV blocks, {config.num_state_slots} state slots, "

@@ -8,14 +8,14 @@ tokens, greedy, eos ignored so every request decodes the same length):
   replay_w4       MTP K = 3, W = 1 + K = 4: the smallest window, which folds (writes S0) at every step;
   snapshots       MTP K = 3 without ReplaySSM (`replayssm_window=0`): a verify row writes the whole state
                   after each of its 1 + K positions and the next step starts from the accepted one.
-State memory per request is each mode's slot page (`jaxhybrid.memory.slot_bytes`). The baseline, measured
+State memory per request is each mode's slot page (`jaxhybrid.worker.memory.slot_bytes`). The baseline, measured
 in the same run, is no_mtp at the same batch: speedups are ratios to it.
 Compilation is excluded (every bucket is compiled before the timed run).
 
 Prints a table, writes benchmarks/results/decode.json and decode.png.
 
 `--breakdown` instead splits a decode step of a random 40M-parameter Qwen3-Next MoE checkpoint (8 experts top-2,
-head dims 64; written in bf16 through `jaxhybrid.export`, or `--checkpoint`) at batch 1 and 16, bf16 and fp32:
+head dims 64; written in bf16 through `jaxhybrid.models.export`, or `--checkpoint`) at batch 1 and 16, bf16 and fp32:
   engine        serial steps (`async_scheduling=False`) of greedy decoding, split into host scheduling
                 (schedule + update), plan transfer (packing and dispatch), device (the wait for the step) and
                 output processing; and the tokens/s of the default engine (one step ahead);
@@ -45,17 +45,18 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import figure  # benchmarks/ is sys.path[0]
 
 import scheduler
 from jaxhybrid import LLM, SamplingParams
-from jaxhybrid.config import parse_hf_config
-from jaxhybrid.export import export_hf_checkpoint
-from jaxhybrid.memory import slot_bytes
-from jaxhybrid.model import init_params
+from jaxhybrid.models.config import parse_hf_config
+from jaxhybrid.models.export import export_hf_checkpoint
 from jaxhybrid.models.hybrid import HybridLM
-from jaxhybrid.plan_transfer import pack_plan, unpack_plan
-from jaxhybrid.sampling import ROW_DTYPE, batch_constraints
+from jaxhybrid.models.model import init_params
+from jaxhybrid.models.plan_transfer import pack_plan, unpack_plan
+from jaxhybrid.sample.sampler import ROW_DTYPE, batch_constraints
 from jaxhybrid.tiny.corpus import HELD_OUT_MODULES, stdlib_dir
+from jaxhybrid.worker.memory import slot_bytes
 from scheduler import RowKind
 
 RESULTS = Path(__file__).parent / "results"
@@ -141,7 +142,7 @@ class EngineClock:
         self.totals, self.plans, self._originals = defaultdict(float), [], []
         for owner, name, phase in ((scheduler, "schedule", "host"), (scheduler, "update", "host"),
                                    (runner, "dispatch", "transfer"), (runner, "fetch", "device"),
-                                   (engine, "_finish_step", "outputs")):
+                                   (engine.output_processor, "process", "outputs")):
             self._wrap(owner, name, phase)
 
     def _wrap(self, owner, name: str, phase: str) -> None:
@@ -310,23 +311,19 @@ def run_breakdown(args: argparse.Namespace) -> None:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     batches = sorted({r["batch"] for r in results})
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / len(MODES)
-    for i, mode in enumerate(MODES):
-        values = [next(r["tokens_per_s"] for r in results if r["mode"] == mode and r["batch"] == b) for b in batches]
-        ax.bar([j + i * width for j in range(len(batches))], values, width, label=mode)
-    ax.set_xticks([j + width for j in range(len(batches))], [f"batch {b}" for b in batches])
-    ax.set_ylabel("decode tokens/s")
-    ax.set_title(f"embedded model, {jax.default_backend()}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, figsize=(7, 4)) as (fig, ax):
+        width = 0.8 / len(MODES)
+        for i, mode in enumerate(MODES):
+            values = [next(r["tokens_per_s"] for r in results if r["mode"] == mode and r["batch"] == b)
+                      for b in batches]
+            ax.bar([j + i * width for j in range(len(batches))], values, width, label=mode)
+        ax.set_xticks([j + width for j in range(len(batches))], [f"batch {b}" for b in batches])
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"embedded model, {jax.default_backend()}")
+        ax.legend()
 
 
 def main() -> None:

@@ -55,11 +55,13 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from common import figure  # benchmarks/ is sys.path[0]
 from tqdm import tqdm
 
 import scheduler
 from jaxhybrid import LLM, SamplingParams
-from jaxhybrid.engine import Engine, Prompt
+from jaxhybrid.engine.core import Engine
+from jaxhybrid.engine.requests import Prompt
 
 RESULTS = Path(__file__).parent / "results"
 PEER = Path(__file__).parent / "hf_peer.py"
@@ -99,7 +101,7 @@ class StepClock:
     def _wrap_engine(self, engine: Engine) -> None:
         for name, phase in (("schedule", "schedule"), ("update", "update"), ("resolve", "resolve")):
             self._timed(scheduler, name, phase)
-        self._timed(engine, "_finish_step", "outputs")
+        self._timed(engine.output_processor, "process", "outputs")
         runner, dispatch, fetch = engine.runner, engine.runner.dispatch, engine.runner.fetch
         self.outs, self.plans, self.pending = [], [], queue.Queue()
         self.dispatch = dispatch  # unwrapped, for the replay
@@ -313,34 +315,31 @@ def print_table(rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], timelines: dict, path: Path) -> None:
-    import matplotlib.pyplot as plt
 
     # a decode load whose device step is a few times the host's work shows the gaps serial leaves
     key = "embedded K=0 decode_b64 split" if "embedded K=0 decode_b64 split" in timelines else next(iter(timelines))
-    fig, axes = plt.subplots(3, 1, figsize=(12, 11))
-    for ax, mode in zip(axes[:2], ("serial", "ahead"), strict=True):
-        steps = dispatched(timelines[key][mode])[:300]
-        t0 = steps[0]["start"]
-        previous_done = 0.0
-        for s in steps:
-            ax.barh(1, (s["end"] - s["start"] - s["wait"]) * 1e3, left=(s["start"] - t0) * 1e3, color="tab:orange")
-            begin = max(s["dispatched"], previous_done)
-            ax.barh(0, (s["done"] - begin) * 1e3, left=(begin - t0) * 1e3, color="tab:blue")
-            previous_done = s["done"]
-        ax.set_yticks([0, 1], ["device", "host"])
-        ax.set_xlabel("ms")
-        ax.set_title(f"{key}: {mode} (first {len(steps)} steps)")
-    labels = [f"{r['model']} K={r['k']}\n{r['load']} {r['cores']}" for r in rows]
-    x = np.arange(len(rows))
-    axes[2].bar(x - 0.25, [r["device"]["p50_ms"] for r in rows], 0.25, label="device p50")
-    axes[2].bar(x, [r["host_ahead"]["p99_ms"] for r in rows], 0.25, label="host p99, wall (one step ahead)")
-    axes[2].bar(x + 0.25, [r["host_cpu_ahead"]["p99_ms"] for r in rows], 0.25, label="host p99, CPU time")
-    axes[2].set_xticks(x, labels, fontsize=6, rotation=60, ha="right")
-    axes[2].set_yscale("log")
-    axes[2].set_ylabel("ms per step")
-    axes[2].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with figure(path, 3, 1, figsize=(12, 11), dpi=110) as (fig, axes):
+        for ax, mode in zip(axes[:2], ("serial", "ahead"), strict=True):
+            steps = dispatched(timelines[key][mode])[:300]
+            t0 = steps[0]["start"]
+            previous_done = 0.0
+            for s in steps:
+                ax.barh(1, (s["end"] - s["start"] - s["wait"]) * 1e3, left=(s["start"] - t0) * 1e3, color="tab:orange")
+                begin = max(s["dispatched"], previous_done)
+                ax.barh(0, (s["done"] - begin) * 1e3, left=(begin - t0) * 1e3, color="tab:blue")
+                previous_done = s["done"]
+            ax.set_yticks([0, 1], ["device", "host"])
+            ax.set_xlabel("ms")
+            ax.set_title(f"{key}: {mode} (first {len(steps)} steps)")
+        labels = [f"{r['model']} K={r['k']}\n{r['load']} {r['cores']}" for r in rows]
+        x = np.arange(len(rows))
+        axes[2].bar(x - 0.25, [r["device"]["p50_ms"] for r in rows], 0.25, label="device p50")
+        axes[2].bar(x, [r["host_ahead"]["p99_ms"] for r in rows], 0.25, label="host p99, wall (one step ahead)")
+        axes[2].bar(x + 0.25, [r["host_cpu_ahead"]["p99_ms"] for r in rows], 0.25, label="host p99, CPU time")
+        axes[2].set_xticks(x, labels, fontsize=6, rotation=60, ha="right")
+        axes[2].set_yscale("log")
+        axes[2].set_ylabel("ms per step")
+        axes[2].legend()
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 kernels' CostEstimates. Nothing here runs on a GPU; every figure is labelled an estimate.
 
 Step cost. For each (preset, TP, MTP drafts K, ReplaySSM window W) the engine is built as
-`benchmarks/aot_step.py` builds it (`build_runner`: abstract params, `scheduler_config`, `Runner`), and the
+`benchmarks/aot_step.py` builds it (`build_runner`: abstract params, `EngineArgs.scheduler_config`, `Runner`), and the
 step of a bucket (T tokens, R rows, B block-table width, L logits) is traced and compiled deviceless for the
 H200. Its cost, per device:
 
@@ -58,7 +58,8 @@ import yaml
 from tqdm import tqdm
 
 from benchmarks.aot_step import PRESETS, Setup, build_runner
-from jaxhybrid.config import ModelConfig, parse_hf_config
+from benchmarks.common import figure
+from jaxhybrid.models.config import ModelConfig, parse_hf_config
 from pallas_kernels import aot
 from pallas_kernels.cost import Cost, kernel_cost, xla_cost
 
@@ -222,40 +223,33 @@ def mtp_ratios(result: dict) -> list[dict]:
 
 
 def plot(results: list[dict], path: Path, context: int) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    fig, (decode, ratios) = plt.subplots(1, 2, figsize=(14, 5.5))
-    series = 0
-    for i, r in enumerate(results):
-        name = r["preset"].split("_")[0] + f" tp{r['tp']}"
-        for k, window in sorted({(d["k"], d["window"]) for d in r["decode"]}, key=lambda kw: (kw[0], -kw[1])):
-            rows = [d for d in r["decode"] if (d["k"], d["window"]) == (k, window)]
-            for target, style in (("h200", "-"), ("h100", ":")):
-                decode.plot([d["batch"] for d in rows], [d["tokens_per_s"][target] for d in rows], style, marker="o",
-                            color=f"C{series}", label=f"{name} K={k} W={window} {target.upper()}")
-            series += 1
-        marks = {("K=0", 16): "s", ("K=0", 0): "x", ("W=0", 16): "*"}
-        for (vs, window), marker in marks.items():
-            found = [m for m in mtp_ratios(r) if (m["vs"], m["window"]) == (vs, window)]
-            if found:
-                ratios.plot([m["batch"] for m in found], [m["speedup"] for m in found], marker=marker, color=f"C{i}",
-                            label=f"{name}: MTP K={found[0]['k']} W={window} vs {vs}, by batch")
-        ratios.plot([c["candidates"] for c in r["checkpoint"]], [c["speedup"] for c in r["checkpoint"]], "--",
-                    color=f"C{i}", marker="^", label=f"{name}: checkpoint vs none, by N candidates")
-    for (label, value), colour in zip(SEEDS.values(), ("C3", "C4"), strict=True):
-        ratios.axhline(value, color=colour, linewidth=1, label=label.split(", ")[0] + f": {value}x measured")
-    decode.set(xscale="log", yscale="log", xlabel="batch (rows)", ylabel="decode tokens/s per device",
-               title=f"decode at context {context}, {LABEL}")
-    ratios.set(xscale="log", xlabel="batch, or N candidates", ylabel="speed-up", title=f"speed-ups, {LABEL}")
-    decode.legend(fontsize=6)
-    ratios.legend(fontsize=6)
-    for ax in (decode, ratios):
-        ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, 1, 2, figsize=(14, 5.5)) as (fig, (decode, ratios)):
+        series = 0
+        for i, r in enumerate(results):
+            name = r["preset"].split("_")[0] + f" tp{r['tp']}"
+            for k, window in sorted({(d["k"], d["window"]) for d in r["decode"]}, key=lambda kw: (kw[0], -kw[1])):
+                rows = [d for d in r["decode"] if (d["k"], d["window"]) == (k, window)]
+                for target, style in (("h200", "-"), ("h100", ":")):
+                    decode.plot([d["batch"] for d in rows], [d["tokens_per_s"][target] for d in rows], style,
+                                marker="o", color=f"C{series}", label=f"{name} K={k} W={window} {target.upper()}")
+                series += 1
+            marks = {("K=0", 16): "s", ("K=0", 0): "x", ("W=0", 16): "*"}
+            for (vs, window), marker in marks.items():
+                found = [m for m in mtp_ratios(r) if (m["vs"], m["window"]) == (vs, window)]
+                if found:
+                    ratios.plot([m["batch"] for m in found], [m["speedup"] for m in found], marker=marker,
+                                color=f"C{i}", label=f"{name}: MTP K={found[0]['k']} W={window} vs {vs}, by batch")
+            ratios.plot([c["candidates"] for c in r["checkpoint"]], [c["speedup"] for c in r["checkpoint"]], "--",
+                        color=f"C{i}", marker="^", label=f"{name}: checkpoint vs none, by N candidates")
+        for (label, value), colour in zip(SEEDS.values(), ("C3", "C4"), strict=True):
+            ratios.axhline(value, color=colour, linewidth=1, label=label.split(", ")[0] + f": {value}x measured")
+        decode.set(xscale="log", yscale="log", xlabel="batch (rows)", ylabel="decode tokens/s per device",
+                   title=f"decode at context {context}, {LABEL}")
+        ratios.set(xscale="log", xlabel="batch, or N candidates", ylabel="speed-up", title=f"speed-ups, {LABEL}")
+        decode.legend(fontsize=6)
+        ratios.legend(fontsize=6)
+        for ax in (decode, ratios):
+            ax.grid(True, which="both", alpha=0.3)
 
 
 def main() -> None:

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from common import figure  # benchmarks/ is sys.path[0]
 
 from jaxhybrid import LLM, SamplingParams
-from jaxhybrid.tokenizer import CHECKPOINT_MARKER
+from jaxhybrid.engine.tokenizer import CHECKPOINT_MARKER
 
 RESULTS = Path(__file__).parent / "results"
 PARAMS = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -97,23 +98,16 @@ def main() -> None:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    ns = [r["n"] for r in results]
-    for key, label in (("marker_s", "marker"), ("no_marker_s", "no marker"), ("one_by_one_s", "one by one")):
-        left.plot(ns, [r[key] / r["n"] for r in results], marker="o", label=label)
-    left.set(xscale="log", yscale="log", xlabel="candidates N", ylabel="seconds per candidate")
-    left.legend()
-    right.plot(ns, [r["speedup"] for r in results], marker="o", label="measured speedup")
-    right.plot(ns, [r["bound"] for r in results], linestyle="--", label="FLOP-ratio bound")
-    right.set(xscale="log", xlabel="candidates N", ylabel="no marker / marker")
-    right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, 1, 2, figsize=(10, 4)) as (fig, (left, right)):
+        ns = [r["n"] for r in results]
+        for key, label in (("marker_s", "marker"), ("no_marker_s", "no marker"), ("one_by_one_s", "one by one")):
+            left.plot(ns, [r[key] / r["n"] for r in results], marker="o", label=label)
+        left.set(xscale="log", yscale="log", xlabel="candidates N", ylabel="seconds per candidate")
+        left.legend()
+        right.plot(ns, [r["speedup"] for r in results], marker="o", label="measured speedup")
+        right.plot(ns, [r["bound"] for r in results], linestyle="--", label="FLOP-ratio bound")
+        right.set(xscale="log", xlabel="candidates N", ylabel="no marker / marker")
+        right.legend()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
+from common import figure  # benchmarks/ is sys.path[0]
 
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.conv1d import conv1d_prefill, conv1d_replay
@@ -303,20 +304,13 @@ def attention_case(rng, backend, prefill, rows, context=1024, block=16, q_heads=
 
 
 def _plot(records, backend, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 0.4 * len(records) + 1.5))
-    ops = [r["op"] for r in records]
-    ax.barh(ops, [r["numpy_ms"] / r["ms"] for r in records], color="tab:blue")
-    ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel(f"speed-up of the {backend} backend over the NumPy baseline (same run)")
-    ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, figsize=(9, 0.4 * len(records) + 1.5)) as (fig, ax):
+        ops = [r["op"] for r in records]
+        ax.barh(ops, [r["numpy_ms"] / r["ms"] for r in records], color="tab:blue")
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"speed-up of the {backend} backend over the NumPy baseline (same run)")
+        ax.invert_yaxis()
 
 
 TARGETS = {"hbm": 0.60, "tensor": 0.35}

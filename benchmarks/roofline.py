@@ -19,8 +19,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import figure  # benchmarks/ is sys.path[0]
 
-from jaxhybrid.config import load_config
+from jaxhybrid.models.config import load_config
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.conv1d import conv1d_prefill
 from pallas_kernels.cost import kernel_cost
@@ -228,27 +229,20 @@ def model_cases(dtype, tokens=8192, batch=64, context=8192, tp_sizes=(1, 4), div
 
 def plot(records, path: Path, peak=H200) -> None:
     """Log-log roofline: each case's kernel (filled) and XLA reference (hollow) at its arithmetic intensity."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 6.5))
-    intensity = np.logspace(-1, 4, 200)
-    ax.plot(intensity, np.minimum(peak["bf16_flops"], intensity * peak["hbm_bytes"]) / 1e12, "k-", linewidth=1,
-            label="H200 roofline (989 TFLOP/s bf16, 4.8 TB/s)")
-    colours = {}
-    for r in records:
-        new = r["op"] not in colours
-        colour = colours.setdefault(r["op"], f"C{len(colours) % 10}")
-        ai = r["flops"] / r["bytes"]
-        ax.scatter(ai, r["kernel_tflops"], color=colour, label=r["op"] if new else None)
-        ax.scatter(ai, r["reference_tflops"], facecolors="none", edgecolors=colour)
-    ax.legend(fontsize=7, loc="lower right")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP / byte, the kernels' CostEstimates)")
-    ax.set_ylabel("achieved TFLOP/s (filled: Pallas kernel, hollow: XLA reference)")
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, figsize=(10, 6.5)) as (fig, ax):
+        intensity = np.logspace(-1, 4, 200)
+        ax.plot(intensity, np.minimum(peak["bf16_flops"], intensity * peak["hbm_bytes"]) / 1e12, "k-", linewidth=1,
+                label="H200 roofline (989 TFLOP/s bf16, 4.8 TB/s)")
+        colours = {}
+        for r in records:
+            new = r["op"] not in colours
+            colour = colours.setdefault(r["op"], f"C{len(colours) % 10}")
+            ai = r["flops"] / r["bytes"]
+            ax.scatter(ai, r["kernel_tflops"], color=colour, label=r["op"] if new else None)
+            ax.scatter(ai, r["reference_tflops"], facecolors="none", edgecolors=colour)
+        ax.legend(fontsize=7, loc="lower right")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("arithmetic intensity (FLOP / byte, the kernels' CostEstimates)")
+        ax.set_ylabel("achieved TFLOP/s (filled: Pallas kernel, hollow: XLA reference)")
+        ax.grid(True, which="both", alpha=0.3)

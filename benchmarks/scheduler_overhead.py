@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import figure  # benchmarks/ is sys.path[0]
 
 from scheduler import (
     Request,
@@ -179,22 +180,14 @@ def baseline(steps: int, gc_times: list[float] | None) -> list[float]:
 
 
 def plot_cdfs(times: dict[str, list[float]], path: Path) -> None:
-    import matplotlib  # only the benchmark needs it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, values in times.items():
-        ms = np.sort(np.array(values) * 1e3)
-        ax.plot(ms, np.arange(1, len(ms) + 1) / len(ms), label=name)
-    ax.axhline(0.99, color="grey", linestyle=":", linewidth=1)
-    ax.set(xscale="log", xlabel="schedule + update per step, ms (thread CPU time)", ylabel="fraction of steps",
-           title="Scheduler overhead per step")
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, figsize=(7, 4)) as (fig, ax):
+        for name, values in times.items():
+            ms = np.sort(np.array(values) * 1e3)
+            ax.plot(ms, np.arange(1, len(ms) + 1) / len(ms), label=name)
+        ax.axhline(0.99, color="grey", linestyle=":", linewidth=1)
+        ax.set(xscale="log", xlabel="schedule + update per step, ms (thread CPU time)", ylabel="fraction of steps",
+               title="Scheduler overhead per step")
+        ax.legend(loc="lower right", fontsize=8)
 
 
 def summarise(times: list[float]) -> dict:

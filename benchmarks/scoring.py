@@ -24,6 +24,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from common import figure  # benchmarks/ is sys.path[0]
 
 from jaxhybrid import LLM
 
@@ -103,22 +104,17 @@ def main() -> None:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     n = [r["candidates"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("reuse_s_per_candidate", "jaxhybrid, checkpoint reuse"),
-                       ("no_reuse_s_per_candidate", "jaxhybrid, no reuse"),
-                       ("transformers_s_per_candidate", "transformers")):
-        ax.plot(n, [r[key] for r in rows], marker="o", label=label)
-    ax.set(xscale="log", yscale="log", xlabel="candidates N", ylabel="seconds per candidate",
-           title=f"1 anchor ({ANCHOR} tokens) x N candidates")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, figsize=(6, 4)) as (fig, ax):
+        for key, label in (("reuse_s_per_candidate", "jaxhybrid, checkpoint reuse"),
+                           ("no_reuse_s_per_candidate", "jaxhybrid, no reuse"),
+                           ("transformers_s_per_candidate", "transformers")):
+            ax.plot(n, [r[key] for r in rows], marker="o", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="candidates N", ylabel="seconds per candidate",
+               title=f"1 anchor ({ANCHOR} tokens) x N candidates")
+        ax.legend()
 
 
 if __name__ == "__main__":

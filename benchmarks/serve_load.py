@@ -49,6 +49,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from common import figure  # benchmarks/ is sys.path[0]
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
@@ -397,32 +398,25 @@ def without_raw(result: dict) -> dict:
 
 
 def plot(runs: dict[str, dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
-    names = list(runs)
-    colors = [f"C{i}" for i in range(len(names))]
-    for ax, key, label, fmt in ((axes[0], "output_throughput", "output tokens/s", "%.1f"),
-                                (axes[1], "p99_ttft_ms", "p99 TTFT (ms)", "%.0f")):
-        ax.bar_label(ax.bar(names, [runs[n][key] for n in names], color=colors), fmt=fmt)
-        ax.set_ylabel(label)
-    for n, color in zip(names, colors, strict=True):
-        for key, style in (("ttfts", "-"), ("e2els", ":")):
-            values = np.sort(np.array(runs[n][key]) * 1000)
-            axes[2].plot(values, np.arange(1, len(values) + 1) / max(len(values), 1), style, color=color,
-                         label=f"{n} {key[:-1].upper()}")
-    axes[2].set_xscale("log")
-    axes[2].set_xlabel("ms")
-    axes[2].set_ylabel("fraction of requests")
-    axes[2].legend(fontsize=7)
-    first = runs[names[0]]
-    fig.suptitle(f"{first['num_prompts']} prompts, concurrency {first['max_concurrency']}, "
-                 f"rate {first['request_rate']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, 1, 3, figsize=(12, 3.5)) as (fig, axes):
+        names = list(runs)
+        colors = [f"C{i}" for i in range(len(names))]
+        for ax, key, label, fmt in ((axes[0], "output_throughput", "output tokens/s", "%.1f"),
+                                    (axes[1], "p99_ttft_ms", "p99 TTFT (ms)", "%.0f")):
+            ax.bar_label(ax.bar(names, [runs[n][key] for n in names], color=colors), fmt=fmt)
+            ax.set_ylabel(label)
+        for n, color in zip(names, colors, strict=True):
+            for key, style in (("ttfts", "-"), ("e2els", ":")):
+                values = np.sort(np.array(runs[n][key]) * 1000)
+                axes[2].plot(values, np.arange(1, len(values) + 1) / max(len(values), 1), style, color=color,
+                             label=f"{n} {key[:-1].upper()}")
+        axes[2].set_xscale("log")
+        axes[2].set_xlabel("ms")
+        axes[2].set_ylabel("fraction of requests")
+        axes[2].legend(fontsize=7)
+        first = runs[names[0]]
+        fig.suptitle(f"{first['num_prompts']} prompts, concurrency {first['max_concurrency']}, "
+                     f"rate {first['request_rate']}")
 
 
 def single(args: argparse.Namespace) -> int:

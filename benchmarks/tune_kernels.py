@@ -1,5 +1,5 @@
 """Block sizes and warps by measurement: time each Pallas op's candidate launch parameters at model shapes and
-record the fastest per shape class in configs/kernels/<device>.yaml (read back by pallas_kernels.tuning), merged
+record the fastest per shape class in pallas_kernels/tunings/<device>.yaml (read back by pallas_kernels.tuning), merged
 into what earlier sweeps recorded.
 
 Shapes are those of `kernels.py --gpu` at TP 1 (Qwen3-Next-80B-A3B and Nemotron-H-8B); shape classes are

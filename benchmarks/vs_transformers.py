@@ -28,6 +28,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import peer_work as peer
+from common import figure  # benchmarks/ is sys.path[0]
 
 RESULTS = Path(__file__).parent / "results"
 PEER = Path(__file__).parent / "hf_peer.py"
@@ -101,18 +102,11 @@ def main() -> None:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar([r["job"] for r in rows], [r["ratio"] for r in rows])
-    ax.axhline(1, color="gray", linewidth=0.8)
-    ax.set_ylabel("jaxhybrid / transformers")
-    ax.set_title("speed ratio, same checkpoint, CPU")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, figsize=(6, 3.5)) as (fig, ax):
+        ax.bar([r["job"] for r in rows], [r["ratio"] for r in rows])
+        ax.axhline(1, color="gray", linewidth=0.8)
+        ax.set_ylabel("jaxhybrid / transformers")
+        ax.set_title("speed ratio, same checkpoint, CPU")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import peer_work as peer
 import serve_load
+from common import figure  # benchmarks/ is sys.path[0]
 from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
@@ -208,24 +209,17 @@ def report(rows: list[dict], meta: dict) -> None:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    x = np.arange(len(rows))
-    ax.bar(x - 0.2, [r["ratio_equal_cores"] for r in rows], 0.4, label="vs vLLM on both cores")
-    ax.bar(x + 0.2, [r["ratio_vs_best"] for r in rows], 0.4, label="vs vLLM's faster setting")
-    ax.scatter([i for i, r in enumerate(rows) if r["target"]], [r["target"] for r in rows if r["target"]],
-               marker="_", s=400, color="black", label="target", zorder=3)
-    ax.axhline(1, color="gray", linewidth=0.8)
-    ax.set_xticks(x, [r["job"] for r in rows], rotation=30)
-    ax.set_ylabel("jaxhybrid / vLLM")
-    ax.set_title("speed ratio, same checkpoint and cores, bf16, CPU")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, figsize=(8, 3.8)) as (fig, ax):
+        x = np.arange(len(rows))
+        ax.bar(x - 0.2, [r["ratio_equal_cores"] for r in rows], 0.4, label="vs vLLM on both cores")
+        ax.bar(x + 0.2, [r["ratio_vs_best"] for r in rows], 0.4, label="vs vLLM's faster setting")
+        ax.scatter([i for i, r in enumerate(rows) if r["target"]], [r["target"] for r in rows if r["target"]],
+                   marker="_", s=400, color="black", label="target", zorder=3)
+        ax.axhline(1, color="gray", linewidth=0.8)
+        ax.set_xticks(x, [r["job"] for r in rows], rotation=30)
+        ax.set_ylabel("jaxhybrid / vLLM")
+        ax.set_title("speed ratio, same checkpoint and cores, bf16, CPU")
+        ax.legend(fontsize=7)
 
 
 if __name__ == "__main__":

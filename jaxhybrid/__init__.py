@@ -1,11 +1,11 @@
 """jaxhybrid: a PyTorch-free JAX inference engine for hybrid GDN / Mamba2 / attention language models."""
 
-from jaxhybrid.api import LLM
-from jaxhybrid.config import ConfigError, ModelConfig, load_config, parse_hf_config
-from jaxhybrid.model import Model, init_params
-from jaxhybrid.outputs import CompletionOutput, RequestOutput
-from jaxhybrid.sampling_params import SamplingParams
-from jaxhybrid.weights import CheckpointError, load_model, restore_params, save_params
+from jaxhybrid.engine.outputs import CompletionOutput, RequestOutput
+from jaxhybrid.llm import LLM
+from jaxhybrid.models.config import ConfigError, ModelConfig, load_config, parse_hf_config
+from jaxhybrid.models.model import Model, init_params
+from jaxhybrid.models.weights import CheckpointError, load_model, restore_params, save_params
+from jaxhybrid.sample.params import SamplingParams
 
 __all__ = [
     "LLM", "CheckpointError", "CompletionOutput", "ConfigError", "Model", "ModelConfig", "RequestOutput",

@@ -1,73 +1,166 @@
-"""The engine's command-line flags, shared by `python -m jaxhybrid.serve` and `python -m jaxhybrid.score`
-(vLLM's names where the concept exists; both `--max-num-seqs` and `--max_num_seqs`; `--no-` forms for
-booleans; `--config FILE` reads the same flags from YAML and the command line wins), and the `LLM` they build.
+"""`EngineArgs`: every engine setting, declared once with its default and its help.
+
+`LLM(model, **kwargs)` takes the fields as keywords. `python -m jaxhybrid.serve` and `python -m jaxhybrid.score`
+get one flag per field (vLLM's names; `--max-num-seqs` and `--max_num_seqs`; `--no-` forms for booleans) and
+read the same names from a YAML `--config` file; the command line wins. `CLI_DEFAULTS` lists what the programs
+start with differently, and why.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import jax.numpy as jnp
 import yaml
+
+from jaxhybrid.models.config import ModelConfig
+from jaxhybrid.models.tensor_parallel import local_config
+from jaxhybrid.sample.sampler import ROW_DTYPE
+from jaxhybrid.worker.memory import size_pools
+from pallas_kernels.common import resolve_backend
+from scheduler import SchedulerConfig
+from scheduler.buckets import default_buckets
 
 log = logging.getLogger("jaxhybrid")
 
-# flag -> argparse keywords; the dest is the flag's name with underscores
-ENGINE_FLAGS: dict[str, dict] = {
-    "--model": dict(default=None, help="checkpoint directory or Hugging Face hub id (default: the embedded model)"),
-    "--revision": dict(default=None, help="with a hub id: the branch, tag or commit"),
-    "--download-dir": dict(default=None, help="with a hub id: the download cache (default: huggingface_hub's)"),
-    "--tokenizer": dict(default=None, help="tokenizer directory or hub id (default: the model's)"),
-    "--tokenizer-revision": dict(default=None, help="with a tokenizer hub id: the branch, tag or commit"),
-    "--skip-tokenizer-init": dict(action=argparse.BooleanOptionalAction, default=False,
-                                  help="token-id prompts only (no tokenizer files needed)"),
-    "--max-num-seqs": dict(type=int, default=32),
-    "--max-num-batched-tokens": dict(type=int, default=512),
-    "--max-model-len": dict(type=int, default=None),
-    "--enable-prefix-caching": dict(action=argparse.BooleanOptionalAction, default=True),
-    "--speculative-config": dict(type=json.loads, default=None,
-                                 help='e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\''),
-    "--replayssm-window": dict(type=int, default=None,
-                               help="W, the ReplaySSM ring (default: 16 with Pallas kernels, 1 + K on CPU); 0: "
-                                    "no ReplaySSM, verify snapshots the state at every position (the baseline)"),
-    "--seed": dict(type=int, default=0),
-    "--gpu-memory-utilization": dict(type=float, default=0.9),
-    "--num-blocks": dict(type=int, default=None),
-    "--num-state-slots": dict(type=int, default=None),
-    "--block-size": dict(type=int, default=16),
-    "--mamba-block-size": dict(type=int, default=64),
-    "--max-logprobs": dict(type=int, default=20),
-    "--dtype": dict(default="auto", help="\"auto\": the checkpoint's own; float32, bfloat16 or float16"),
-    "--tensor-parallel-size": dict(type=int, default=1),
-    "--token-buckets": dict(type=int, nargs="+", default=None, help="step token buckets (default: a ladder)"),
-    "--row-buckets": dict(type=int, nargs="+", default=None),
-    "--bucket-growth": dict(type=int, default=4, help="ratio between default buckets (fewer shapes to compile)"),
-    "--precompile": dict(action=argparse.BooleanOptionalAction, default=True,
-                         help="compile every bucket before the first request"),
-    "--compilation-cache-dir": dict(default=str(Path.home() / ".cache" / "jaxhybrid" / "xla"),
-                                    help="compiled steps persist here across runs ('' turns it off)"),
-    "--async-scheduling": dict(action=argparse.BooleanOptionalAction, default=True,
-                               help="schedule one step ahead of the device (--no-: the serial loop, for debugging)"),
-    "--config": dict(default=None, help="YAML file of these flags (command-line flags win)"),
+DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+          "half": jnp.float16}
+
+
+def _arg(default: Any, help: str | None = None, **argparse_keywords: Any) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help, **argparse_keywords})
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineArgs:
+    model: str | None = _arg(None, "checkpoint directory or Hugging Face hub id (default: the embedded model)")
+    revision: str | None = _arg(None, "with a hub id: the branch, tag or commit")
+    download_dir: str | None = _arg(None, "with a hub id: the download cache (default: huggingface_hub's)")
+    tokenizer: str | None = _arg(None, "tokenizer directory or hub id (default: the model's)")
+    tokenizer_revision: str | None = _arg(None, "with a tokenizer hub id: the branch, tag or commit")
+    skip_tokenizer_init: bool = _arg(False, "token-id prompts only (no tokenizer files needed)")
+    dtype: str = _arg("auto", '"auto": the checkpoint\'s own; float32, bfloat16 or float16')
+    seed: int = _arg(0, type=int)
+    max_num_seqs: int = _arg(32, type=int)
+    max_num_batched_tokens: int = _arg(512, type=int)
+    max_model_len: int | None = _arg(None, "default: the model's, at most 4096", type=int)
+    max_logprobs: int = _arg(20, type=int)
+    enable_prefix_caching: bool = _arg(True, "align-mode prefix caching of KV blocks and recurrent states")
+    speculative_config: dict | None = _arg(None, 'MTP, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\'',
+                                           type=json.loads)
+    replayssm_window: int | None = _arg(
+        None, "W, the ReplaySSM ring (default: 16 with Pallas kernels, 1 + K on CPU, where folding an entry costs "
+        "a pass over the state); 0: no ReplaySSM, verify snapshots the state at every position (the baseline)",
+        type=int)
+    gpu_memory_utilization: float = _arg(0.9, "the device memory share of weights and pools", type=float)
+    num_blocks: int | None = _arg(None, "KV blocks (default: sized from gpu_memory_utilization)", type=int)
+    num_state_slots: int | None = _arg(None, "recurrent state slots (default: sized from gpu_memory_utilization)",
+                                       type=int)
+    block_size: int = _arg(16, "tokens per KV block", type=int)
+    mamba_block_size: int = _arg(64, "the grid of cached recurrent states, in tokens", type=int)
+    tensor_parallel_size: int = _arg(1, "shard weights and pools by heads over this many devices", type=int)
+    backend: str | None = _arg(None, "the kernels (default: pallas on GPU, reference on CPU)",
+                               choices=("reference", "pallas", "interpret"))
+    token_buckets: tuple[int, ...] = _arg((), "step token buckets (default: a ladder up to max_num_batched_tokens)",
+                                          type=int, nargs="+")
+    row_buckets: tuple[int, ...] = _arg((), "step row buckets (default: a ladder up to max_num_seqs)",
+                                        type=int, nargs="+")
+    bucket_growth: int = _arg(2, "ratio between default buckets", type=int)
+    precompile: bool = _arg(False, "compile every bucket at start-up")
+    compilation_cache_dir: str | None = _arg(None, "compiled steps persist here across runs ('' turns it off)")
+    async_scheduling: bool = _arg(True, "schedule one step ahead of the device (--no-: the serial loop, for "
+                                  "debugging)")
+
+    def scheduler_config(self, cfg: ModelConfig, budget: Callable[[], int], *, dtype: jnp.dtype) -> SchedulerConfig:
+        """The engine's SchedulerConfig for these arguments: pools sized by `size_pools` for one device's
+        `budget()` bytes and that device's share of a slot and a block (the pools split by heads over
+        `tensor_parallel_size` devices) unless both counts are given, bucket ladders, W for the backend."""
+        k, block_size = speculative_tokens(self.speculative_config), self.block_size
+        max_model_len = self.max_model_len or min(cfg.max_position_embeddings, 4096)
+        window = self.replayssm_window
+        if window is None:  # the reference ops fold a ring entry with a whole pass over the state
+            window = 16 if resolve_backend(self.backend) == "pallas" else 1
+        ring_size = window and max(window, 1 + k)  # 0: the snapshot baseline
+        num_blocks, num_state_slots, max_num_seqs = self.num_blocks, self.num_state_slots, self.max_num_seqs
+        if num_blocks is None or num_state_slots is None:
+            sizes = size_pools(local_config(cfg, self.tensor_parallel_size), budget(), block_size=block_size,
+                               ring_size=ring_size, num_spec_tokens=k, max_num_seqs=max_num_seqs,
+                               max_model_len=max_model_len, dtype_bytes=dtype.itemsize)
+            num_blocks, num_state_slots, max_num_seqs = (num_blocks or sizes.num_blocks,
+                                                         num_state_slots or sizes.num_state_slots, sizes.max_num_seqs)
+            log.info("pools: %s", sizes.describe())
+        # one block-table width and logits buckets on the token ladder keep the compiled shapes few; row
+        # buckets start at 2 (see Runner)
+        growth = self.bucket_growth
+        token_buckets = self.token_buckets or default_buckets(self.max_num_batched_tokens, growth=growth)
+        row_buckets = self.row_buckets or tuple(sorted({max(b, 2)
+                                                        for b in default_buckets(max_num_seqs, growth=growth)}))
+        return SchedulerConfig(
+            block_size=block_size, mamba_block_size=self.mamba_block_size,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            num_blocks=num_blocks, num_state_slots=num_state_slots, num_spec_tokens=k,
+            cache_mode="align" if self.enable_prefix_caching else "none",
+            ring_size=ring_size, vocab_size=cfg.vocab_size, row_data_bytes=ROW_DTYPE.itemsize,
+            token_buckets=token_buckets, row_buckets=row_buckets, logits_buckets=token_buckets,
+            block_table_buckets=(-(-(max_model_len + k) // block_size),))
+
+
+def checkpoint_dtype(directory: Path, dtype: str) -> jnp.dtype:
+    """vLLM's `dtype`: "auto" is the checkpoint's own (config.json `dtype` / `torch_dtype`; float32 if unset)."""
+    if dtype == "auto":
+        config = json.loads((directory / "config.json").read_text()) if (directory / "config.json").is_file() else {}
+        dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+    return jnp.dtype(DTYPES[dtype])
+
+
+def speculative_tokens(speculative_config: dict | None) -> int:
+    """K from vLLM's `speculative_config` ({"method": "mtp", "num_speculative_tokens": K}); 0 without one."""
+    if not speculative_config:
+        return 0
+    if not isinstance(speculative_config, dict) or speculative_config.get("method") != "mtp":
+        raise ValueError(f"speculative_config: only {{'method': 'mtp', 'num_speculative_tokens': K}} is supported, "
+                         f"got {speculative_config!r}")
+    k = speculative_config.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
+    return k
+
+
+# What the programs start with differently from `LLM`. A server compiles every bucket before it listens, so it
+# takes fewer, coarser buckets (`LLM` compiles only the buckets it meets, and finer ones pad less), and it is
+# restarted often, so it keeps compiled steps on disk (`LLM` leaves its process's JAX cache settings alone).
+CLI_DEFAULTS = {
+    "precompile": True,
+    "bucket_growth": 4,
+    "compilation_cache_dir": str(Path.home() / ".cache" / "jaxhybrid" / "xla"),
 }
-_LLM_ARGS = ("tokenizer", "revision", "tokenizer_revision", "download_dir", "skip_tokenizer_init",
-             "enable_prefix_caching", "speculative_config", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-             "seed", "gpu_memory_utilization", "num_blocks", "num_state_slots", "replayssm_window", "block_size",
-             "mamba_block_size", "max_logprobs", "dtype", "bucket_growth", "tensor_parallel_size", "async_scheduling")
+FIELDS = {field.name: field for field in dataclasses.fields(EngineArgs)}
 
 
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
+def _add(parser: argparse.ArgumentParser, name: str, keywords: dict) -> None:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(keywords.get("default"), bool) and "action" not in keywords:
+        keywords = {**keywords, "action": argparse.BooleanOptionalAction}
+    parser.add_argument(*([flag, "--" + name] if "_" in name else [flag]), **keywords)
 
 
 def make_parser(prog: str, description: str, flags: dict[str, dict]) -> argparse.ArgumentParser:
-    """A parser of the engine's flags plus `flags` (the program's own), each in both spellings."""
+    """A parser of every `EngineArgs` field, `--config`, and `flags` (the program's own: flag -> keywords)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    for flag, keywords in {**ENGINE_FLAGS, **flags}.items():
-        parser.add_argument(flag, *(["--" + _dest(flag)] if "-" in flag[2:] else []), **keywords)
+    for name, field in FIELDS.items():
+        _add(parser, name, {**field.metadata, "default": CLI_DEFAULTS.get(name, field.default)})
+    _add(parser, "config", {"help": "YAML file of these flags (command-line flags win)"})
+    for flag, keywords in flags.items():
+        _add(parser, flag.lstrip("-").replace("-", "_"), keywords)
     return parser
 
 
@@ -78,13 +171,21 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
         values = yaml.safe_load(Path(args.config).read_text()) or {}
         if not isinstance(values, dict):
             parser.error(f"--config {args.config}: expected a mapping of flag names to values")
-        defaults = {_dest(name): value for name, value in values.items()}
+        defaults = {name.lstrip("-").replace("-", "_"): value for name, value in values.items()}
         unknown = sorted(set(defaults) - set(vars(args)))
         if unknown:
             parser.error(f"--config {args.config}: unknown keys {unknown}")
         parser.set_defaults(**defaults)
         args = parser.parse_args(argv)
     return args
+
+
+def from_namespace(args: argparse.Namespace) -> EngineArgs:
+    """The engine's part of parsed flags (lists become tuples; an empty cache directory turns the cache off)."""
+    values = {name: getattr(args, name) for name in FIELDS}
+    values["token_buckets"], values["row_buckets"] = tuple(args.token_buckets), tuple(args.row_buckets)
+    values["compilation_cache_dir"] = args.compilation_cache_dir or None
+    return EngineArgs(**values)
 
 
 def non_default(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
@@ -94,23 +195,17 @@ def non_default(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
 
 
 def build_llm(args: argparse.Namespace):
-    """The `LLM` the flags describe, compiled when `--precompile`, with the start-up report logged."""
-    from jaxhybrid.api import LLM
+    """The `LLM` the flags describe, with the start-up report logged."""
+    from jaxhybrid.llm import LLM
 
     start = time.perf_counter()
-    llm = LLM(args.model, **{name: getattr(args, name) for name in _LLM_ARGS},
-              token_buckets=tuple(args.token_buckets or ()), row_buckets=tuple(args.row_buckets or ()),
-              compilation_cache_dir=args.compilation_cache_dir or None)
-    loaded = time.perf_counter()
+    llm = LLM(**dataclasses.asdict(from_namespace(args)))
     config = llm.config
-    log.info("model %s loaded in %.1f s", args.model or "(embedded default)", loaded - start)
+    log.info("engine on %s ready in %.1f s", args.model or "(embedded default)", time.perf_counter() - start)
     ring = f"ReplaySSM W={config.ring_size}" if config.ring_size else "snapshots at every position"
     log.info("cache mode %s; %d KV blocks of %d tokens; %d state slots (%s, MTP K=%d); max_num_seqs %d; "
-             "max_model_len %d; %s scheduling", config.cache_mode, config.num_blocks - 1, config.block_size,
-             config.num_state_slots - 1, ring, config.num_spec_tokens, config.max_num_seqs,
-             config.max_model_len, "one-step-ahead" if llm.engine.async_scheduling else "serial")
-    if args.precompile:
-        count = llm.engine.precompile()
-        log.info("compiled %d buckets in %.1f s (token buckets %s, row buckets %s)", count,
-                 time.perf_counter() - loaded, config.token_buckets, config.row_buckets)
+             "max_model_len %d; %s scheduling; token buckets %s, row buckets %s", config.cache_mode,
+             config.num_blocks - 1, config.block_size, config.num_state_slots - 1, ring, config.num_spec_tokens,
+             config.max_num_seqs, config.max_model_len, "one-step-ahead" if llm.engine.async_scheduling else "serial",
+             config.token_buckets, config.row_buckets)
     return llm

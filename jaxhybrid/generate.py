@@ -7,8 +7,8 @@ import argparse
 import sys
 import time
 
-from jaxhybrid.api import LLM
-from jaxhybrid.sampling_params import SamplingParams
+from jaxhybrid.llm import LLM
+from jaxhybrid.sample.params import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:

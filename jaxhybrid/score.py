@@ -16,7 +16,7 @@ at a time (bounded memory; windows aligned to line numbers, each from an empty p
 line is written whole and flushed, and `--resume` keeps the complete windows of an earlier run of the same
 job (a torn last line is cut) and carries on after them. A line's output depends only on its window: ids
 come from the line number and seeds from `--seed` and the line number, so a resumed job, or one spread over
-Ray Data actors (`--ray --num-replicas R`, `jaxhybrid.distributed.ray_data`), writes the same bytes as an
+Ray Data actors (`--ray --num-replicas R`, `jaxhybrid.ray_data`), writes the same bytes as an
 uninterrupted one.
 """
 
@@ -35,35 +35,24 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from jaxhybrid.api import LLM
-from jaxhybrid.engine import Prompt
+from jaxhybrid.engine.outputs import RequestOutput
+from jaxhybrid.engine.requests import Prompt
 from jaxhybrid.engine_args import build_llm, make_parser, non_default, parse_args
-from jaxhybrid.outputs import RequestOutput
-from jaxhybrid.sampling_params import MAX_SEED, SamplingParams
-from jaxhybrid.serve import protocol
-from jaxhybrid.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest
+from jaxhybrid.llm import LLM
+from jaxhybrid.sample.params import MAX_SEED, SamplingParams
+from jaxhybrid.scoring import PromptScores, read_scores, scoring_requests
+from jaxhybrid.serve import errors, render, responses
+from jaxhybrid.serve.errors import BadRequest
+from jaxhybrid.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("jaxhybrid.score")
 
 _BATCH_KEYS = {"custom_id", "method", "url", "body"}
 _SCORE_KEYS = {"id", "prompt", "candidates", "top_logprobs"}
-
-
-@dataclass(frozen=True)
-class CandidateScore:
-    logprob: float               # sum of token_logprobs
-    token_logprobs: list[float]  # log P(token | prompt, earlier candidate tokens), one per candidate token
-
-
-@dataclass(frozen=True)
-class PromptScores:
-    candidates: list[CandidateScore]
-    top_logprobs: list[dict] | None  # [{"token_id", "token", "logprob"}] after the prompt, most likely first
 
 
 @dataclass
@@ -73,58 +62,6 @@ class _Work:
     requests: list[tuple[Prompt, SamplingParams]]
     finish: Callable[[list[RequestOutput]], dict]
     prompt_logprobs_from: int = 0  # a scoring line's: its candidates' positions only
-
-
-def _tokens(llm: LLM, value: Any, name: str) -> list[int]:
-    if isinstance(value, str):
-        return protocol.require_tokenizer(llm, name).encode(value)
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return value
-    raise BadRequest(f"{name} must be a non-empty string or a non-empty list of token ids", name)
-
-
-class ScoringRequests(NamedTuple):
-    requests: list[tuple[Prompt, SamplingParams]]
-    prompt_len: int            # the prompt's tokens: the candidates' start
-    prompt_logprobs_from: int  # `Engine.add_request`'s: the candidates' positions, or (no reuse) all of them
-
-
-def scoring_requests(llm: LLM, prompt: str | list[int], candidates: list, top_logprobs: int | None = None,
-                     reuse: bool = True) -> ScoringRequests:
-    """The requests that score `candidates` given `prompt`. Without reuse they ask for the logits of every
-    prompt position, so that each computes its whole prompt (the baseline reuse is measured against)."""
-    if not isinstance(candidates, list) or not candidates:
-        raise BadRequest("candidates must be a non-empty list", "candidates")
-    if top_logprobs is not None and (not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool)
-                                     or top_logprobs < 0):
-        raise BadRequest("top_logprobs must be an integer >= 0", "top_logprobs")
-    context = _tokens(llm, prompt, "prompt")
-    unit = llm.config.hash_unit
-    # the checkpoint stays before the prompt's last token: that token's logits score every first token
-    checkpoint = (len(context) - 1) // unit * unit if reuse else 0
-    params = SamplingParams(max_tokens=0, prompt_logprobs=top_logprobs or 0)
-    requests = []
-    for i, candidate in enumerate(candidates):
-        tokens = context + _tokens(llm, candidate, f"candidates[{i}]")
-        prompt_ids = {"prompt_token_ids": tokens, "checkpoint_position": checkpoint or None}
-        requests.append((protocol.prompt_for(llm, prompt_ids, params), params))
-    return ScoringRequests(requests, len(context), len(context) if reuse else 0)
-
-
-def read_scores(outputs: list[RequestOutput], prompt_len: int, top_logprobs: int | None) -> PromptScores:
-    """Per candidate: the logprobs of its tokens (positions from `prompt_len` on) given what precedes them."""
-    scores = []
-    for output in outputs:
-        positions = range(prompt_len, len(output.prompt_token_ids))
-        values = [output.prompt_logprobs[p][output.prompt_token_ids[p]].logprob for p in positions]
-        scores.append(CandidateScore(sum(values), values))
-    top = None
-    if top_logprobs is not None:
-        first = output.prompt_logprobs[prompt_len]
-        ranked = sorted(first.items(), key=lambda item: item[1].rank)
-        top = [{"token_id": t, "token": lp.decoded_token, "logprob": lp.logprob}
-               for t, lp in ranked if lp.rank <= top_logprobs]
-    return PromptScores(scores, top)
 
 
 def _scores_json(scores: PromptScores) -> dict:
@@ -157,15 +94,15 @@ def _batch_work(llm: LLM, line: dict, index: int, model: str, created: int, seed
     params = _seeded(request.params(llm.generation_defaults), seed * 1_000_003 + index)
     response_id = f"{'cmpl' if url == '/v1/completions' else 'chatcmpl'}-{index}"
     if isinstance(request, ChatCompletionRequest):
-        text = protocol.render_chat(llm, request.messages, request.add_generation_prompt, "body.messages",
-                                    request.continue_final_message, request.chat_template_kwargs)
+        text = render.render_chat(llm, request.messages, request.add_generation_prompt, "body.messages",
+                                  request.continue_final_message, request.chat_template_kwargs)
         prompt = request.engine_prompt(llm, text, params)
-        return _Work([(prompt, params)], lambda finals: protocol.chat_response(
+        return _Work([(prompt, params)], lambda finals: responses.chat_response(
             request, finals[0], model, response_id, created))
     prompts = [request.engine_prompt(llm, p, params) for p in request.prompts()]
-    echoed = [protocol.prompt_text(llm, p) for p in prompts] if request.echo else None
-    return _Work([(p, params) for p in prompts], lambda finals: protocol.completion_response(
-        request, finals, model, echoed, response_id, created, protocol.token_decoder(llm)))
+    echoed = [render.prompt_text(llm, p) for p in prompts] if request.echo else None
+    return _Work([(p, params) for p in prompts], lambda finals: responses.completion_response(
+        request, finals, model, echoed, response_id, created, responses.token_decoder(llm)))
 
 
 @dataclass
@@ -248,7 +185,7 @@ class ScoreJob:
                 except ValueError as error:
                     for request_id in ids:
                         engine.abort(request_id)
-                    raise protocol.as_bad_request(error) from error
+                    raise errors.as_bad_request(error) from error
                 pending[index] = (line, work, ids)
             except BadRequest as error:
                 results[index] = self._error_line(index, line, error)
@@ -278,8 +215,8 @@ class ScoreJob:
 
     def _error_line(self, index: int, line: dict, error: BadRequest) -> dict:
         self.counted["errors"] += 1
-        detail = protocol.error_body(str(error), "BadRequestError" if error.status == 400 else "InternalServerError",
-                                     error.status, error.param)["error"]
+        detail = errors.error_body(str(error), "BadRequestError" if error.status == 400 else "InternalServerError",
+                                   error.status, error.param)["error"]
         if "custom_id" in line:
             return {"id": f"jaxhybrid-{index}", "custom_id": line["custom_id"], "response": None, "error": detail}
         return {"id": line.get("id"), "line": index + 1, "error": detail}
@@ -337,7 +274,7 @@ def main(argv: list[str] | None = None) -> JobSummary:
                        default_top_logprobs=args.top_logprobs)
     lines = itertools.islice(_input_lines(source), done, None)
     if args.ray:
-        from jaxhybrid.distributed.ray_data import score_windows
+        from jaxhybrid.ray_data import score_windows
 
         windows = score_windows(lines, args.window, num_replicas=args.num_replicas, address=args.ray_address,
                                 make_llm=functools.partial(build_llm, args), job_options=job_options)

@@ -19,10 +19,11 @@ import jax
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
-from jaxhybrid.api import LLM
-from jaxhybrid.config import parse_hf_config
-from jaxhybrid.export import export_hf_checkpoint
-from jaxhybrid.sampling_params import SamplingParams
+from jaxhybrid.llm import LLM
+from jaxhybrid.models.config import parse_hf_config
+from jaxhybrid.models.export import export_hf_checkpoint
+from jaxhybrid.models.weights import load_model
+from jaxhybrid.sample.params import SamplingParams
 from jaxhybrid.tiny.bpe import EOS_TOKEN, encode_documents, save_tokenizer, train_tokenizer
 from jaxhybrid.tiny.corpus import Corpus, gather_corpus
 from jaxhybrid.tiny.evaluate import HeldOutMetrics, evaluate
@@ -31,7 +32,6 @@ from jaxhybrid.tiny.recipe import TrainSettings, hf_config
 from jaxhybrid.tiny.report import TrainingRecord, model_card, plot_loss_curve
 from jaxhybrid.tiny.roundtrip import NUM_REFERENCE_TOKENS, model_outputs, save_reference
 from jaxhybrid.tiny.train import train, windows
-from jaxhybrid.weights import load_model
 
 SAMPLE_PROMPTS = ("def read_config(path):", "class Stack:", "def is_prime(n):")
 SAMPLE_TOKENS = 80

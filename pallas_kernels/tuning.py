@@ -1,7 +1,7 @@
 """Launch parameters (tiles, warps, pipeline stages) per op and shape class, chosen by measurement.
 
 `benchmarks/tune_kernels.py` times each op's candidates on a GPU and records the fastest in
-`configs/kernels/<device kind>.yaml`:
+`pallas_kernels/tunings/<device kind>.yaml`:
 
     gdn_decode:                      # op
       K128.V128:                     # shape class (the op's static head dims)
@@ -28,7 +28,7 @@ import yaml
 
 logger = logging.getLogger(__name__)
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "kernels"
+CONFIGS = Path(__file__).resolve().parent / "tunings"  # package data: a wheel carries its tunings
 _OVERRIDES: dict[str, dict] = {}
 _TARGETS: list[str] = []  # device kinds being compiled for ahead of time, innermost last (`compiling_for`)
 asked: dict[str, str] = {}  # the shape class each op last asked for: the sweep records its choice there

@@ -15,9 +15,10 @@ import numpy as np
 from scheduler.checkpoints import CheckpointEvent, CheckpointStatus, Claim, advance, checkpoint_status
 from scheduler.history import start_tail
 from scheduler.journal import frozen
-from scheduler.lifecycle import StateEdit, free_row, logits_from, max_len, publish_full_blocks
+from scheduler.lifecycle import free_row, logits_from, max_len
 from scheduler.pass_state import Pass, append_blocks, chunk_limits, emit_prefill
 from scheduler.prefix_cache import NO_HIT, PrefixHit, cached_units, checkpoint_hit, find_hit
+from scheduler.publish import publish_full_blocks
 from scheduler.slots import SlotKind
 from scheduler.split import SplitInput, split_chunk
 from scheduler.state import (
@@ -33,6 +34,7 @@ from scheduler.state import (
     PUBLISHED,
     RUNNING_SLOT,
 )
+from scheduler.transaction import StateEdit
 
 
 class Verdict(enum.Enum):

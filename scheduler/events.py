@@ -4,7 +4,7 @@ step ahead the placeholder results and the real ones `resolve` puts in) and repl
 The transitions are functions of their inputs (no clocks, no hidden globals), so replaying a log on a
 fresh `init_state(config)` reproduces every plan and every output bit for bit. A log keeps a digest
 of each plan and each step's outputs, and `replay` checks them: a recorded run (`python -m
-scheduler.simulate --record F`, then `--replay F`) is also a regression test of the scheduler.
+scheduler.sim.simulate --record F`, then `--replay F`) is also a regression test of the scheduler.
 """
 
 from __future__ import annotations

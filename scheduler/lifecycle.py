@@ -1,22 +1,14 @@
-"""Request lifecycle outside the step: add, abort, and freeing everything a request holds.
-
-`StateEdit` is how every transition (add, abort, schedule, update) changes the single-use state:
-the large parts in place with undo logs, the small ones (queues, claims) as private copies; `freeze()`
-commits them and hands the state back under a new generation, an exception rolls them back.
-"""
+"""Request lifecycle outside the step: add (validated), abort, preempt, and freeing what a request holds."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from hashlib import blake2b
 
 import numpy as np
 
 from scheduler.checkpoints import CheckpointEvent, CheckpointStatus, advance
 from scheduler.config import SchedulerConfig
 from scheduler.history import park_tails
-from scheduler.journal import frozen
-from scheduler.prefix_cache import KEY_BYTES, root_hash
+from scheduler.prefix_cache import root_hash
+from scheduler.publish import publish_full_blocks
 from scheduler.request import Request, SamplingParams, is_int, is_int_type
 from scheduler.slots import NULL_SLOT
 from scheduler.state import (
@@ -24,117 +16,12 @@ from scheduler.state import (
     NUM_BLOCKS,
     NUM_COMPUTED,
     NUM_TOKENS,
-    PUBLISHED,
     RING_START,
     RUNNING_SLOT,
     SchedulerState,
-    StateData,
     TokenLog,
-    request_num_tokens,
 )
-
-
-class StateEdit:
-    """One transition's view of the state it consumes. Used as a context manager: if the transition
-    raises, every write is undone and the input state stays valid and unchanged. The waiting queue
-    is copied only on its first write, so a step costs the same with ten or ten thousand queued
-    requests."""
-
-    def __init__(self, state: SchedulerState) -> None:
-        data: StateData = state.live()
-        self._data, self._generation, self.cfg = data, data.generation, data.config
-        self.rows, self.blocks, self.slots = data.rows, data.blocks, data.slots
-        self.requests, self.row_of, self.logs, self.parked = data.requests, data.row_of, data.logs, data.parked_tokens
-        self.unresolved_ends = data.unresolved_ends
-        self._parts = (self.rows, self.blocks, self.slots, self.requests, self.row_of, self.logs, self.parked,
-                       self.unresolved_ends)
-        for part in self._parts[:3]:  # the maps keep undo logs from their first write
-            part.begin()
-        self._log_marks: dict[str, tuple[TokenLog, tuple[int, int]]] = {}
-        self._replace_undos: list[Callable[[], None]] = []  # TokenLog.replace's undos, in order
-        self.hash_marks: list[tuple[list[bytes], int]] = []  # keys chained over row tails, and their old lengths
-        self.claims = dict(data.claims)
-        self._waiting, self._waiting_copy = data.waiting, None
-        self.running = list(data.running)
-        self._running_rows, self._rows_valid = data.running_rows, len(data.running)  # a valid prefix
-        self.materializations = data.materializations
-        self.aborting = data.aborting
-        self.in_flight = data.in_flight
-        self.step = data.step
-        self.num_preemptions = data.num_preemptions
-
-    def __enter__(self) -> StateEdit:
-        return self
-
-    def __exit__(self, kind, error, traceback) -> None:
-        if error is not None and self._data.generation == self._generation:  # raised before `freeze`
-            for part in self._parts:
-                part.rollback()
-            for undo in reversed(self._replace_undos):  # before the truncations: see TokenLog.replace
-                undo()
-            for log, mark in self._log_marks.values():
-                log.truncate(mark)
-            for hashes, length in reversed(self.hash_marks):
-                del hashes[length:]
-
-    def writable_log(self, request_id: str) -> TokenLog:
-        """The request's log, to append to (its appends are undone if the transition raises)."""
-        log = self.logs[request_id]
-        if request_id not in self._log_marks:
-            self._log_marks[request_id] = (log, log.mark())
-        return log
-
-    def replace_token(self, request_id: str, position: int, token: int) -> None:
-        """Overwrite a token of the request's log (undone if the transition raises)."""
-        self._replace_undos.append(self.logs[request_id].replace(position, token, self.cfg.hash_unit))
-
-    @property
-    def waiting(self) -> tuple[str, ...] | list[str]:
-        """The waiting queue as it stands, for reading; `writable_waiting()` changes it."""
-        return self._waiting if self._waiting_copy is None else self._waiting_copy
-
-    def writable_waiting(self) -> list[str]:
-        if self._waiting_copy is None:
-            self._waiting_copy = list(self._waiting)
-        return self._waiting_copy
-
-    def running_rows(self) -> np.ndarray:
-        """The row of each running request, in running order (recomputed only past the first change)."""
-        valid, total = self._rows_valid, len(self.running)
-        if valid < total or len(self._running_rows) != total:
-            # map over a bound C method, not a generator: a Python frame per request costs ~1 us
-            rest = np.fromiter(map(self.row_of.__getitem__, self.running[valid:]), np.int64, total - valid)
-            self._running_rows = frozen(np.concatenate([self._running_rows[:valid], rest]))
-            self._rows_valid = total
-        return self._running_rows
-
-    def remove_running(self, request_ids: list[str]) -> None:
-        indices = sorted(map(self.running.index, request_ids), reverse=True)
-        for index in indices:
-            del self.running[index]
-        # the valid prefix of the running rows stays valid without the removed entries
-        keep = np.ones(self._rows_valid, bool)
-        keep[[i for i in indices if i < self._rows_valid]] = False
-        self._running_rows = frozen(self._running_rows[:self._rows_valid][keep])
-        self._rows_valid = len(self._running_rows)
-
-    def freeze(self) -> SchedulerState:
-        """Commit the writes; returns the state's new handle (the one passed in is consumed)."""
-        data = self._data
-        for part in self._parts:
-            part.commit()
-        data.waiting, data.running, data.running_rows = tuple(self.waiting), tuple(self.running), self.running_rows()
-        data.claims, data.materializations, data.in_flight, data.step = (self.claims, self.materializations,
-                                                                         self.in_flight, self.step)
-        data.aborting, data.num_preemptions = self.aborting, self.num_preemptions
-        data.generation += 1
-        return SchedulerState(data)
-
-    def num_tokens(self, request_id: str) -> int:
-        return request_num_tokens(self.rows, self.row_of, self.parked, request_id)
-
-    def hashes(self, request_id: str) -> list[int]:
-        return self.logs[request_id].hashes[:self.num_tokens(request_id) // self.cfg.hash_unit]
+from scheduler.transaction import StateEdit
 
 
 def add_request(state: SchedulerState, request: Request) -> SchedulerState:
@@ -296,59 +183,6 @@ def logits_from(request: Request, prefill_end: int) -> int:
 def max_len(cfg: SchedulerConfig, request: Request) -> int:
     """Tokens the request may reach (prompt + outputs): where it stops with reason LENGTH."""
     return min(request.num_prompt_tokens + request.sampling_params.max_tokens, cfg.max_model_len)
-
-
-def publish_full_blocks(edit: StateEdit, row_ids: np.ndarray, request_ids) -> None:
-    """Publish every full KV block that the rows have computed and committed: decode leaves them to be
-    published here, right before anything looks them up (admission) or lets them go (release), so a
-    steady decode batch hashes nothing while every lookup sees every full block."""
-    cols = edit.rows.ints.take(row_ids, axis=1)
-    full = np.minimum(cols[NUM_COMPUTED], cols[NUM_TOKENS]) // edit.cfg.hash_unit
-    todo = (full > cols[PUBLISHED]).nonzero()[0]
-    if todo.size:
-        register_blocks(edit, [request_ids[i] for i in todo.tolist()], row_ids[todo], full[todo])
-
-
-def register_blocks(edit: StateEdit, request_ids, row_ids: np.ndarray, last: np.ndarray) -> None:
-    """Publish the KV blocks of each request i, running in row_ids[i], from its first unpublished one up
-    to last[i], under their chained keys; all must be full, committed and computed by a step that has run."""
-    rows = edit.rows
-    first = rows.published[row_ids]
-    last = np.maximum(last, first)
-    rows.published[row_ids] = last
-    counts = last - first
-    if not counts.any():
-        return
-    logs = [edit.logs[rid] for rid in request_ids]
-    have = np.array([len(log.hashes) for log in logs])
-    todo = (last > have).nonzero()[0]
-    if todo.size:
-        _chain_tail_keys(edit, [logs[i] for i in todo.tolist()], row_ids[todo], have[todo], last[todo])
-    keys = [key for log, lo, hi in zip(logs, first.tolist(), last.tolist(), strict=True) for key in log.hashes[lo:hi]]
-    offsets = np.arange(len(keys)) - np.repeat(counts.cumsum() - counts - first, counts)  # block index in its row
-    table = rows.block_table
-    edit.blocks.register(table.take(np.repeat(row_ids, counts) * table.shape[1] + offsets).tolist(), keys)
-
-
-def _chain_tail_keys(edit: StateEdit, logs: list[TokenLog], row_ids: np.ndarray, have: np.ndarray,
-                     last: np.ndarray) -> None:
-    """Chain the keys of units [have[i], last[i]) onto each log from its row's tail: a KV block is
-    published before its log block moves into the log, and each unit is hashed once. Decode fills ~1
-    block per row every few steps, so this is the per-row part of a decode step: the tokens are gathered
-    and serialised in one call, and the common case costs one digest per row."""
-    h, unit, tail = edit.cfg.hash_unit, edit.cfg.log_unit, edit.rows.tail
-    counts = last - have
-    start = have * h - edit.rows.num_tokens[row_ids] // unit * unit  # the tail begins at its log block
-    columns = start[:, None] + np.arange(int(counts.max()) * h)
-    data = tail.take(row_ids[:, None] * tail.shape[1] + np.minimum(columns, tail.shape[1] - 1)).astype("<i4")
-    data, stride, size = data.tobytes(), 4 * columns.shape[1], 4 * h
-    edit.hash_marks.extend((log.hashes, len(log.hashes)) for log in logs)
-    for i, (log, count) in enumerate(zip(logs, counts.tolist(), strict=True)):
-        hashes, parent = log.hashes, log.hashes[-1] if log.hashes else log.root
-        for j in range(count):
-            parent = blake2b(parent + data[i * stride + j * size:i * stride + (j + 1) * size],
-                             digest_size=KEY_BYTES).digest()
-            hashes.append(parent)
 
 
 def _keep_materializations(edit: StateEdit, request_ids: list[str], cols: np.ndarray) -> None:

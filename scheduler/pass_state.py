@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from scheduler.assemble import PrefillRow
 from scheduler.checkpoints import CheckpointEvent, CheckpointStatus, advance
-from scheduler.lifecycle import StateEdit, preempt
+from scheduler.lifecycle import preempt
 from scheduler.slots import SlotKind
+from scheduler.transaction import StateEdit
 
 
 class Pass:

@@ -35,10 +35,11 @@ import numpy as np
 
 from scheduler.history import append_tokens
 from scheduler.journal import frozen
-from scheduler.lifecycle import StateEdit, end_request, max_len
+from scheduler.lifecycle import end_request, max_len
 from scheduler.plan import BatchPlan, StepResult, check_result_rows
 from scheduler.request import STOP_CODE, StepOutputs
 from scheduler.state import SchedulerState, num_logged
+from scheduler.transaction import StateEdit
 from scheduler.update import aborting_mask, cut_at_stops, materialize_crossed_boundaries
 
 

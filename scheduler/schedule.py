@@ -39,7 +39,7 @@ import numpy as np
 
 from scheduler.admit import admit_waiting
 from scheduler.assemble import Copies, DecodeBatch, assemble
-from scheduler.lifecycle import StateEdit, preempt
+from scheduler.lifecycle import preempt
 from scheduler.pass_state import Pass, chunk_limits, chunk_logits, emit_prefill, make_room
 from scheduler.plan import BatchPlan
 from scheduler.replay import flush_flags
@@ -56,6 +56,7 @@ from scheduler.state import (
     InFlight,
     SchedulerState,
 )
+from scheduler.transaction import StateEdit
 
 
 def schedule(state: SchedulerState) -> tuple[SchedulerState, BatchPlan]:

@@ -136,7 +136,7 @@ _NO_TOKENS = frozen(np.zeros(0, np.int32))
 class TokenLog:
     """Append-only token history of one request, as read-only int32 chunks (the prompt, then log
     blocks and parked tails), plus the chained hash keys of its full hash units (`length // hash_unit`
-    of them, and those of committed units still in its row's tail: lifecycle.register_blocks), chained from
+    of them, and those of committed units still in its row's tail: publish.register_blocks), chained from
     `root` (prefix_cache.root_hash)."""
 
     __slots__ = ("chunks", "ends", "hashes", "root")

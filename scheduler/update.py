@@ -23,8 +23,9 @@ import numpy as np
 from scheduler.checkpoints import CheckpointEvent, advance
 from scheduler.history import append_tokens
 from scheduler.journal import frozen
-from scheduler.lifecycle import StateEdit, forget, register_blocks, release_rows
+from scheduler.lifecycle import forget, release_rows
 from scheduler.plan import BatchPlan, RowKind, StepResult, check_step_result
+from scheduler.publish import register_blocks
 from scheduler.replay import commit, crossed_boundary, materialize_count, ring_rows
 from scheduler.request import LENGTH_CODE, STOP_CODE, StepOutputs
 from scheduler.slots import SlotKind
@@ -41,6 +42,7 @@ from scheduler.state import (
     Materialize,
     SchedulerState,
 )
+from scheduler.transaction import StateEdit
 
 
 class _Live(NamedTuple):

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxhybrid.config import AttentionConfig
-from jaxhybrid.distributed.tensor_parallel import kv_pool_specs
+from jaxhybrid.models.config import AttentionConfig
 from jaxhybrid.models.layers import RMSNorm, apply_rotary
 from jaxhybrid.models.ops import DEFAULT_OPS, ModelOps
+from jaxhybrid.models.plan_transfer import DevicePlan
 from jaxhybrid.models.pools import KVPool
-from jaxhybrid.plan_transfer import DevicePlan
+from jaxhybrid.models.tensor_parallel import kv_pool_specs
 
 
 class Attention(nn.Module):

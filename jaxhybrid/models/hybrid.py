@@ -6,14 +6,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.config import ATTENTION, GDN, MAMBA2, ModelConfig
 from jaxhybrid.models.attention import Attention
+from jaxhybrid.models.config import ATTENTION, GDN, MAMBA2, ModelConfig
 from jaxhybrid.models.gdn import GatedDeltaNet
 from jaxhybrid.models.layers import RMSNorm, make_ffn
 from jaxhybrid.models.mamba2 import Mamba2Mixer
 from jaxhybrid.models.ops import DEFAULT_OPS, ModelOps
+from jaxhybrid.models.plan_transfer import DevicePlan
 from jaxhybrid.models.pools import DeviceState, KVPool, LayerPool
-from jaxhybrid.plan_transfer import DevicePlan
 
 
 class DecoderLayer(nn.Module):

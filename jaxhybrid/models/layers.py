@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.config import ModelConfig, MoEConfig
+from jaxhybrid.models.config import ModelConfig, MoEConfig
 from jaxhybrid.models.experts import ExpertWeights, routed_experts
 
 

@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxhybrid.config import Mamba2Config
-from jaxhybrid.distributed.tensor_parallel import recurrent_pool_specs
+from jaxhybrid.models.config import Mamba2Config
 from jaxhybrid.models.layers import GatedRMSNorm
 from jaxhybrid.models.ops import DEFAULT_OPS, ModelOps
+from jaxhybrid.models.plan_transfer import DevicePlan
 from jaxhybrid.models.pools import RecurrentPool
 from jaxhybrid.models.recurrent import Conv, MixerCore, recurrent_layer, ring_verify
-from jaxhybrid.plan_transfer import DevicePlan
+from jaxhybrid.models.tensor_parallel import recurrent_pool_specs
 from pallas_kernels.mamba2 import ssd_materialise, ssd_prefill, ssd_verify, ssd_verify_snapshots
 
 

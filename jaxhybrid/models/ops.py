@@ -10,8 +10,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxhybrid.distributed import tensor_parallel
-from jaxhybrid.distributed.tensor_parallel import AXIS, MixerConfig
+from jaxhybrid.models import tensor_parallel
+from jaxhybrid.models.tensor_parallel import AXIS, MixerConfig
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.gdn import gdn_prefill
 
@@ -24,7 +24,7 @@ class ModelOps:
     attention: Callable = ragged_paged_attention  # see pallas_kernels.attention
     gdn_prefill: Callable = gdn_prefill  # see pallas_kernels.gdn (training swaps in a fresh-rows form)
     # tensor parallel: the mixers run on their local heads in shard_map over this mesh's "tp" axis
-    # (jaxhybrid.distributed.tensor_parallel); None: one device, no shard_map
+    # (jaxhybrid.models.tensor_parallel); None: one device, no shard_map
     mesh: Mesh | None = None
 
     def local_heads(self, mixer: MixerConfig) -> tuple[MixerConfig, str | None]:

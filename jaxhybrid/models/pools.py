@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.config import ATTENTION, GDN, MLP, MOE, ModelConfig
+from jaxhybrid.models.config import ATTENTION, GDN, MLP, MOE, ModelConfig
 
 
 class KVPool(NamedTuple):

@@ -14,8 +14,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxhybrid.models.plan_transfer import DevicePlan
 from jaxhybrid.models.pools import RecurrentPool, copy_pages, for_each_entry, has_snapshots
-from jaxhybrid.plan_transfer import DevicePlan
 from pallas_kernels.common import snapshot_materialise
 from pallas_kernels.conv1d import conv1d_materialise, conv1d_prefill, conv1d_replay
 from pallas_kernels.grouped_prefill import grouped_prefill

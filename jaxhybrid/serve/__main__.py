@@ -61,11 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_server(args: argparse.Namespace):
     """The LLM, the engine loop and the app, with the start-up report; returns (app, state)."""
-    from jaxhybrid.metrics import ServerMetrics, cache_config_info
+    from jaxhybrid.models.weights import DEFAULT_MODEL_DIR
     from jaxhybrid.serve.app import ServerState, build_app
     from jaxhybrid.serve.engine_loop import EngineLoop
-    from jaxhybrid.serve.protocol import content_format
-    from jaxhybrid.weights import DEFAULT_MODEL_DIR
+    from jaxhybrid.serve.metrics import ServerMetrics, cache_config_info
+    from jaxhybrid.serve.render import content_format
 
     llm = build_llm(args)
     config = llm.config

@@ -12,12 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
-import json
 import logging
-import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -25,20 +21,18 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from jaxhybrid.api import LLM
-from jaxhybrid.engine import Prompt
-from jaxhybrid.outputs import RequestOutput
-from jaxhybrid.sampling_params import SamplingParams
-from jaxhybrid.serve import protocol
+from jaxhybrid.engine.requests import Prompt
+from jaxhybrid.llm import LLM
+from jaxhybrid.sample.params import SamplingParams
+from jaxhybrid.serve import errors, middleware, render, responses, streaming
 from jaxhybrid.serve.engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestStream
+from jaxhybrid.serve.errors import BadRequest, error_body
 from jaxhybrid.serve.protocol import (
-    BadRequest,
     BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    error_body,
 )
 
 log = logging.getLogger("jaxhybrid.serve")
@@ -77,11 +71,11 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
 
     app = FastAPI(title="jaxhybrid", version=_version(), lifespan=lifespan)
     if api_keys:
-        app.add_middleware(_ApiKeyGuard, keys=api_keys)
+        app.add_middleware(middleware.ApiKeyGuard, keys=api_keys)
     if root_path:  # added last, so outermost: the key guard sees the root path too
-        app.add_middleware(_RootPath, root_path=root_path)
+        app.add_middleware(middleware.RootPath, root_path=root_path)
     if request_id_headers:
-        app.add_middleware(_RequestIdHeader)
+        app.add_middleware(middleware.RequestIdHeader)
     if server_load_tracking:
         @app.get("/load")
         async def load() -> dict:
@@ -137,10 +131,10 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         _check_model(state, body.model)
-        tokenizer = protocol.require_tokenizer(state.llm, "prompt")
+        tokenizer = render.require_tokenizer(state.llm, "prompt")
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("send exactly one of prompt and messages", "prompt")
-        text = body.prompt if body.messages is None else protocol.render_chat(
+        text = body.prompt if body.messages is None else render.render_chat(
             state.llm, body.messages, body.add_generation_prompt, "messages", body.continue_final_message,
             content_format=state.content_format)
         add_special_tokens = body.messages is None if body.add_special_tokens is None else body.add_special_tokens
@@ -151,7 +145,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
     if tokenizer_info:
         @app.get("/tokenizer_info")
         async def get_tokenizer_info() -> dict:
-            return protocol.tokenizer_info(protocol.require_tokenizer(state.llm, "tokenizer"))
+            return render.tokenizer_info(render.require_tokenizer(state.llm, "tokenizer"))
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
@@ -159,7 +153,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         vocab = state.llm.model.config.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise BadRequest(f"token ids must be in [0, {vocab})", "tokens")
-        return {"prompt": protocol.require_tokenizer(state.llm, "tokens").decode(body.tokens)}
+        return {"prompt": render.require_tokenizer(state.llm, "tokens").decode(body.tokens)}
 
     @app.post("/v1/completions")
     @_load_aware(state)
@@ -168,10 +162,10 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         body.check()
         params = body.params(state.llm.generation_defaults)
         prompts = [body.engine_prompt(state.llm, p, params) for p in body.prompts()]
-        response_id = protocol.response_id("cmpl", request.headers.get("X-Request-Id"), body.request_id)
-        streams = await _add_all(state, protocol.new_id(response_id), prompts, params, body.cache_salt)
+        response_id = responses.response_id("cmpl", request.headers.get("X-Request-Id"), body.request_id)
+        streams = await _add_all(state, responses.new_id(response_id), prompts, params, body.cache_salt)
         if body.stream:
-            return _sse(state, _completion_chunks(state, streams, prompts, body, name, response_id))
+            return streaming.sse(state, streaming.completion_chunks(state, streams, prompts, body, name, response_id))
         return await _unless_disconnected(request, state, _completion_response(state, streams, prompts, body, name,
                                                                                response_id))
 
@@ -182,10 +176,10 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         body.check()
         params = body.params(state.llm.generation_defaults)
         prompt = _chat_prompt(state, body, params)
-        response_id = protocol.response_id("chatcmpl", request.headers.get("X-Request-Id"), body.request_id)
-        streams = await _add_all(state, protocol.new_id(response_id), [prompt], params, body.cache_salt)
+        response_id = responses.response_id("chatcmpl", request.headers.get("X-Request-Id"), body.request_id)
+        streams = await _add_all(state, responses.new_id(response_id), [prompt], params, body.cache_salt)
         if body.stream:
-            return _sse(state, _chat_chunks(state, streams, prompt, body, name, response_id))
+            return streaming.sse(state, streaming.chat_chunks(state, streams, prompt, body, name, response_id))
         return await _unless_disconnected(request, state, _chat_response(state, streams, body, name, response_id))
 
     @app.post("/v1/chat/completions/batch")
@@ -197,8 +191,8 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         conversations = body.conversations()
         params = conversations[0].params(state.llm.generation_defaults)  # the same fields in each
         prompts = [_chat_prompt(state, conversation, params) for conversation in conversations]
-        response_id = protocol.response_id("chatcmpl", request.headers.get("X-Request-Id"), body.request_id)
-        streams = await _add_all(state, protocol.new_id(response_id), prompts, params, body.cache_salt)
+        response_id = responses.response_id("chatcmpl", request.headers.get("X-Request-Id"), body.request_id)
+        streams = await _add_all(state, responses.new_id(response_id), prompts, params, body.cache_salt)
         return await _unless_disconnected(request, state, _batch_chat_response(state, streams, conversations, name,
                                                                                response_id))
 
@@ -259,8 +253,8 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest, params: Sampli
     """The body's prompt: its prompt_token_ids, or its messages through the chat template."""
     if body.prompt_token_ids is not None:
         return body.engine_prompt(state.llm, body.prompt_token_ids, params)
-    text = protocol.render_chat(state.llm, body.messages, body.add_generation_prompt, "messages",
-                                body.continue_final_message, body.chat_template_kwargs, state.content_format)
+    text = render.render_chat(state.llm, body.messages, body.add_generation_prompt, "messages",
+                              body.continue_final_message, body.chat_template_kwargs, state.content_format)
     return body.engine_prompt(state.llm, text, params)
 
 
@@ -269,61 +263,15 @@ async def _add_all(state: ServerState, response_id: str, prompts: list[Prompt], 
     """Submit every prompt at once; if one is refused, the others are aborted and its error is raised."""
     added = await asyncio.gather(*[state.loop.add(f"{response_id}-{i}", prompt, params, cache_salt)
                                    for i, prompt in enumerate(prompts)], return_exceptions=True)
-    errors = [a for a in added if isinstance(a, BaseException)]
-    if errors:
+    refused = [a for a in added if isinstance(a, BaseException)]
+    if refused:
         for stream in added:
             if isinstance(stream, RequestStream):
                 stream.close()
-        if isinstance(errors[0], ValueError) and not isinstance(errors[0], BadRequest):
-            raise protocol.as_bad_request(errors[0]) from errors[0]
-        raise errors[0]
+        if isinstance(refused[0], ValueError) and not isinstance(refused[0], BadRequest):
+            raise errors.as_bad_request(refused[0]) from refused[0]
+        raise refused[0]
     return added
-
-
-async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from every stream as they come; closing it aborts the unfinished ones."""
-    if len(streams) == 1:  # the common case needs no tasks
-        try:
-            async for output in streams[0]:
-                yield 0, output
-        finally:
-            streams[0].close()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for output in stream:
-                queue.put_nowait((i, output))
-        except BaseException as error:
-            queue.put_nowait((i, error))
-        queue.put_nowait((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        for stream in streams:
-            stream.close()
-
-
-def _check_output(output: RequestOutput) -> None:
-    if any(c.finish_reason == "error" for c in output.outputs):
-        raise _EngineFailed()
-
-
-class _EngineFailed(Exception):
-    """The engine ended a request with finish_reason "error"."""
 
 
 async def _unless_disconnected(request: Request, state: ServerState, work: Awaitable[dict]) -> Response:
@@ -347,220 +295,28 @@ async def _unless_disconnected(request: Request, state: ServerState, work: Await
         return Response(status_code=499)
     try:
         return JSONResponse(task.result())
-    except _EngineFailed:
+    except streaming.EngineFailed:
         return _error(500, "Internal server error: the engine failed this request")
-
-
-# -- responses -------------------------------------------------------------------------------------------------
-
-async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
-    finals: list[RequestOutput | None] = [None] * len(streams)
-    async for i, output in _merged(streams):
-        _check_output(output)
-        finals[i] = output
-    return finals
 
 
 async def _completion_response(state: ServerState, streams: list[RequestStream], prompts: list[Prompt],
                                body: CompletionRequest, name: str, response_id: str) -> dict:
-    finals = await _finals(streams)
-    texts = [protocol.prompt_text(state.llm, p) for p in prompts] if body.echo else None
-    return protocol.completion_response(body, finals, name, texts, response_id,
-                                        decode=protocol.token_decoder(state.llm),
-                                        prompt_tokens_details=state.prompt_tokens_details)
+    finals = await streaming.finals(streams)
+    texts = [render.prompt_text(state.llm, p) for p in prompts] if body.echo else None
+    return responses.completion_response(body, finals, name, texts, response_id,
+                                         decode=responses.token_decoder(state.llm),
+                                         prompt_tokens_details=state.prompt_tokens_details)
 
 
 async def _chat_response(state: ServerState, streams: list[RequestStream], body: ChatCompletionRequest, name: str,
                          response_id: str) -> dict:
-    return protocol.chat_response(body, (await _finals(streams))[0], name, response_id,
-                                  prompt_tokens_details=state.prompt_tokens_details)
+    return responses.chat_response(body, (await streaming.finals(streams))[0], name, response_id,
+                                   prompt_tokens_details=state.prompt_tokens_details)
 
 
 async def _batch_chat_response(state: ServerState, streams: list[RequestStream],
                                conversations: list[ChatCompletionRequest], name: str, response_id: str) -> dict:
-    return protocol.batch_chat_response(conversations, await _finals(streams), name, response_id,
-                                        prompt_tokens_details=state.prompt_tokens_details)
+    return responses.batch_chat_response(conversations, await streaming.finals(streams), name, response_id,
+                                         prompt_tokens_details=state.prompt_tokens_details)
 
 
-def _sse(state: ServerState, events: AsyncIterator[dict]) -> StreamingResponse:
-    async def lines() -> AsyncIterator[str]:
-        try:
-            async for event in events:
-                yield f"data: {json.dumps(event)}\n\n"
-                # while its outputs are ready, a stream awaits nothing that suspends (nor does a socket
-                # that takes the bytes): let other requests in between its chunks
-                await asyncio.sleep(0)
-        except _EngineFailed:
-            yield f"data: {json.dumps(error_body('Internal server error', 'InternalServerError', 500))}\n\n"
-        except EngineUnavailable as error:
-            yield f"data: {json.dumps(error_body(str(error), 'ServiceUnavailableError', 503))}\n\n"
-        except asyncio.CancelledError:  # the client went away; closing `events` aborted its requests
-            state.loop.metrics.disconnects.inc()
-            raise
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(lines(), media_type="text/event-stream")
-
-
-class _Deltas:
-    """What each choice has sent so far, so that every chunk carries only new text and tokens."""
-
-    def __init__(self) -> None:
-        self.sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens)
-        self.finished: set[int] = set()  # choices whose finish_reason was sent
-
-    def new(self, index: int, completion) -> tuple[str, int, int] | None:
-        """(new text, first new token, end token), or None when nothing changed; a finished choice sends
-        its finish_reason once, though later outputs of its request (n > 1) still carry it."""
-        if index in self.finished:
-            return None
-        chars, tokens = self.sent.get(index, (0, 0))
-        text, num_tokens = completion.text, len(completion.token_ids)
-        if len(text) == chars and num_tokens == tokens and not completion.finished():
-            return None
-        self.sent[index] = (len(text), num_tokens)
-        if completion.finished():
-            self.finished.add(index)
-        return text[chars:], tokens, num_tokens
-
-
-async def _completion_chunks(state: ServerState, streams: list[RequestStream], prompts: list[Prompt],
-                             body: CompletionRequest, name: str, response_id: str) -> AsyncIterator[dict]:
-    head = protocol.envelope("text_completion", response_id, name)
-    # offsets: where a choice's next token text starts, echo included; the tokens' own texts count, as the
-    # streamed text can lag them (text that may start a stop string is held back) (vLLM)
-    deltas, finals, offsets, decode = _Deltas(), {}, {}, protocol.token_decoder(state.llm)
-    final_usage, continuous = body.usage_flags(state.force_include_usage)
-    async for i, output in _merged(streams):
-        _check_output(output)
-        finals[i] = output
-        for completion in output.outputs:
-            index = i * body.n + completion.index
-            first = index not in deltas.sent
-            new = deltas.new(index, completion)
-            if new is None:
-                continue
-            text, start, end = new
-            echoed = protocol.prompt_text(state.llm, prompts[i]) if body.echo and first else ""
-            choice = {"index": index, "text": echoed + text, "logprobs": None, "finish_reason": None,
-                      "stop_reason": None}
-            if completion.logprobs is not None:
-                offset = offsets.get(index, 0) + len(echoed)
-                logprobs = protocol.completion_logprobs(completion.token_ids[start:end],
-                                                        completion.logprobs[start:end], offset, decode,
-                                                        body.return_tokens_as_token_ids)
-                offsets[index] = offset + sum(len(token) for token in logprobs["tokens"])
-                choice["logprobs"] = logprobs
-            if body.return_token_ids:  # vLLM: the prompt's ids on a choice's first chunk, then each delta's
-                choice["token_ids"] = completion.token_ids[start:end]
-                if first:
-                    choice["prompt_token_ids"] = output.prompt_token_ids
-            if completion.finished():
-                choice.update(protocol.finish_fields(completion))
-            yield _with_usage(continuous, {**head, "choices": [choice]}, len(output.prompt_token_ids), end)
-    if final_usage:
-        yield {**head, "choices": [], "usage": protocol.usage(list(finals.values()), state.prompt_tokens_details)}
-
-
-async def _chat_chunks(state: ServerState, streams: list[RequestStream], prompt: Prompt, body: ChatCompletionRequest,
-                       name: str, response_id: str) -> AsyncIterator[dict]:
-    head = protocol.envelope("chat.completion.chunk", response_id, name)
-    deltas, final, num_prompt = _Deltas(), None, len(prompt.token_ids)
-    final_usage, continuous = body.usage_flags(state.force_include_usage)
-    for index in range(body.n):  # the first delta of each choice carries the role (OpenAI)
-        chunk = {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}]}
-        if body.return_token_ids and index == 0:  # vLLM: the prompt's ids on the first chunk only
-            chunk["prompt_token_ids"] = list(prompt.token_ids)
-        yield _with_usage(continuous, chunk, num_prompt, 0)
-    echoed = body.echoed_content()
-    for index in range(body.n if echoed else 0):  # vLLM: the echo is each choice's first content delta
-        chunk = {**head, "choices": [{"index": index, "delta": {"content": echoed}, "logprobs": None,
-                                      "finish_reason": None}]}
-        yield _with_usage(continuous, chunk, num_prompt, 0)
-    async for _, output in _merged(streams):
-        _check_output(output)
-        final = output
-        for completion in output.outputs:
-            new = deltas.new(completion.index, completion)
-            if new is None:
-                continue
-            text, start, end = new
-            choice = {"index": completion.index, "delta": {"content": text} if text else {}, "logprobs": None,
-                      "finish_reason": None, "stop_reason": None}
-            if completion.logprobs is not None:
-                choice["logprobs"] = protocol.chat_logprobs(completion.token_ids[start:end],
-                                                            completion.logprobs[start:end], body.top_logprobs or 0,
-                                                            body.return_tokens_as_token_ids)
-            if body.return_token_ids:
-                choice["token_ids"] = completion.token_ids[start:end]
-            if completion.finished():
-                choice.update(protocol.finish_fields(completion))
-            yield _with_usage(continuous, {**head, "choices": [choice]}, num_prompt, end)
-    if final_usage and final is not None:
-        yield {**head, "choices": [], "usage": protocol.usage([final], state.prompt_tokens_details)}
-
-
-def _with_usage(continuous: bool, chunk: dict, prompt_tokens: int, completion_tokens: int) -> dict:
-    """vLLM's continuous usage: with it, each chunk counts its prompt and its choice's tokens so far."""
-    if continuous:
-        chunk["usage"] = protocol.usage_counts(prompt_tokens, completion_tokens)
-    return chunk
-
-
-class _RequestIdHeader:
-    """vLLM's --enable-request-id-headers: every response carries X-Request-Id, the request's own or a fresh
-    one."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        request_id = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
-
-        async def send_with_id(message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id)]
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
-class _RootPath:
-    """FastAPI's (deprecated) `root_path` argument: the scope names the prefix, and routing matches a path
-    with the prefix cut off (a path without it matches as is)."""
-
-    def __init__(self, app, root_path: str):
-        self.app = app
-        self.root_path = root_path
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] in ("http", "websocket"):
-            scope = {**scope, "root_path": self.root_path}
-        await self.app(scope, receive, send)
-
-
-def _route_path(scope) -> str:
-    """The path routing matches: without the root path where it starts with it (Starlette's rule)."""
-    root, path = scope.get("root_path", ""), scope["path"]
-    return path[len(root):] if root and (path == root or path.startswith(root + "/")) else path
-
-
-class _ApiKeyGuard:
-    """Bearer auth on /v1/* (vLLM's paths); /health, /metrics, /tokenize and /version stay open."""
-
-    def __init__(self, app, keys: tuple[str, ...]):
-        self.app = app
-        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and _route_path(scope).startswith("/v1"):
-            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            digest = hashlib.sha256(header.removeprefix("Bearer ").encode()).digest()
-            if not header.startswith("Bearer ") or not any(secrets.compare_digest(digest, d) for d in self._digests):
-                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)

@@ -21,10 +21,11 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jaxhybrid.engine import Engine, Prompt
-from jaxhybrid.metrics import ServerMetrics
-from jaxhybrid.outputs import RequestOutput
-from jaxhybrid.sampling_params import SamplingParams
+from jaxhybrid.engine.core import Engine
+from jaxhybrid.engine.outputs import RequestOutput
+from jaxhybrid.engine.requests import Prompt
+from jaxhybrid.sample.params import SamplingParams
+from jaxhybrid.serve.metrics import ServerMetrics
 
 log = logging.getLogger("jaxhybrid.serve")
 

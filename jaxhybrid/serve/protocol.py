@@ -1,5 +1,4 @@
-"""The OpenAI wire format with vLLM's extras: request bodies in, `SamplingParams` out, and the response,
-chunk, usage and error objects back (reference/ecosystem.md §1.2-1.4).
+"""The OpenAI request bodies with vLLM's extras, parsed into `SamplingParams` (reference/ecosystem.md §1.2-1.4).
 
 Unknown fields are accepted and ignored, as vLLM does (clients send fields a server does not know);
 vLLM's fields we do not implement (`suffix`, `best_of`, tools, structured outputs, beam search, ...
@@ -8,34 +7,18 @@ vLLM's fields we do not implement (`suffix`, `best_of`, tools, structured output
 
 from __future__ import annotations
 
-import re
-import time
-import uuid
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxhybrid.api import LLM
-from jaxhybrid.engine import Prompt
-from jaxhybrid.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from jaxhybrid.sampling_params import SamplingParams
-from jaxhybrid.tokenizer import Tokenizer
+from jaxhybrid.engine.requests import Prompt
+from jaxhybrid.llm import LLM
+from jaxhybrid.sample.params import SamplingParams
+from jaxhybrid.serve import render
+from jaxhybrid.serve.errors import BadRequest, as_bad_request
 
-LOGPROB_FLOOR = -9999.0  # vLLM's clamp for -inf, so the JSON stays valid
 LONG_MIN, LONG_MAX = -2 ** 63, 2 ** 63 - 1  # a request's seed is a signed 64-bit integer (vLLM)
-
-
-class BadRequest(ValueError):
-    """An input problem: a 400 whose body names the field (`param`)."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param, self.status = param, status
-
-
-def error_body(message: str, kind: str, status: int, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 class StreamOptions(BaseModel):
@@ -112,7 +95,7 @@ class _Request(BaseModel):
     def engine_prompt(self, llm: LLM, prompt: str | list[int] | dict, params: SamplingParams) -> Prompt:
         """`prompt_for` with this request's truncation side and special-token choice (every entry point
         that reads a request prepares its prompts here, so none can drop an option)."""
-        return prompt_for(llm, prompt, params, self.truncation_side, self.add_special_tokens)
+        return render.prompt_for(llm, prompt, params, self.truncation_side, self.add_special_tokens)
 
     def check(self) -> None:
         extra = self.model_extra or {}
@@ -252,7 +235,7 @@ class ChatCompletionRequest(_Request):
         generation prompt, else the last message's own), "" otherwise or without echo."""
         if not self.echo or not self.messages:
             return ""
-        last = _text_content(self.messages[-1:], "messages")[0]
+        last = render.text_content(self.messages[-1:], "messages")[0]
         role = "assistant" if self.add_generation_prompt else last.get("role")
         return (last.get("content") or "") if last.get("role") == role else ""
 
@@ -309,296 +292,3 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def as_bad_request(error: Exception) -> BadRequest:
-    """A ValueError from the engine or `SamplingParams` as a 400 naming its field where the message does."""
-    message = re.sub(r"^request '[^']*': ", "", str(error))  # the engine's ids are no business of the client
-    param = None
-    if message.startswith("SamplingParams."):
-        param = message.split()[0].removeprefix("SamplingParams.")
-    elif message.startswith("cache_salt"):
-        param = "cache_salt"
-    elif "token id" in message or "prompt" in message:
-        param = "prompt"
-    elif "checkpoint" in message or "marker" in message:
-        param = "prompt"
-    return BadRequest(message, param)
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def response_id(prefix: str, header: str | None, requested: str | None) -> str:
-    """vLLM's: the X-Request-Id header, else the body's request_id, else a fresh id, after `prefix-`."""
-    given = header or requested
-    return f"{prefix}-{given}" if given else new_id(prefix)
-
-
-def usage_counts(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def usage(outputs: list[RequestOutput], prompt_tokens_details: bool = False) -> dict:
-    """The counts over `outputs`, with vLLM's `cache_read_input_tokens`: how many prompt tokens (counted in
-    prompt_tokens too) came from the prefix cache or a checkpoint; with `prompt_tokens_details` (vLLM's
-    --enable-prompt-tokens-details) that count again as `prompt_tokens_details.cached_tokens`."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    cached = sum(o.num_cached_tokens for o in outputs)
-    counts = {**usage_counts(prompt, completion), "cache_read_input_tokens": cached}
-    if prompt_tokens_details:
-        counts["prompt_tokens_details"] = {"cached_tokens": cached}
-    return counts
-
-
-def _clamp(logprob: float) -> float:
-    return max(logprob, LOGPROB_FLOOR)
-
-
-def _token_text(position: PositionLogprobs, token: int, as_id: bool = False) -> str:
-    """A token as logprobs name it: its text, or "token_id:<id>" when asked (return_tokens_as_token_ids) or
-    when there is no text."""
-    decoded = position[token].decoded_token
-    return decoded if decoded is not None and not as_id else f"token_id:{token}"
-
-
-def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], offset: int,
-                        decode: Callable[[int], str] | None = None, as_ids: bool = False) -> dict:
-    """The completions `logprobs` object for tokens [their positions], text offsets counted from `offset`; a
-    token without a position (the first of an echoed prompt), or missing from its position's top logprobs,
-    is named by `decode`, with null logprobs (vLLM); `as_ids` names every token "token_id:<id>"."""
-    result = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
-    for token, position in zip(token_ids, positions, strict=True):
-        if position is None or token not in position:
-            text = f"token_id:{token}" if as_ids else decode(token) if decode is not None else ""
-            result["token_logprobs"].append(None)
-            result["top_logprobs"].append(None)
-        else:
-            text = _token_text(position, token, as_ids)
-            result["token_logprobs"].append(_clamp(position[token].logprob))
-            result["top_logprobs"].append({_token_text(position, t, as_ids): _clamp(lp.logprob)
-                                           for t, lp in position.items()})
-        result["tokens"].append(text)
-        result["text_offset"].append(offset)
-        offset += len(text)
-    return result
-
-
-def token_decoder(llm: LLM) -> Callable[[int], str] | None:
-    """One token's text, special tokens included (None without a tokenizer)."""
-    tokenizer = llm.get_tokenizer()
-    return None if tokenizer is None else lambda token: tokenizer.decode([token], skip_special_tokens=False)
-
-
-def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], num_top: int,
-                  as_ids: bool = False) -> dict:
-    def entry(position: PositionLogprobs, token: int) -> dict:
-        text = _token_text(position, token, as_ids)
-        return {"token": text, "logprob": _clamp(position[token].logprob), "bytes": list(text.encode())}
-
-    content = []
-    for token, position in zip(token_ids, positions, strict=True):
-        top = sorted(position.items(), key=lambda item: item[1].rank)[:num_top if num_top >= 0 else None]
-        content.append({**entry(position, token), "top_logprobs": [entry(position, t) for t, _ in top]})
-    return {"content": content}
-
-
-def prompt_logprobs_json(positions: list[PositionLogprobs | None] | None) -> list | None:
-    if positions is None:
-        return None
-    return [None if p is None else {str(t): {"logprob": _clamp(lp.logprob), "rank": lp.rank,
-                                             "decoded_token": lp.decoded_token} for t, lp in p.items()}
-            for p in positions]
-
-
-def finish_fields(completion: CompletionOutput) -> dict:
-    return {"finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
-
-
-def envelope(kind: str, response_id: str, model: str, created: int | None = None) -> dict:
-    return {"id": response_id, "object": kind, "created": created or int(time.time()), "model": model}
-
-
-def require_tokenizer(llm: LLM, param: str) -> Tokenizer:
-    if llm.tokenizer is None:
-        raise BadRequest("this model runs without a tokenizer (skip_tokenizer_init): send token ids", param)
-    return llm.tokenizer
-
-
-def render_chat(llm: LLM, messages: list[dict], add_generation_prompt: bool, param: str = "messages",
-                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
-                content_format: str = "string") -> str:
-    """`messages` through the checkpoint's chat template (`template_kwargs` its extra variables), their
-    content in `content_format` (`_text_content`); a bad message or template is a 400."""
-    tokenizer = require_tokenizer(llm, param)
-    try:
-        return tokenizer.apply_chat_template(_text_content(messages, param, content_format), add_generation_prompt,
-                                             continue_final_message, None, **(template_kwargs or {}))
-    except (ValueError, TypeError) as error:  # TypeError: a template variable that clashes with ours
-        raise BadRequest(str(error), param) from error
-
-
-def content_format(llm: LLM, requested: str) -> str:
-    """vLLM's --chat-template-content-format: "string" or "openai" as asked, or the template's ("auto")."""
-    if requested != "auto":
-        return requested
-    return "string" if llm.tokenizer is None else llm.tokenizer.chat_template_content_format()
-
-
-# vLLM's text-like content part types -> the field holding their text
-_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
-               "thinking": "thinking"}
-
-
-def _text_content(messages: list[dict], param: str, content_format: str = "string") -> list[dict]:
-    """vLLM's content formats for a content list: "string" joins its texts by newlines (other fields of its
-    parts are ignored); "openai" hands the template the parts, each {"type": "text", "text": ...} with the
-    part's other fields (a template may read them), a str content becoming one such part."""
-    flat = []
-    for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str) and content_format == "openai":
-            message = {**message, "content": [{"type": "text", "text": content}]}
-        elif isinstance(content, list):
-            parts = _text_parts(content, f"messages[{i}].content", param)
-            message = {**message, "content": parts if content_format == "openai" else
-                       "\n".join(part["text"] for part in parts)}
-        flat.append(message)
-    return flat
-
-
-def _text_parts(content: list, where: str, param: str) -> list[dict]:
-    """vLLM's text parts: a str, or a text-like part (a null text skips it); any other part is a 400."""
-    kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in content
-                    if not isinstance(p, str)} - set(_TEXT_PARTS))
-    if kinds:
-        raise BadRequest(f"{where}: part types {kinds} are not supported (only text)", param)
-    parts = []
-    for part in content:
-        if isinstance(part, str):
-            parts.append({"type": "text", "text": part})
-            continue
-        field = _TEXT_PARTS[part["type"]]
-        if part.get(field) is None:
-            continue
-        if not isinstance(part[field], str):
-            raise BadRequest(f"{where}: every {part['type']} part needs a str '{field}'", param)
-        extra = {k: v for k, v in part.items() if k not in ("type", field)}
-        parts.append({"type": "text", "text": part[field], **extra})
-    return parts
-
-
-def tokenizer_info(tokenizer: Tokenizer) -> dict:
-    """vLLM's /tokenizer_info: the tokenizer's config without file paths, special tokens by their text (the
-    added-tokens table keeps its entries' content and flags), with its class and chat template."""
-    info = {k: v if k == "added_tokens_decoder" else _token_content(v) for k, v in tokenizer.config.items()
-            if k not in ("vocab_file", "merges_file")}
-    info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")  # what a tokenizer.json alone loads as
-    if tokenizer.chat_template:
-        info["chat_template"] = tokenizer.chat_template
-    return info
-
-
-def _token_content(value: Any) -> Any:
-    """An AddedToken ({"content": ..., ...}) as its text, anywhere in a config value."""
-    if isinstance(value, dict):
-        if isinstance(value.get("content"), str):
-            return value["content"]
-        return {k: _token_content(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_token_content(v) for v in value]
-    return value
-
-
-def prompt_text(llm: LLM, prompt: Prompt) -> str:
-    """A prompt's text for echo: as sent, or decoded from its token ids; without a tokenizer a token-id
-    prompt has no text, and echoes as "" (vLLM: its ids come back as prompt_token_ids)."""
-    if prompt.text is not None:
-        return prompt.text
-    if llm.tokenizer is None:
-        return ""
-    return llm.tokenizer.decode(list(prompt.token_ids), skip_special_tokens=False)
-
-
-def prompt_for(llm: LLM, prompt: str | list[int] | dict, params: SamplingParams,
-               truncation_side: Literal["left", "right"] | None = None, add_special_tokens: bool = False) -> Prompt:
-    """Tokenize (adding the tokenizer's special tokens when asked), place the checkpoint marker and truncate
-    (`LLM.parse_prompt`); check the lengths against max_model_len (vLLM's messages)."""
-    if isinstance(prompt, list):
-        if any(t < 0 for t in prompt):
-            raise BadRequest("prompt token ids must be greater than or equal to 0", "prompt")
-        prompt = {"prompt_token_ids": prompt}
-    try:
-        parsed = llm.parse_prompt(prompt, params, truncation_side or "left", add_special_tokens)
-    except ValueError as error:
-        raise as_bad_request(error) from error
-    length, limit = len(parsed.token_ids), llm.config.max_model_len
-    if length > limit:
-        raise BadRequest(f"Input length ({length}) exceeds model's maximum context length ({limit}).", "prompt")
-    if params.max_tokens is not None and length + params.max_tokens > limit:
-        raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
-                         f"{length + params.max_tokens} tokens ({length} in the prompt, {params.max_tokens} in "
-                         "the completion).", "max_tokens")
-    return parsed
-
-
-def completion_response(body: CompletionRequest, finals: list[RequestOutput], model: str,
-                        echoed: list[str] | None = None, response_id: str | None = None,
-                        created: int | None = None, decode: Callable[[int], str] | None = None,
-                        prompt_tokens_details: bool = False) -> dict:
-    """The `text_completion` object of finished requests, one per prompt; `echoed` holds the prompts' texts
-    when the body asks for echo, `decode` names an echoed prompt's first token."""
-    choices = []
-    for i, output in enumerate(finals):
-        prefix = echoed[i] if body.echo else ""
-        for completion in output.outputs:
-            choice = {"index": i * body.n + completion.index, "text": prefix + completion.text, "logprobs": None,
-                      **finish_fields(completion), **token_ids_fields(body, completion.token_ids)}
-            if completion.logprobs is not None:
-                tokens, positions = completion.token_ids, completion.logprobs
-                if body.echo:
-                    tokens, positions = output.prompt_token_ids + tokens, output.prompt_logprobs + positions
-                choice["logprobs"] = completion_logprobs(tokens, positions, 0, decode, body.return_tokens_as_token_ids)
-            choice["prompt_logprobs"] = (None if body.prompt_logprobs is None  # vLLM: null, never absent
-                                         else prompt_logprobs_json(output.prompt_logprobs))
-            choice["prompt_token_ids"] = output.prompt_token_ids if body.return_token_ids else None
-            choices.append(choice)
-    choices.sort(key=lambda c: c["index"])
-    return {**envelope("text_completion", response_id or new_id("cmpl"), model, created), "choices": choices,
-            "usage": usage(finals, prompt_tokens_details)}
-
-
-def chat_response(body: ChatCompletionRequest, final: RequestOutput, model: str, response_id: str | None = None,
-                  created: int | None = None, prompt_tokens_details: bool = False) -> dict:
-    reply = {**envelope("chat.completion", response_id or new_id("chatcmpl"), model, created),
-             "choices": chat_choices(body, final), "usage": usage([final], prompt_tokens_details)}
-    reply["prompt_logprobs"] = None if body.prompt_logprobs is None else prompt_logprobs_json(final.prompt_logprobs)
-    reply["prompt_token_ids"] = final.prompt_token_ids if body.return_token_ids else None
-    return reply
-
-
-def batch_chat_response(conversations: list[ChatCompletionRequest], finals: list[RequestOutput], model: str,
-                        response_id: str, prompt_tokens_details: bool = False) -> dict:
-    """vLLM's batched chat reply: conversation i's choice has index i, the usage counts them all (and, as
-    vLLM's, no prompt logprobs or prompt ids)."""
-    choices = [{**choice, "index": i} for i, (body, final) in enumerate(zip(conversations, finals, strict=True))
-               for choice in chat_choices(body, final)]
-    return {**envelope("chat.completion", response_id, model), "choices": choices,
-            "usage": usage(finals, prompt_tokens_details), "prompt_logprobs": None, "prompt_token_ids": None}
-
-
-def chat_choices(body: ChatCompletionRequest, final: RequestOutput) -> list[dict]:
-    choices, echoed = [], body.echoed_content()
-    for completion in final.outputs:
-        choice = {"index": completion.index, "message": {"role": "assistant", "content": echoed + completion.text},
-                  "logprobs": None, **finish_fields(completion), **token_ids_fields(body, completion.token_ids)}
-        if completion.logprobs is not None:
-            choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs, body.top_logprobs or 0,
-                                               body.return_tokens_as_token_ids)
-        choices.append(choice)
-    return choices
-
-
-def token_ids_fields(body: _Request, token_ids: list[int]) -> dict:
-    """A choice's `token_ids` (vLLM's return_token_ids: null unless asked)."""
-    return {"token_ids": list(token_ids) if body.return_token_ids else None}

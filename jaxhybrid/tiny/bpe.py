@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from jaxhybrid.tokenizer import CHECKPOINT_MARKER
+from jaxhybrid.engine.tokenizer import CHECKPOINT_MARKER
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>", CHECKPOINT_MARKER)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.config import ModelConfig
+from jaxhybrid.models.config import ModelConfig
 from jaxhybrid.models.hybrid import HybridLM
 from jaxhybrid.tiny.train import forward
 

@@ -7,8 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.config import ModelConfig
-from jaxhybrid.model import init_params
+from jaxhybrid.models.config import ModelConfig
+from jaxhybrid.models.model import init_params
 
 
 def hf_init_params(cfg: ModelConfig, seed: int, initializer_range: float) -> Any:

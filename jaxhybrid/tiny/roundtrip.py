@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxhybrid.config import ModelConfig
+from jaxhybrid.models.config import ModelConfig
 from jaxhybrid.models.hybrid import HybridLM
 from jaxhybrid.tiny.train import forward
 

@@ -12,9 +12,9 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from jaxhybrid.config import ModelConfig
-from jaxhybrid.model import full_forward
+from jaxhybrid.models.config import ModelConfig
 from jaxhybrid.models.hybrid import HybridLM
+from jaxhybrid.models.model import full_forward
 from jaxhybrid.tiny.fast_ops import TRAINING_OPS
 from jaxhybrid.tiny.recipe import TrainSettings
 

@@ -7,14 +7,15 @@ import functools
 
 import numpy as np
 
-from jaxhybrid.engine import Engine, Prompt
-from jaxhybrid.model import Model
-from jaxhybrid.outputs import RequestOutput
-from jaxhybrid.sampling import ROW_DTYPE
-from jaxhybrid.tokenizer import Tokenizer
-from jaxhybrid.weights import DEFAULT_MODEL_DIR, load_model
+from jaxhybrid.engine.core import Engine
+from jaxhybrid.engine.outputs import RequestOutput
+from jaxhybrid.engine.requests import Prompt
+from jaxhybrid.engine.tokenizer import Tokenizer
+from jaxhybrid.models.model import Model
+from jaxhybrid.models.weights import DEFAULT_MODEL_DIR, load_model
+from jaxhybrid.sample.sampler import ROW_DTYPE
 from scheduler import SchedulerConfig
-from scheduler.invariants import check_drained
+from scheduler.sim.invariants import check_drained
 
 
 @functools.cache
@@ -54,7 +55,7 @@ def run_to_completion(engine: Engine, max_steps: int = 500) -> dict[str, Request
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output
-    raise AssertionError(f"requests still running after {max_steps} steps: {sorted(engine._requests)}")
+    raise AssertionError(f"requests still running after {max_steps} steps: {sorted(engine.table.requests)}")
 
 
 @functools.cache

@@ -11,12 +11,13 @@ import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from jaxhybrid.api import param_bytes, pool_budget, scheduler_config
-from jaxhybrid.config import load_config
-from jaxhybrid.distributed.tensor_parallel import AXIS, param_shardings
-from jaxhybrid.memory import size_pools
-from jaxhybrid.model import Model, abstract_params, init_params
-from jaxhybrid.runner import Runner, plan_shapes
+from jaxhybrid.engine_args import EngineArgs
+from jaxhybrid.models.config import load_config
+from jaxhybrid.models.model import Model, abstract_params, init_params
+from jaxhybrid.models.tensor_parallel import AXIS, param_shardings
+from jaxhybrid.worker.buckets import plan_shapes
+from jaxhybrid.worker.memory import param_bytes, pool_budget, size_pools
+from jaxhybrid.worker.runner import Runner
 
 PRESETS = Path(__file__).parents[2] / "configs" / "models"
 TINY = ("tiny_qwen3_next", "tiny_nemotron_h", "tiny_qwen3_5_text")
@@ -27,9 +28,9 @@ def tiny(name: str):
 
 
 def small_config(cfg, **overrides):
-    args = dict(dtype=jnp.dtype(jnp.bfloat16), max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
-                num_blocks=32, num_state_slots=12, token_buckets=(8, 16), row_buckets=(2, 4))
-    return scheduler_config(cfg, lambda: 0, **{**args, **overrides})
+    args = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, num_blocks=32, num_state_slots=12,
+                token_buckets=(8, 16), row_buckets=(2, 4))
+    return EngineArgs(**{**args, **overrides}).scheduler_config(cfg, lambda: 0, dtype=jnp.dtype(jnp.bfloat16))
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -90,8 +91,8 @@ def test_tensor_parallel_pools_are_sized_by_one_devices_share():
     budget = pool_budget(0.9, 2**26, one_device)
     whole = size_pools(cfg, budget, block_size=16, ring_size=1, num_spec_tokens=0, max_num_seqs=256,
                        max_model_len=256)
-    sizes = {tp: scheduler_config(cfg, lambda: budget, dtype=jnp.dtype(jnp.bfloat16), tensor_parallel_size=tp,
-                                  max_model_len=256, max_num_seqs=256, backend="reference") for tp in (1, 2)}
+    sizes = {tp: EngineArgs(tensor_parallel_size=tp, max_model_len=256, max_num_seqs=256, backend="reference")
+             .scheduler_config(cfg, lambda: budget, dtype=jnp.dtype(jnp.bfloat16)) for tp in (1, 2)}
     assert (sizes[1].num_blocks, sizes[1].num_state_slots) == (whole.num_blocks, whole.num_state_slots)
     # half a block and half a slot per device: twice of both fit the same device budget
     assert sizes[2].num_blocks >= 2 * sizes[1].num_blocks - 2

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+from jaxhybrid.engine.tokenizer import CHECKPOINT_MARKER, Tokenizer
+from jaxhybrid.models.weights import DEFAULT_MODEL_DIR, load_model
 from jaxhybrid.tiny.bpe import SPECIAL_TOKENS
 from jaxhybrid.tiny.corpus import HELD_OUT_MODULES, stdlib_dir
 from jaxhybrid.tiny.roundtrip import REFERENCE_FILE
-from jaxhybrid.tokenizer import CHECKPOINT_MARKER, Tokenizer
-from jaxhybrid.weights import DEFAULT_MODEL_DIR, load_model
 from tests.tolerances import assert_float32_close, model_depth
 
 MB = 1_000_000

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxhybrid.detokenize import IncrementalDetokenizer
-from jaxhybrid.tokenizer import CHECKPOINT_MARKER, Tokenizer
-from jaxhybrid.weights import DEFAULT_MODEL_DIR
+from jaxhybrid.engine.detokenize import IncrementalDetokenizer
+from jaxhybrid.engine.tokenizer import CHECKPOINT_MARKER, Tokenizer
+from jaxhybrid.models.weights import DEFAULT_MODEL_DIR
 from scheduler import CheckpointMarkerError
 
 TEXTS = ["def read_config(path):\n    return json.load(open(path))", "  # héllo → 日本語 ✓\n\tx = 1",

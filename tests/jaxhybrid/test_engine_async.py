@@ -12,8 +12,8 @@ import threading
 import pytest
 
 from jaxhybrid import LLM, SamplingParams
-from jaxhybrid.engine import OUTPUT_THREAD
-from scheduler.invariants import check_drained
+from jaxhybrid.engine.core import OUTPUT_THREAD
+from scheduler.sim.invariants import check_drained
 from tests.jaxhybrid.test_llm import ANCHOR, CANDIDATES
 
 NEW_TOKENS = 24

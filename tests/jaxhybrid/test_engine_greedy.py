@@ -16,8 +16,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxhybrid.engine import Engine, Prompt
-from jaxhybrid.sampling_params import SamplingParams
+from jaxhybrid.engine.core import Engine
+from jaxhybrid.engine.requests import Prompt
+from jaxhybrid.sample.params import SamplingParams
 from tests.hf_fixtures import fixture_model
 from tests.jaxhybrid.engine_helpers import engine_for, greedy_continuation, run_to_completion
 

@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxhybrid.engine import Prompt
-from jaxhybrid.sampling_params import SamplingParams
+from jaxhybrid.engine.requests import Prompt
+from jaxhybrid.sample.params import SamplingParams
 from scheduler import CheckpointMarkerError
 from tests.hf_fixtures import fixture_model
 from tests.jaxhybrid.engine_helpers import engine_for, greedy_continuation, run_to_completion
@@ -44,7 +44,7 @@ def test_a_random_workload_compiles_nothing_after_warmup_and_frees_everything():
             engine.add_request(str(i), prompt, SamplingParams(temperature=float(rng.random() < 0.5),
                                                               max_tokens=int(rng.integers(0, 9)), ignore_eos=True))
         del pending[:6]
-        running = list(engine._requests)
+        running = list(engine.table.requests)
         if running and rng.random() < 0.15:  # an abort mid-prefill, mid-decode or of a producer
             engine.abort(running[int(rng.integers(len(running)))])
             aborted += 1
@@ -129,7 +129,7 @@ def test_a_request_whose_output_fails_ends_alone():
     engine.add_request("broken", Prompt(tuple(range(1, 20))), params)
     engine.add_request("fine", Prompt(tuple(range(2, 21))), params)
     engine.step()
-    engine._sequences[engine._requests["broken"].sequences[0]].detokenizer = _Exploding()
+    engine.table.sequences[engine.table.requests["broken"].sequences[0]].detokenizer = _Exploding()
     outputs = run_to_completion(engine)
     assert outputs["broken"].outputs[0].finish_reason == "error"
     assert outputs["fine"].outputs[0].token_ids == greedy_continuation(model, tuple(range(2, 21)), 5)

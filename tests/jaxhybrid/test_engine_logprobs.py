@@ -16,8 +16,8 @@ import jax
 import numpy as np
 from hypothesis import HealthCheck, example, given, settings
 
-from jaxhybrid.engine import Prompt
-from jaxhybrid.sampling_params import SamplingParams
+from jaxhybrid.engine.requests import Prompt
+from jaxhybrid.sample.params import SamplingParams
 from tests.hf_fixtures import fixture_model
 from tests.jaxhybrid.engine_helpers import engine_for, run_to_completion
 from tests.tolerances import assert_close, float32_atol, model_depth

@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxhybrid.engine import Prompt
-from jaxhybrid.sampling_params import SamplingParams
+from jaxhybrid.engine.requests import Prompt
+from jaxhybrid.sample.params import SamplingParams
 from tests.hf_fixtures import fixture_model
 from tests.jaxhybrid.engine_helpers import default_model, default_tokenizer, engine_for, run_to_completion
 

@@ -7,8 +7,8 @@ import jax
 import numpy as np
 from safetensors import safe_open
 
-from jaxhybrid.export import export_hf_checkpoint
-from jaxhybrid.weights import load_model
+from jaxhybrid.models.export import export_hf_checkpoint
+from jaxhybrid.models.weights import load_model
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "hf" / "qwen3_next"
 

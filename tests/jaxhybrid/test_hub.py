@@ -14,10 +14,10 @@ from huggingface_hub import constants, errors
 
 import jaxhybrid
 from jaxhybrid import LLM, SamplingParams
+from jaxhybrid.engine.tokenizer import Tokenizer
 from jaxhybrid.engine_args import build_llm
+from jaxhybrid.models.weights import DEFAULT_MODEL_DIR, CheckpointError, resolve_model
 from jaxhybrid.serve.__main__ import parse_args
-from jaxhybrid.tokenizer import Tokenizer
-from jaxhybrid.weights import DEFAULT_MODEL_DIR, CheckpointError, resolve_model
 
 ROOT = Path(__file__).parent.parent.parent
 REPO = "org/name"
@@ -96,7 +96,7 @@ def test_hf_home_and_hf_hub_offline_are_read_from_the_environment(tmp_path):
     fake_hub_cache(tmp_path / "hub", REPO, {"main": MAIN})
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
     env.update(HF_HOME=str(tmp_path), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    code = ("from jaxhybrid.weights import resolve_model\n"
+    code = ("from jaxhybrid.models.weights import resolve_model\n"
             "print(resolve_model('org/name'))\n"
             "try:\n    resolve_model('org/other')\nexcept ValueError as error:\n    print(error)\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,

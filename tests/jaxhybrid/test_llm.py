@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from jaxhybrid import LLM, SamplingParams
+from jaxhybrid.engine.tokenizer import CHECKPOINT_MARKER
 from jaxhybrid.models.pools import RecurrentPool, has_snapshots
-from jaxhybrid.tokenizer import CHECKPOINT_MARKER
 from scheduler import CheckpointMarkerError
 from tests.hf_fixtures import HF_FIXTURES
 from tests.jaxhybrid.engine_helpers import greedy_continuation

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxhybrid.memory import size_pools, slot_bytes
 from jaxhybrid.models.pools import RecurrentPool, init_device_state
+from jaxhybrid.worker.memory import size_pools, slot_bytes
 from scheduler import SchedulerConfig
 from scheduler.replay import ring_rows
 from tests.hf_fixtures import fixture_model

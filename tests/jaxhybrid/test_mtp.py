@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import scheduler
-from jaxhybrid.runner import Runner
-from jaxhybrid.sampling import pack_row
+from jaxhybrid.sample.sampler import pack_row
+from jaxhybrid.worker.runner import Runner
 from tests.hf_fixtures import fixture_model
 from tests.jaxhybrid.engine_helpers import engine_for
 

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxhybrid.plan_transfer import DevicePlan, pack_plan, unpack_plan
+from jaxhybrid.models.plan_transfer import DevicePlan, pack_plan, unpack_plan
 from scheduler import Request, SamplingParams
 from tests.scheduler.helpers import Driver, make_config
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jaxhybrid.config import ATTENTION, GDN, MAMBA2, MLP, MOE, load_config
+from jaxhybrid.models.config import ATTENTION, GDN, MAMBA2, MLP, MOE, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = REPO / "configs" / "models"

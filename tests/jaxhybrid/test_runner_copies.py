@@ -8,8 +8,9 @@ import re
 
 import pytest
 
-from jaxhybrid.runner import pack_plan, padding_plan
-from jaxhybrid.sampling import batch_constraints
+from jaxhybrid.models.plan_transfer import pack_plan
+from jaxhybrid.sample.sampler import batch_constraints
+from jaxhybrid.worker.buckets import padding_plan
 from tests.hf_fixtures import fixture_model
 from tests.jaxhybrid.engine_helpers import engine_for
 

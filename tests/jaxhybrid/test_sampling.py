@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxhybrid.sampling import (
+from jaxhybrid.sample.sampler import (
     ROW_DTYPE,
     SamplingRows,
     apply_penalties,

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxhybrid.detokenize import IncrementalDetokenizer
-from jaxhybrid.engine import Prompt
-from jaxhybrid.sampling import CONSTRAINT_WIDTHS, apply_constraints, batch_constraints, constraint_entries
-from jaxhybrid.sampling_params import SamplingParams
+from jaxhybrid.engine.detokenize import IncrementalDetokenizer
+from jaxhybrid.engine.requests import Prompt
+from jaxhybrid.sample.params import SamplingParams
+from jaxhybrid.sample.sampler import CONSTRAINT_WIDTHS, apply_constraints, batch_constraints, constraint_entries
 from tests.jaxhybrid.engine_helpers import default_model, default_tokenizer, engine_for, run_to_completion
 
 PROMPT = "import os\n\n\ndef read_config(path):\n    with open("

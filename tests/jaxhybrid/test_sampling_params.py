@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import scheduler
-from jaxhybrid.sampling import ROW_DTYPE, SamplingRows
-from jaxhybrid.sampling_params import SamplingParams
+from jaxhybrid.sample.params import SamplingParams
+from jaxhybrid.sample.sampler import ROW_DTYPE, SamplingRows
 
 
 def test_defaults_are_vllms():

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxhybrid.api import LLM
+from jaxhybrid.llm import LLM
 from jaxhybrid.score import ScoreJob, main
 from tests.tolerances import assert_close
 

@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks.estimate import checkpoint_steps, expected_tokens, step_seconds
-from jaxhybrid.api import scheduler_config
-from jaxhybrid.config import ATTENTION, GDN, load_config
-from jaxhybrid.model import Model, abstract_params
+from jaxhybrid.engine_args import EngineArgs
+from jaxhybrid.models.config import ATTENTION, GDN, load_config
+from jaxhybrid.models.model import Model, abstract_params
 from jaxhybrid.models.ops import ModelOps
-from jaxhybrid.runner import Runner
+from jaxhybrid.worker.runner import Runner
 from pallas_kernels.attention import cost as attention_cost
 from pallas_kernels.cost import Cost, kernel_cost
 from pallas_kernels.gdn import cost as gdn_cost
@@ -28,9 +28,9 @@ def spec(*shape, dtype=jnp.float32):
 
 def test_a_decode_steps_kernels_are_each_layers_decode_kernels():
     cfg = load_config(PRESETS / "tiny_qwen3_next.yaml")  # 3 GDN layers, 1 attention layer
-    config = scheduler_config(cfg, lambda: 0, dtype=jnp.dtype(jnp.bfloat16), max_num_seqs=4, max_num_batched_tokens=16,
-                              max_model_len=64, num_blocks=32, num_state_slots=12, token_buckets=(8, 16),
-                              row_buckets=(2, 4), backend="interpret")
+    args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, num_blocks=32, num_state_slots=12,
+                      token_buckets=(8, 16), row_buckets=(2, 4), backend="interpret")
+    config = args.scheduler_config(cfg, lambda: 0, dtype=jnp.dtype(jnp.bfloat16))
     model = Model(cfg, abstract_params(cfg, jnp.bfloat16), ops=ModelOps(backend="interpret"),
                   block_size=config.block_size)
     tokens, rows, blocks = 8, 4, config.block_table_buckets[-1]

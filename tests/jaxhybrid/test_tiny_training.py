@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.config import parse_hf_config
-from jaxhybrid.model import init_params
+from jaxhybrid.models.config import parse_hf_config
 from jaxhybrid.models.hybrid import HybridLM
+from jaxhybrid.models.model import init_params
 from jaxhybrid.tiny.fast_ops import TRAINING_OPS
 from jaxhybrid.tiny.recipe import hf_config
 from jaxhybrid.tiny.train import forward, windows

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from jaxhybrid import LLM, SamplingParams
-from jaxhybrid.tokenizer import CHECKPOINT_MARKER
-from jaxhybrid.weights import DEFAULT_MODEL_DIR
+from jaxhybrid.engine.tokenizer import CHECKPOINT_MARKER
+from jaxhybrid.models.weights import DEFAULT_MODEL_DIR
 from tests.tolerances import float32_atol, model_depth
 
 PROMPT = "def read_config(path):\n"

@@ -11,9 +11,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import jaxhybrid
-from jaxhybrid.config import ConfigError
+from jaxhybrid.models.config import ConfigError
 from jaxhybrid.models.ops import ModelOps
-from jaxhybrid.weights import CheckpointError
+from jaxhybrid.models.weights import CheckpointError
 from tests.hf_fixtures import HF_FIXTURES, fixture_model
 
 TOKENS = np.random.default_rng(0).integers(0, 256, (1, 20))

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_cases import BS, MB, NUM_ROWS, NUM_TOKENS, SCALE, TOL, make_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lowering import TRITON_CALL, lower_for_cuda
-from test_attention_reference import BS, MB, NUM_ROWS, NUM_TOKENS, SCALE, TOL, _make_case
 
 from pallas_kernels.attention import pallas, ragged_paged_attention, reference
 from pallas_kernels.common import max_num_chunks
@@ -61,7 +61,7 @@ def _compare(args, dtype, tolerance, interpret, **tiling):
 @settings(max_examples=4, deadline=None)
 @given(row_specs=row_mix(), seed=st.integers(0, 2**16))
 def test_interpret_matches_reference(num_kv_heads, num_splits, row_specs, seed):
-    args, _ = _make_case(row_specs, seed, HQ, num_kv_heads)
+    args, _ = make_case(row_specs, seed, HQ, num_kv_heads)
     _compare(args, jnp.float32, TOL, interpret=True, block_m=16, num_splits=num_splits)
 
 
@@ -70,13 +70,13 @@ def test_interpret_matches_reference(num_kv_heads, num_splits, row_specs, seed):
 @given(row_specs=row_mix(), seed=st.integers(0, 2**16))
 def test_interpret_half_precision_matches_f32_reference(dtype, row_specs, seed):
     """fp16 rounds finer than bf16 (2^-11), so the bf16 bound covers it."""
-    args, _ = _make_case(row_specs, seed, HQ, 1)
+    args, _ = make_case(row_specs, seed, HQ, 1)
     _compare(args, dtype, BF16_TOL, interpret=True, block_m=16, num_splits=3)
 
 
 def test_idle_splits_of_short_rows_add_nothing():
     """8 splits over rows of 1 to 3 blocks: most splits run no block and write max -inf; no NaN, same result."""
-    args, _ = _make_case([(1, 1), (2, 5), (4, 12), (3, 3)], seed=7, num_q_heads=HQ, num_kv_heads=4)
+    args, _ = make_case([(1, 1), (2, 5), (4, 12), (3, 3)], seed=7, num_q_heads=HQ, num_kv_heads=4)
     _compare(args, jnp.float32, TOL, interpret=True, block_m=16, num_splits=8)
 
 
@@ -130,6 +130,6 @@ def test_lowers_for_cuda_at_model_shapes(phase, split, dtype):
 @settings(max_examples=8, deadline=None)
 @given(row_specs=row_mix(), seed=st.integers(0, 2**16))
 def test_compiled_kernel_matches_reference_on_gpu(num_splits, row_specs, seed):
-    args, _ = _make_case(row_specs, seed, HQ, 1)
+    args, _ = make_case(row_specs, seed, HQ, 1)
     _compare(args, jnp.float32, TOL, interpret=False, block_m=16, num_splits=num_splits)
     _compare(args, jnp.bfloat16, BF16_TOL, interpret=False, block_m=16, num_splits=num_splits)

@@ -1,17 +1,12 @@
 """Reference ragged paged attention vs dense NumPy softmax attention over permuted block tables."""
 
 import numpy as np
+from attention_cases import BS, DH, HKV, MB, NUM_ROWS, NUM_TOKENS, SCALE, TOL, make_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from varlen_inputs import cu_seqlens
 
 from pallas_kernels.attention import ragged_paged_attention
-from tests.tolerances import Float32
-
-HQ, HKV, DH, BS, NB, MB = 4, 2, 16, 4, 40, 8
-NUM_TOKENS, NUM_ROWS = 24, 4
-SCALE = DH**-0.5
-TOL = Float32(depth=2 * DH + MB * BS)  # q.k over DH, softmax and p.v over the whole context
 
 
 @st.composite
@@ -24,43 +19,6 @@ def rows(draw):
     while sum(q for q, _ in out) > NUM_TOKENS:
         out.pop()
     return out
-
-
-def _make_case(row_specs, seed, num_q_heads=HQ, num_kv_heads=HKV):
-    """Random full per-row K/V; the cached prefix goes into the pool, the last qlen tokens are new."""
-    rng = np.random.default_rng(seed)
-    k_pool = rng.standard_normal((NB, BS, num_kv_heads, DH), np.float32)
-    v_pool = rng.standard_normal((NB, BS, num_kv_heads, DH), np.float32)
-    free = list(rng.permutation(np.arange(1, NB)))  # block 0 is the null block
-    tables = np.zeros((NUM_ROWS, MB), np.int32)
-    dense, q, k, v, slots = [], [], [], [], []
-    for r, (qlen, ctx) in enumerate(row_specs):
-        keys, values = rng.standard_normal((2, ctx, num_kv_heads, DH), np.float32)
-        tables[r, : -(-ctx // BS)] = [free.pop() for _ in range(-(-ctx // BS))]
-        pos = np.arange(ctx)
-        flat = tables[r, pos // BS] * BS + pos % BS
-        k_pool.reshape(-1, num_kv_heads, DH)[flat[: ctx - qlen]] = keys[: ctx - qlen]
-        v_pool.reshape(-1, num_kv_heads, DH)[flat[: ctx - qlen]] = values[: ctx - qlen]
-        q.append(rng.standard_normal((qlen, num_q_heads, DH), np.float32))
-        k.append(keys[ctx - qlen :])
-        v.append(values[ctx - qlen :])
-        slots.append(flat[ctx - qlen :])
-        dense.append((keys, values))
-    pad = NUM_TOKENS - sum(len(x) for x in q)
-    packed = [np.concatenate(x + [np.zeros((pad,) + x[0].shape[1:], x[0].dtype)]) for x in (q, k, v, slots)]
-    context = np.array([c - q_ for q_, c in row_specs] + [0] * (NUM_ROWS - len(row_specs)), np.int32)  # before
-    args = dict(
-        q=packed[0],
-        k=packed[1],
-        v=packed[2],
-        k_pool=k_pool,
-        v_pool=v_pool,
-        slot_mapping=packed[3].astype(np.int32),
-        block_table=tables,
-        cu_seqlens=cu_seqlens([q_ for q_, _ in row_specs], NUM_ROWS),
-        context_lens=context,
-    )
-    return args, dense
 
 
 def _dense_attention(q, keys, values, ctx):
@@ -78,7 +36,7 @@ def _dense_attention(q, keys, values, ctx):
 @settings(max_examples=10, deadline=None)
 @given(row_specs=rows(), seed=st.integers(0, 2**16))
 def test_matches_dense_attention(row_specs, seed):
-    args, dense = _make_case(row_specs, seed)
+    args, dense = make_case(row_specs, seed)
     o, k_pool, v_pool = ragged_paged_attention(**args, scale=SCALE)
     cu = args["cu_seqlens"]
     for r, (keys, values) in enumerate(dense):
@@ -94,7 +52,7 @@ def test_matches_dense_attention(row_specs, seed):
 @given(qlen=st.integers(2, 8), ctx=st.integers(8, MB * BS), data=st.data())
 def test_split_row_equals_one_call(qlen, ctx, data):
     split = data.draw(st.integers(1, qlen - 1))
-    args, _ = _make_case([(qlen, ctx)], data.draw(st.integers(0, 2**16)))
+    args, _ = make_case([(qlen, ctx)], data.draw(st.integers(0, 2**16)))
     o, _, _ = ragged_paged_attention(**args, scale=SCALE)
     first = _slice_call(args, 0, split, ctx - qlen)
     o1, k_pool, v_pool = ragged_paged_attention(**first, scale=SCALE)

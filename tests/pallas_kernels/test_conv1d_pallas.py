@@ -6,34 +6,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conv1d_cases import KC, R, S, T, make_inputs
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from lowering import TRITON_CALL, lower_for_cuda
-from varlen_inputs import prefill_rows, row_lengths
+from varlen_inputs import row_lengths
 
 from pallas_kernels.conv1d import conv1d_prefill, pallas
 from tests.tolerances import Float32, assert_close, bfloat16_atol, float32_atol
 
-DIM, KC, S, T, R = 16, 4, 12, 32, 4
 BLOCK_T = 8  # rows of up to 32 tokens span several tiles
 MAX_LEAD = 4  # padding tokens before the first row (the second phase of a grouped prefill)
 TOL = Float32(depth=KC + 1)  # KC taps and the bias: one short sum per output
 ON_GPU = jax.default_backend() == "gpu"
-
-
-def _make_inputs(lengths, seed, dtype=np.float32):
-    """Random rows in distinct slots; x and the window pool in the activation dtype, like the model's pools."""
-    rng = np.random.default_rng(seed)
-    pool = rng.standard_normal((S, KC - 1, DIM), np.float32)
-    pool[0] = 0
-    slot_ids = rng.permutation(np.arange(1, S))
-    return dict(
-        x=rng.standard_normal((T, DIM), np.float32).astype(dtype),
-        weight=rng.standard_normal((DIM, KC), np.float32),
-        bias=rng.standard_normal(DIM).astype(np.float32),
-        window_pool=pool.astype(dtype),
-        **prefill_rows(rng, lengths, R, slot_ids),
-    )
 
 
 def _poison_stale_slots(inputs):
@@ -72,7 +57,7 @@ def _check_outputs(out, ref, dtype):
 )
 @example(lengths=[2, 1, 25, 0], lead=0, seed=0, dtype=jnp.bfloat16)  # rows shorter than KC-1 and than a tile
 def test_prefill_interpret_matches_reference(lengths, lead, seed, dtype):
-    inputs = _make_inputs(lengths, seed, dtype)
+    inputs = make_inputs(lengths, seed, dtype)
     inputs["cu_seqlens"] = inputs["cu_seqlens"] + lead
     _poison_stale_slots(inputs)
     ref = conv1d_prefill(**_upcast(inputs), backend="reference")
@@ -96,7 +81,7 @@ def test_prefill_lowers_for_cuda(dim, dtype):
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_compiled_kernels_match_reference(dtype):
-    inputs = _make_inputs([2, 1, 25, 3], seed=0, dtype=dtype)
+    inputs = make_inputs([2, 1, 25, 3], seed=0, dtype=dtype)
     _poison_stale_slots(inputs)
     ref = conv1d_prefill(**_upcast(inputs), backend="reference")
     _check_outputs(pallas.conv1d_prefill(**inputs, block_t=BLOCK_T), ref, dtype)

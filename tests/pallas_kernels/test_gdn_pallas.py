@@ -6,19 +6,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gdn_cases import CHUNK, KERNEL_CHUNK, R, S, T, prefill_inputs
+from gdn_replay_op import GdnReplay
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lowering import TRITON_CALL, lower_for_cuda
 from replay_sim import simulate
-from test_gdn_replay import GdnReplay
-from varlen_inputs import prefill_rows, row_lengths
+from varlen_inputs import row_lengths
 
 from pallas_kernels.gdn import gdn_decode, gdn_materialise, gdn_prefill, gdn_verify, pallas, pallas_prefill
 from tests.tolerances import BFloat16, Float32
 
 ON_GPU = jax.default_backend() == "gpu"
-# Chunk 32: two 16-row blocks, so the kernel's blocked (I + A)^-1 merges; the chunk-64 tests merge four.
-T, R, S, CHUNK, KERNEL_CHUNK = 96, 4, 12, 32, 64
 TOL = Float32(depth=T + 16 + KERNEL_CHUNK)  # a row's recurrence, K = 16 state terms, a chunk's triangular solve
 BF16_TOL = BFloat16(degree=3)  # q k^T v
 # Prefill with half-precision q, k, v against the f32 reference on the same values upcast, so only the
@@ -29,27 +28,6 @@ BF16_TOL = BFloat16(degree=3)  # q k^T v
 # w h path is one rounding shorter). 9 factors; BFloat16 adds the output's own rounding. fp16 (u = 2^-11)
 # is inside the bf16 bound.
 HALF_PREFILL_TOL = BFloat16(degree=9)
-
-
-def _prefill_inputs(lengths, seed, dtype=jnp.float32):
-    """Packed rows in one (T, R) bucket, distinct random slots, random has_initial and checkpoints.
-
-    GVA: 2 qk heads, 4 value heads. Head dims are 16 so that the same inputs compile on a GPU (Triton dots
-    need 16).
-    """
-    rng = np.random.default_rng(seed)
-    slot_ids = rng.permutation(np.arange(1, S))
-    pool = rng.standard_normal((S, 4, 16, 16), np.float32)
-    pool[0] = 0
-    return dict(
-        q=jnp.asarray(rng.standard_normal((T, 2, 16), np.float32), dtype),
-        k=jnp.asarray(rng.standard_normal((T, 2, 16), np.float32), dtype),
-        v=jnp.asarray(rng.standard_normal((T, 4, 16), np.float32), dtype),
-        g=-rng.exponential(0.5, (T, 4)).astype(np.float32),
-        beta=rng.uniform(0, 1, (T, 4)).astype(np.float32),
-        state_pool=pool,
-        **prefill_rows(rng, lengths, R, slot_ids),
-    )
 
 
 def _assert_close(out, ref, tol):
@@ -70,7 +48,7 @@ def _compare_prefill(inputs, backend, tol, ref_inputs=None, chunk_size=CHUNK):
 @settings(max_examples=4, deadline=None)
 @given(lengths=row_lengths(CHUNK, T, R), seed=st.integers(0, 2**16))
 def test_prefill_interpret_matches_reference(lengths, seed):
-    _compare_prefill(_prefill_inputs(lengths, seed), "interpret", TOL)
+    _compare_prefill(prefill_inputs(lengths, seed), "interpret", TOL)
 
 
 # Rows of 70 (two chunks of 64), 25 and 1 token fill the bucket: the last chunk runs past T.
@@ -83,7 +61,7 @@ EDGE_LENGTHS = [70, 25, 1]
     ids=["chunk-end", "in-chunk-block-edge-and-start", "row-end-and-mid-chunk"],
 )
 def test_prefill_chunk64_checkpoints(checkpoint_lens):
-    inputs = _prefill_inputs(EDGE_LENGTHS, 8)
+    inputs = prefill_inputs(EDGE_LENGTHS, 8)
     inputs["has_initial"] = np.array([True, False, True, False])
     inputs["checkpoint_lens"] = np.array(checkpoint_lens + [0], np.int32)
     inputs["checkpoint_slots"] = np.array([9, 10, 11, 0], np.int32)
@@ -97,7 +75,7 @@ def test_prefill_chunk64_checkpoints(checkpoint_lens):
 
 
 def test_prefill_near_identical_keys():
-    inputs = _prefill_inputs(EDGE_LENGTHS, 6)
+    inputs = prefill_inputs(EDGE_LENGTHS, 6)
     inputs["k"] = inputs["k"][:1] + 0.01 * inputs["k"]  # (I + A) ~ all-ones lower triangle, see reference test
     inputs["g"], inputs["beta"] = np.zeros_like(inputs["g"]), np.ones_like(inputs["beta"])
     _compare_prefill(inputs, "interpret", TOL, chunk_size=KERNEL_CHUNK)
@@ -105,7 +83,7 @@ def test_prefill_near_identical_keys():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_prefill_half_precision_inputs_fp32_state(dtype):
-    inputs = _prefill_inputs(EDGE_LENGTHS, 4, dtype)
+    inputs = prefill_inputs(EDGE_LENGTHS, 4, dtype)
     upcast = {name: inputs[name].astype(jnp.float32) for name in ("q", "k", "v")}
     o, pool = _compare_prefill(inputs, "interpret", HALF_PREFILL_TOL, dict(inputs, **upcast), KERNEL_CHUNK)
     assert o.dtype == dtype and pool.dtype == jnp.float32
@@ -114,7 +92,7 @@ def test_prefill_half_precision_inputs_fp32_state(dtype):
 @pytest.mark.parametrize("chunk_size", [8, 48])
 def test_prefill_kernel_rejects_chunks_not_made_of_16_row_blocks(chunk_size):
     with pytest.raises(ValueError, match="power of two >= 16"):
-        gdn_prefill(**_prefill_inputs([5], 0), chunk_size=chunk_size, backend="interpret")
+        gdn_prefill(**prefill_inputs([5], 0), chunk_size=chunk_size, backend="interpret")
 
 
 @settings(max_examples=3, deadline=None)
@@ -222,7 +200,7 @@ def test_prefill_lowers_for_cuda_at_qwen3_next_shapes(dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 def test_compiled_kernels_match_reference():
-    _compare_prefill(_prefill_inputs([0, 1, 15, 16, 17, 33][:R], seed=0), "pallas", TOL)
+    _compare_prefill(prefill_inputs([0, 1, 15, 16, 17, 33][:R], seed=0), "pallas", TOL)
     rows_ref, pools_ref, _ = simulate(GdnReplay("reference"), 4, 3, 1, 2, steps=12)
     rows, pools, _ = simulate(GdnReplay("pallas"), 4, 3, 1, 2, steps=12)
     for row_ref, row in zip(rows_ref, rows, strict=True):
@@ -232,7 +210,7 @@ def test_compiled_kernels_match_reference():
 
 @pytest.mark.parametrize("backend", ["reference", "interpret"])
 def test_nan_in_an_unused_slot_reaches_nothing(backend):
-    inputs = _prefill_inputs([CHUNK + 1, 0, 3], seed=2)
+    inputs = prefill_inputs([CHUNK + 1, 0, 3], seed=2)
     unused = np.setdiff1d(np.arange(1, S), np.concatenate([inputs["slots"], inputs["checkpoint_slots"]]))[0]
     inputs["state_pool"][unused] = np.nan
     o, pool = gdn_prefill(**inputs, chunk_size=CHUNK, backend=backend)

@@ -13,16 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lowering import TRITON_CALL, lower_for_cuda
 from replay_sim import simulate
-from test_mamba2_replay import SsdReplay
-from varlen_inputs import cu_seqlens, prefill_rows, row_lengths
+from ssd_cases import CHUNK, T_PREFILL, T_VERIFY, A, D, G, N, R, S, W, prefill_case, random_pools, random_tokens
+from ssd_replay_op import SsdReplay
+from varlen_inputs import cu_seqlens, row_lengths
 
 from pallas_kernels.common import chunk_table
 from pallas_kernels.mamba2 import pallas, pallas_prefill, reference
 from tests.tolerances import BFloat16, Float32
 
 ON_GPU = jax.default_backend() == "gpu"
-NH, P, G, N, S, W = 8, 32, 2, 16, 10, 4  # 4 heads per group; P = 2 tiles of block_p
-R, T_VERIFY, T_PREFILL, CHUNK = 4, 16, 128, 16
 # f32: a row's recurrence, N state terms and a chunk's sums.
 F32 = Float32(depth=T_PREFILL + N + CHUNK)
 # The token-step kernels (decode, verify) compute in f32 on the same bf16 inputs as the reference: only the
@@ -35,21 +34,6 @@ TOLERANCE = {jnp.float32: F32, jnp.bfloat16: BFloat16(degree=1)}
 PREFILL_Y = {jnp.float32: F32, jnp.bfloat16: BFloat16(degree=2), jnp.float16: BFloat16(degree=2)}
 PREFILL_STATE = {jnp.float32: F32, jnp.bfloat16: BFloat16(degree=1), jnp.float16: BFloat16(degree=1)}
 BLOCK_P = 16
-_RNG = np.random.default_rng(0)
-A = -np.exp(_RNG.uniform(-1, 1, NH)).astype(np.float32)
-D = _RNG.standard_normal(NH).astype(np.float32)
-
-
-def _tokens(rng, num_tokens, dtype):
-    """x, dt, B, C of a packed bucket; x/B/C in `dtype`, dt fp32 (processed)."""
-    x = jnp.asarray(rng.standard_normal((num_tokens, NH, P), np.float32), dtype)
-    b, c = (jnp.asarray(v, dtype) for v in rng.standard_normal((2, num_tokens, G, N), np.float32))
-    return x, jnp.asarray(rng.uniform(0.01, 1.0, (num_tokens, NH)), jnp.float32), b, c
-
-
-def _pools(rng):
-    """Random slot pages (S0, ring_x, ring_dt, ring_B) with a zero null slot, as numpy."""
-    return SsdReplay.make_pools(W, rng, (S, NH, P, G, N))
 
 
 def _slots(rng, num_real, count=R):
@@ -75,12 +59,12 @@ verify_rows = st.lists(
 def _verify_case(rows, rng, dtype):
     lengths, committed, ring_start, flush = (np.array(v + (0,) * (R - len(rows))) for v in zip(*rows, strict=True))
     args = dict(
-        zip(("x", "dt", "B", "C"), _tokens(rng, T_VERIFY, dtype), strict=True),
+        zip(("x", "dt", "B", "C"), random_tokens(rng, T_VERIFY, dtype), strict=True),
         A=A, D=D, cu_seqlens=cu_seqlens(list(lengths), R), slots=_slots(rng, len(rows)),
         ring_start=ring_start.astype(np.int32), committed=committed.astype(np.int32),
         flush=flush.astype(bool) | (committed + lengths > W),  # the contract: no room -> flush
     )  # fmt: skip
-    return args, _pools(rng)
+    return args, random_pools(rng)
 
 
 def _check_verify(rows, seed, dtype, interpret):
@@ -108,9 +92,9 @@ def test_verify_interpret_matches_reference(rows, seed, dtype):
 
 def _check_decode(lengths, seed, dtype, interpret):
     rng = np.random.default_rng(seed)
-    tokens = dict(zip(("x", "dt", "B", "C"), _tokens(rng, R, dtype), strict=True))
+    tokens = dict(zip(("x", "dt", "B", "C"), random_tokens(rng, R, dtype), strict=True))
     args = dict(tokens, A=A, D=D, cu_seqlens=cu_seqlens(lengths, R), slots=_slots(rng, len(lengths)))
-    pool = _pools(rng)[0]
+    pool = random_pools(rng)[0]
     y_ref, pool_ref = reference.ssd_decode(**args, state_pool=jnp.array(pool))
     y, pool_out = pallas.ssd_decode(**args, state_pool=jnp.array(pool), block_p=BLOCK_P, interpret=interpret)
     _assert_close(y, y_ref, TOLERANCE[dtype])
@@ -130,12 +114,12 @@ def test_decode_interpret_matches_reference(lengths, seed, dtype):
 def test_width_one_verify_is_bit_identical_to_decode():
     """DESIGN: ReplaySSM with W = 1 must reproduce plain decoding exactly; both kernels share one token step."""
     rng = np.random.default_rng(3)
-    pools = _pools(rng)
+    pools = random_pools(rng)
     pools[1:] = [p[..., :1, :] if p.ndim == 4 else p[..., :1] for p in pools[1:]]  # W = 1
     pools = _named_pools(pools)
     plain, slots, committed = jnp.array(pools["state_pool"]), np.array([3, 1, 0, 0], np.int32), np.zeros(R, np.int32)
     for _ in range(4):
-        x, dt, b, c = _tokens(rng, R, jnp.float32)
+        x, dt, b, c = random_tokens(rng, R, jnp.float32)
         args = (x, dt, A, b, c, D, np.array([0, 1, 2, 2, 2], np.int32))
         y, *rest = pallas.ssd_verify(*args, **pools, slots=slots, ring_start=np.zeros(R, np.int32),
                                      committed=committed, flush=committed > 0, interpret=True)  # fmt: skip
@@ -150,7 +134,7 @@ def test_width_one_verify_is_bit_identical_to_decode():
 
 def _check_materialise(num_entries, seed, interpret):
     rng = np.random.default_rng(seed)
-    pools, m = _pools(rng), len(num_entries)
+    pools, m = random_pools(rng), len(num_entries)
     slot_ids = rng.permutation(np.arange(1, S))
     src, dst = slot_ids[:m].astype(np.int32), slot_ids[m : 2 * m].astype(np.int32)
     dst[rng.uniform(size=m) < 0.3] = 0  # dst 0: skip
@@ -169,21 +153,9 @@ def test_materialise_interpret_matches_reference(num_entries, seed):
     _check_materialise(num_entries, seed, interpret=True)
 
 
-def _prefill_case(lengths, rng, dtype):
-    slot_ids = rng.permutation(np.arange(1, S))
-    args = dict(
-        zip(("x", "dt", "B", "C"), _tokens(rng, T_PREFILL, dtype), strict=True), A=A, D=D,
-        **prefill_rows(rng, lengths, R, slot_ids, initial_rate=0.6, checkpoint_past_end=True),
-    )  # fmt: skip
-    pool = _pools(rng)[0]
-    pool[args["slots"][~args["has_initial"]]] = np.nan  # stale contents must not leak into fresh rows
-    pool[0] = 0
-    return args, pool
-
-
 def _check_prefill(lengths, seed, dtype, interpret, block_t=CHUNK, **overrides):
     """Kernel against the reference (chunk CHUNK) on one case; `overrides` replace its per-row arguments."""
-    args, pool = _prefill_case(lengths, np.random.default_rng(seed), dtype)
+    args, pool = prefill_case(lengths, np.random.default_rng(seed), dtype)
     args.update(overrides)
     y_ref, pool_ref = reference.ssd_prefill(**_as_f32(args), state_pool=jnp.array(pool), chunk_size=CHUNK)
     y, pool_out = pallas_prefill.ssd_prefill(
@@ -211,7 +183,7 @@ def test_prefill_chunk_edge_lengths():
 def test_prefill_checkpoints_inside_chunks():
     """Checkpoints mid-chunk in a row's third chunk, on a chunk boundary, at 0 (the start state), at the end."""
     lengths, seed = [4 * CHUNK + 3, 2 * CHUNK + 7, CHUNK, 6], 7
-    running = _prefill_case(lengths, np.random.default_rng(seed), jnp.float32)[0]["slots"]
+    running = prefill_case(lengths, np.random.default_rng(seed), jnp.float32)[0]["slots"]
     spare = np.setdiff1d(np.arange(1, S), running)[:R].astype(np.int32)
     checkpoint_lens = np.array([2 * CHUNK + 5, CHUNK, 0, 6], np.int32)
     _check_prefill(lengths, seed, jnp.float32, interpret=True, checkpoint_lens=checkpoint_lens, checkpoint_slots=spare)
@@ -230,7 +202,7 @@ def test_prefill_fp16_in_chunks_smaller_than_chunk_size():
 
 def test_chunk_cb_holds_c_bt_of_every_chunk_and_group():
     lengths = [CHUNK + 5, 0, 2 * CHUNK, 3]
-    _, _, b, c = _tokens(np.random.default_rng(2), T_PREFILL, jnp.float32)
+    _, _, b, c = random_tokens(np.random.default_rng(2), T_PREFILL, jnp.float32)
     table = chunk_table(cu_seqlens(lengths, R), T_PREFILL, CHUNK)
     cb = np.asarray(pallas_prefill._chunk_cb(b, c, table.starts, table.lengths, block_t=CHUNK, interpret=True))
     b, c = np.asarray(b), np.asarray(c)

@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import replay_sim
+from gdn_replay_op import GdnReplay
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lowering import TRITON_CALL, lower_for_cuda
-from test_gdn_replay import GdnReplay
-from test_mamba2_replay import A as SSD_A
-from test_mamba2_replay import D as SSD_D
-from test_mamba2_replay import SsdReplay
+from ssd_replay_op import A as SSD_A
+from ssd_replay_op import D as SSD_D
+from ssd_replay_op import SsdReplay
 
 from pallas_kernels.common import snapshot_materialise
 from pallas_kernels.gdn import gdn_verify_snapshots

@@ -10,16 +10,16 @@ contents.
 import numpy as np
 import pytest
 import replay_sim
-from test_attention_reference import SCALE, _make_case
-from test_conv1d_pallas import KC
-from test_conv1d_pallas import _make_inputs as conv_inputs
-from test_gdn_pallas import CHUNK as GDN_CHUNK
-from test_gdn_pallas import _prefill_inputs as gdn_inputs
-from test_gdn_replay import GdnReplay
-from test_mamba2_pallas import CHUNK as SSD_CHUNK
-from test_mamba2_pallas import _prefill_case as ssd_case
-from test_mamba2_replay import A as SSD_A
-from test_mamba2_replay import SsdReplay
+from attention_cases import SCALE, make_case
+from conv1d_cases import KC
+from conv1d_cases import make_inputs as conv_inputs
+from gdn_cases import CHUNK as GDN_CHUNK
+from gdn_cases import prefill_inputs as gdn_inputs
+from gdn_replay_op import GdnReplay
+from ssd_cases import CHUNK as SSD_CHUNK
+from ssd_cases import prefill_case as ssd_case
+from ssd_replay_op import A as SSD_A
+from ssd_replay_op import SsdReplay
 
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.conv1d import conv1d_prefill
@@ -143,7 +143,7 @@ def test_decode_ignores_unused_slots(op, backend, poison):
 def test_attention_ignores_kv_outside_every_context(backend, num_splits, poison):
     """Block tails past a row's context, blocks no row owns: poisoned; the null block stays zero. With 4 KV
     splits the short rows leave splits idle, and their -inf partials must merge to nothing."""
-    args, _ = _make_case([(3, 9), (1, 14), (0, 5), (6, 6)], seed=2)
+    args, _ = make_case([(3, 9), (1, 14), (0, 5), (6, 6)], seed=2)
     block_size = args["k_pool"].shape[1]
     visible = np.zeros(args["k_pool"].shape[:2], bool)
     query_lens = np.diff(args["cu_seqlens"])

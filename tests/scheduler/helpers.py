@@ -15,9 +15,9 @@ from scheduler import (
     schedule,
     update,
 )
-from scheduler.fake_device import FakeDevice
 from scheduler.plan import BatchPlan
 from scheduler.replay import ring_rows
+from scheduler.sim.fake_device import FakeDevice
 
 
 def make_config(**overrides) -> SchedulerConfig:

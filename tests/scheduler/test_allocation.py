@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from scheduler import schedule
 from scheduler.blocks import BlockPool
-from scheduler.invariants import check_drained
+from scheduler.sim.invariants import check_drained
 from scheduler.slots import SlotKind, SlotPool
 from tests.scheduler.helpers import Driver, make_config, request, result_for
 

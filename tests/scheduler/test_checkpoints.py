@@ -16,9 +16,9 @@ from scheduler import (
     update,
 )
 from scheduler.checkpoints import TRANSITIONS, CheckpointEvent, CheckpointStatus, advance
-from scheduler.invariants import check_drained
-from scheduler.simulate import config_from, parse_args
-from scheduler.simulator import Workload, run_seed
+from scheduler.sim.invariants import check_drained
+from scheduler.sim.simulate import config_from, parse_args
+from scheduler.sim.simulator import Workload, run_seed
 from scheduler.slots import SlotKind
 from tests.scheduler.helpers import Driver, make_config, request, result_for
 

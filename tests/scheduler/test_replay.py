@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler.invariants import check_drained
 from scheduler.replay import commit, crossed_boundary, flush_flags, materialize_count, ring_rows
+from scheduler.sim.invariants import check_drained
 from scheduler.slots import SlotKind
 from tests.scheduler.helpers import Driver, make_config, request
 

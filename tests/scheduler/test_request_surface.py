@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import FinishReason, Request, SamplingParams, add_request, init_state
-from scheduler.invariants import check_drained
+from scheduler.sim.invariants import check_drained
 from tests.scheduler.helpers import Driver, make_config, request
 
 

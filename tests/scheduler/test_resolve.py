@@ -24,13 +24,13 @@ from scheduler import (
     schedule,
     update,
 )
-from scheduler.fake_device import FP_ROOT, FakeDevice, device_plan, fold
-from scheduler.invariants import check_drained, check_invariants
-from scheduler.lifecycle import StateEdit
 from scheduler.plan import BatchPlan
 from scheduler.replay import ring_rows
+from scheduler.sim.fake_device import FP_ROOT, FakeDevice, device_plan, fold
+from scheduler.sim.invariants import check_drained, check_invariants
 from scheduler.slots import SlotKind
 from scheduler.state import TokenLog
+from scheduler.transaction import StateEdit
 from tests.scheduler.helpers import make_config, result_for
 
 EOS, VOCAB, MAX_STEPS = 2, 50, 400

@@ -6,10 +6,10 @@ import gc
 
 import pytest
 
-from scheduler import simulate
 from scheduler.events import load_logs, replay
 from scheduler.schedule import schedule
-from scheduler.simulator import Workload, count_stalls, run_seed
+from scheduler.sim import simulate
+from scheduler.sim.simulator import Workload, count_stalls, run_seed
 from tests.scheduler.helpers import Driver, make_config, request
 
 SETTINGS = [  # (lookahead, block drop, token budget): L in {0..5}, drop on/off, half a block .. many blocks

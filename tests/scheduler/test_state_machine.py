@@ -16,9 +16,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from scheduler import RowKind, StepResult, init_state, placeholder_result
 from scheduler.events import EventLog, replay
-from scheduler.fake_device import FakeDevice, device_plan
-from scheduler.invariants import check_drained, check_invariants
 from scheduler.replay import ring_rows
+from scheduler.sim.fake_device import FakeDevice, device_plan
+from scheduler.sim.invariants import check_drained, check_invariants
 from tests.scheduler.helpers import make_config, request, result_for
 
 K = 2

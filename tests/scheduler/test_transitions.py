@@ -23,7 +23,7 @@ from scheduler import (
     schedule,
     update,
 )
-from scheduler.invariants import check_drained, check_invariants
+from scheduler.sim.invariants import check_drained, check_invariants
 from scheduler.slots import SlotKind
 from scheduler.state import BOOL_COLUMNS, INT_COLUMNS, StaleStateError
 from tests.scheduler.helpers import Driver, make_config, request, result_for

@@ -5,7 +5,7 @@ reports; process 1 follows and prints how many steps it ran."""
 import json
 import sys
 
-from jaxhybrid.distributed import multihost
+from jaxhybrid.worker import multihost
 
 if __name__ == "__main__":
     port, rank = sys.argv[1], int(sys.argv[2])

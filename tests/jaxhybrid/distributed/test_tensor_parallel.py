@@ -16,8 +16,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxhybrid.config import load_config
-from jaxhybrid.distributed.tensor_parallel import AXIS, layout_orders, to_tp_layout
+from jaxhybrid.models.config import load_config
+from jaxhybrid.models.tensor_parallel import AXIS, layout_orders, to_tp_layout
 from tests.jaxhybrid.distributed.tp_worker import MODELS
 from tests.tolerances import assert_close
 

@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxhybrid import LLM, SamplingParams
-from jaxhybrid.config import parse_hf_config
-from jaxhybrid.export import export_hf_checkpoint
-from jaxhybrid.model import init_params
+from jaxhybrid.models.config import parse_hf_config
+from jaxhybrid.models.export import export_hf_checkpoint
+from jaxhybrid.models.model import init_params
 from jaxhybrid.models.pools import KVPool, RecurrentPool
-from jaxhybrid.weights import DEFAULT_MODEL_DIR
+from jaxhybrid.models.weights import DEFAULT_MODEL_DIR
 from pallas_kernels.conv1d import conv1d_prefill
 
 MODELS = {"qwen3_next": DEFAULT_MODEL_DIR, "nemotron_h": Path(__file__).parents[2] / "fixtures" / "hf" / "nemotron_h"}

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 from fastapi import FastAPI
 
-from jaxhybrid.api import LLM
+from jaxhybrid.llm import LLM
 from jaxhybrid.serve.engine_loop import EngineLoop
 
 

@@ -1,12 +1,15 @@
-"""The server's flags: vLLM's names in both spellings, `--no-` forms, JSON flags, YAML presets under the
-command line, and clear errors for what this build does not do."""
+"""The server's flags: EngineArgs' fields in vLLM's names and both spellings, `--no-` forms, JSON flags, YAML
+presets under the command line, and clear errors for what this build does not do."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from jaxhybrid import LLM
+from jaxhybrid.engine_args import CLI_DEFAULTS, FIELDS, EngineArgs, from_namespace
 from jaxhybrid.serve.__main__ import parse_args
 
 PRESETS = sorted((Path(__file__).parents[3] / "configs" / "serve").glob("*.yaml"))
@@ -49,3 +52,22 @@ def test_chat_template_content_format():
     assert parse_args(["--chat-template-content-format", "openai"]).chat_template_content_format == "openai"
     with pytest.raises(SystemExit):
         parse_args(["--chat-template-content-format", "json"])
+
+
+def test_the_flags_are_engine_args_with_the_programs_defaults():
+    """One declaration: every EngineArgs field is a flag; with no flags the CLI builds EngineArgs at its
+    defaults except the ones CLI_DEFAULTS names (and they differ from the library's, or they would not be there)."""
+    assert set(CLI_DEFAULTS) <= set(FIELDS)
+    assert all(FIELDS[name].default != value for name, value in CLI_DEFAULTS.items())
+    built = from_namespace(parse_args([]))
+    assert built == dataclasses.replace(EngineArgs(), **CLI_DEFAULTS)
+    flags = ["--model", "m", "--token_buckets", "8", "16", "--no-async-scheduling", "--backend", "interpret",
+             "--compilation-cache-dir", "", "--no-precompile"]
+    assert from_namespace(parse_args(flags)) == dataclasses.replace(
+        built, model="m", token_buckets=(8, 16), async_scheduling=False, backend="interpret",
+        compilation_cache_dir=None, precompile=False)
+
+
+def test_llm_refuses_a_keyword_that_is_no_engine_arg():
+    with pytest.raises(TypeError, match="max_num_sequences"):
+        LLM(max_num_sequences=4)

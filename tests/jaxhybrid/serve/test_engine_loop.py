@@ -12,10 +12,10 @@ import time
 import httpx
 import pytest
 
-from jaxhybrid.api import LLM
-from jaxhybrid.metrics import ServerMetrics
+from jaxhybrid.llm import LLM
 from jaxhybrid.serve.app import ServerState, build_app
 from jaxhybrid.serve.engine_loop import EngineLoop
+from jaxhybrid.serve.metrics import ServerMetrics
 from tests.jaxhybrid.serve.asgi import drive
 
 PROMPT = "def read_config(path):\n"

@@ -16,12 +16,13 @@ import pytest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tokenizers.processors import TemplateProcessing
 
-from jaxhybrid.api import LLM
-from jaxhybrid.metrics import ServerMetrics, cache_config_info
-from jaxhybrid.sampling_params import SamplingParams
+from jaxhybrid.llm import LLM
+from jaxhybrid.sample.params import SamplingParams
 from jaxhybrid.serve import app as serve_app
+from jaxhybrid.serve import streaming
 from jaxhybrid.serve.app import ServerState, build_app
 from jaxhybrid.serve.engine_loop import EngineLoop
+from jaxhybrid.serve.metrics import ServerMetrics, cache_config_info
 from tests.jaxhybrid.serve.asgi import drive
 
 PROMPT = "def read_config(path):\n    with open(path) as f:\n"
@@ -282,7 +283,7 @@ def test_a_stream_whose_outputs_are_ready_lets_other_requests_in():
             yield {"i": i}
 
     async def run() -> None:
-        lines = serve_app._sse(state, ready_events()).body_iterator
+        lines = streaming.sse(state, ready_events()).body_iterator
         assert await anext(lines) == 'data: {"i": 0}\n\n'  # the stream has started
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
             health = asyncio.ensure_future(client.get("/health"))

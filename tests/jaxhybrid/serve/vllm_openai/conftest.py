@@ -25,7 +25,7 @@ import pytest
 import uvicorn
 from tokenizers import Tokenizer
 
-from jaxhybrid.weights import DEFAULT_MODEL_DIR
+from jaxhybrid.models.weights import DEFAULT_MODEL_DIR
 from tests.jaxhybrid.serve.server_process import SMALL, ServerProcess, free_port
 
 MODEL_NAME = "jaxhybrid-default"  # the served name of the embedded model without --served-model-name
@@ -95,9 +95,9 @@ class InProcessServer:
 
     def __init__(self, llm, app_flags: dict | None = None, model_names: tuple[str, ...] = (MODEL_NAME,),
                  **state_flags):
-        from jaxhybrid.metrics import ServerMetrics, cache_config_info
         from jaxhybrid.serve.app import ServerState, build_app
         from jaxhybrid.serve.engine_loop import EngineLoop
+        from jaxhybrid.serve.metrics import ServerMetrics, cache_config_info
 
         config = llm.config
         loop = EngineLoop(llm.engine, ServerMetrics(MODEL_NAME, config.max_model_len, 0, cache_config_info(config)))

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
-from jaxhybrid.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from jaxhybrid.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 
 
 class FakeStream:

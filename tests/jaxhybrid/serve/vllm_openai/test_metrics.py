@@ -15,7 +15,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxhybrid.metrics import PREFIX
+from jaxhybrid.serve.metrics import PREFIX
 from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME
 
 _PROMPT = "Hello my name is Robert and I love magic"

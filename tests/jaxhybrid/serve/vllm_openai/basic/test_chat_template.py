@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxhybrid.tokenizer import Tokenizer
-from jaxhybrid.weights import DEFAULT_MODEL_DIR
+from jaxhybrid.engine.tokenizer import Tokenizer
+from jaxhybrid.models.weights import DEFAULT_MODEL_DIR
 
 # vLLM's examples/template_chatml.jinja (the text vLLM's test_load_chat_template pins)
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']}}"

@@ -10,8 +10,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from jaxhybrid.serve import protocol
-from jaxhybrid.serve.protocol import BadRequest, BatchChatCompletionRequest
+from jaxhybrid.serve import responses
+from jaxhybrid.serve.errors import BadRequest
+from jaxhybrid.serve.protocol import BatchChatCompletionRequest
 from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME
 from tests.jaxhybrid.serve.vllm_openai.fakes import output
 
@@ -78,8 +79,8 @@ def test_batched_echo_does_not_prepend_user_prompt():
     to echo."""
     request = BatchChatCompletionRequest(model="test-model", messages=[[{"role": "user", "content": "USER PROMPT"}]],
                                          echo=True)
-    response = protocol.batch_chat_response(request.conversations(), [output("ASSISTANT ANSWER", [4, 5], "stop")],
-                                            "test-model", "req-echo")
+    response = responses.batch_chat_response(request.conversations(), [output("ASSISTANT ANSWER", [4, 5], "stop")],
+                                             "test-model", "req-echo")
 
     assert response["choices"][0]["message"]["content"] == "ASSISTANT ANSWER"
 
@@ -89,8 +90,8 @@ def test_batched_echo_prepends_matching_assistant_prefix():
     conversations = [[{"role": "user", "content": "USER PROMPT"}, {"role": "assistant", "content": "PREFIX "}]]
     request = BatchChatCompletionRequest(model="test-model", messages=conversations, echo=True,
                                          add_generation_prompt=False, continue_final_message=True)
-    response = protocol.batch_chat_response(request.conversations(), [output("ASSISTANT ANSWER", [4, 5], "stop")],
-                                            "test-model", "req-echo-2")
+    response = responses.batch_chat_response(request.conversations(), [output("ASSISTANT ANSWER", [4, 5], "stop")],
+                                             "test-model", "req-echo-2")
 
     assert response["choices"][0]["message"]["content"] == "PREFIX ASSISTANT ANSWER"
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 from openai import BadRequestError
 
-from jaxhybrid.sampling_params import SamplingParams
+from jaxhybrid.sample.params import SamplingParams
 from jaxhybrid.serve.protocol import ChatCompletionRequest
 from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, render_chat
 

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from jaxhybrid.serve import app
+from jaxhybrid.serve import app, streaming
 from jaxhybrid.serve.protocol import ChatCompletionRequest
 from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME
 from tests.jaxhybrid.serve.vllm_openai.fakes import FakeStream, collect, output, prompt, server_state
@@ -20,7 +20,7 @@ def test_chat_error_non_stream():
     """finish_reason='error' is a 500 InternalServerError (non-streaming)."""
     request = ChatCompletionRequest(model=MODEL_NAME, messages=[{"role": "user", "content": "Test prompt"}],
                                     max_tokens=10, stream=False)
-    with pytest.raises(app._EngineFailed):
+    with pytest.raises(streaming.EngineFailed):
         asyncio.run(app._chat_response(server_state(), [FakeStream([output("", [], "error")])], request, MODEL_NAME,
                                        "chatcmpl-test"))
 
@@ -31,7 +31,8 @@ def test_chat_error_stream():
                                     max_tokens=10, stream=True)
     streams = [FakeStream([output("Hello", [100], None), output("Hello", [100], "error")])]
     state = server_state()
-    response = app._sse(state, app._chat_chunks(state, streams, prompt(), request, MODEL_NAME, "chatcmpl-test"))
+    chunks = streaming.chat_chunks(state, streams, prompt(), request, MODEL_NAME, "chatcmpl-test")
+    response = streaming.sse(state, chunks)
 
     chunks = collect(response.body_iterator)
 

@@ -13,9 +13,9 @@ import httpx
 import jinja2
 import pytest
 
-from jaxhybrid.serve.protocol import content_format
-from jaxhybrid.tokenizer import Tokenizer
-from jaxhybrid.weights import DEFAULT_MODEL_DIR
+from jaxhybrid.engine.tokenizer import Tokenizer
+from jaxhybrid.models.weights import DEFAULT_MODEL_DIR
+from jaxhybrid.serve.render import content_format
 from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, SERVER_FLAGS, InProcessServer, make_client
 
 TRANSLATE_TEMPLATE = (

@@ -10,7 +10,7 @@ import asyncio
 import openai
 import pytest
 
-from jaxhybrid.serve import app
+from jaxhybrid.serve import app, streaming
 from jaxhybrid.serve.protocol import CompletionRequest
 from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME
 from tests.jaxhybrid.serve.vllm_openai.fakes import FakeStream, collect, output, server_state
@@ -22,7 +22,7 @@ def test_completion_error_non_stream():
     """finish_reason='error' is a 500 InternalServerError (non-streaming)."""
     request = CompletionRequest(model=MODEL_NAME, prompt="Test prompt", max_tokens=10, stream=False)
     streams = [FakeStream([output("", [], "error")])]
-    with pytest.raises(app._EngineFailed):
+    with pytest.raises(streaming.EngineFailed):
         asyncio.run(app._completion_response(STATE, streams, [None], request, MODEL_NAME, "cmpl-test"))
 
 
@@ -30,7 +30,8 @@ def test_completion_error_stream():
     """finish_reason='error' is an in-band 500 InternalServerError (streaming)."""
     request = CompletionRequest(model=MODEL_NAME, prompt="Test prompt", max_tokens=10, stream=True)
     streams = [FakeStream([output("Hello", [100], None), output("Hello", [100], "error")])]
-    response = app._sse(STATE, app._completion_chunks(STATE, streams, [None], request, MODEL_NAME, "cmpl-test"))
+    chunks = streaming.completion_chunks(STATE, streams, [None], request, MODEL_NAME, "cmpl-test")
+    response = streaming.sse(STATE, chunks)
 
     chunks = collect(response.body_iterator)
 

@@ -5,8 +5,8 @@ hand-made outputs, as vLLM's test does."""
 
 from __future__ import annotations
 
-from jaxhybrid.outputs import Logprob
-from jaxhybrid.serve import app, protocol
+from jaxhybrid.engine.outputs import Logprob
+from jaxhybrid.serve import responses, streaming
 from jaxhybrid.serve.protocol import CompletionRequest
 from tests.jaxhybrid.serve.vllm_openai.fakes import FakeStream, collect, output, server_state
 
@@ -34,12 +34,12 @@ def _request(stream: bool) -> CompletionRequest:
 def test_stream_text_offset_matches_non_stream_with_stop_holdback():
     cumulative = [_output("".join(TEXT_DELTAS[:i + 1]), list(range(i + 1)), i == len(TEXT_DELTAS) - 1)
                   for i in range(len(TEXT_DELTAS))]
-    events = collect(app._completion_chunks(server_state(), [FakeStream(cumulative)], [None], _request(stream=True),
-                                            "m", "cmpl-test"))
+    events = collect(streaming.completion_chunks(server_state(), [FakeStream(cumulative)], [None],
+                                                 _request(stream=True), "m", "cmpl-test"))
     stream_offsets = [offset for event in events for choice in event["choices"]
                       for offset in choice["logprobs"]["text_offset"]]
 
-    response = protocol.completion_response(_request(stream=False), [cumulative[-1]], "m")
+    response = responses.completion_response(_request(stream=False), [cumulative[-1]], "m")
     assert response["choices"][0]["logprobs"] is not None
     assert response["choices"][0]["logprobs"]["text_offset"] == [0, 3, 6]
     assert stream_offsets == [0, 3, 6]

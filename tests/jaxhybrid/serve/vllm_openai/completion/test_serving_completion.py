@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from jaxhybrid.serve import app, protocol
+from jaxhybrid.serve import responses, streaming
 from jaxhybrid.serve.protocol import CompletionRequest, StreamOptions
 from tests.jaxhybrid.serve.vllm_openai.fakes import FakeStream, collect, output, server_state
 
@@ -20,8 +20,8 @@ def _output(num_cached_tokens: int):
 
 def test_prompt_tokens_details_aggregates_across_prompts():
     request = CompletionRequest(model="test", prompt="hi", max_tokens=1)
-    response = protocol.completion_response(request, [_output(3), _output(5), _output(0)], "test",
-                                            prompt_tokens_details=True)  # vLLM's test: enabled
+    response = responses.completion_response(request, [_output(3), _output(5), _output(0)], "test",
+                                             prompt_tokens_details=True)  # vLLM's test: enabled
 
     assert response["usage"]["prompt_tokens"] == 9
     assert response["usage"]["prompt_tokens_details"] is not None
@@ -34,7 +34,7 @@ def test_streaming_aggregates_cache_once_per_prompt():
     # each prompt's stream sends several chunks carrying the same prefill value: counted once per prompt
     streams = [FakeStream([_output(4 + prompt_idx) for _ in range(3)]) for prompt_idx in range(2)]
     state = server_state(prompt_tokens_details=True)  # as vLLM's test sets enable_prompt_tokens_details
-    events = collect(app._completion_chunks(state, streams, [None, None], request, "test", "cmpl-test"))
+    events = collect(streaming.completion_chunks(state, streams, [None, None], request, "test", "cmpl-test"))
 
     usages = [json.dumps(event["usage"]) for event in events if "usage" in event]
     assert len(usages) == 1

@@ -30,12 +30,12 @@ import numpy as np
 from scheduler.checkpoints import parse_checkpoint_marker
 from scheduler.config import SchedulerConfig
 from scheduler.events import EventLog
-from scheduler.fake_device import FakeDevice, device_plan
-from scheduler.invariants import check_drained, check_invariants
 from scheduler.plan import BatchPlan, RowKind, StepResult
 from scheduler.replay import ring_rows
 from scheduler.request import Request, SamplingParams, StepOutputs
 from scheduler.resolve import placeholder_result
+from scheduler.sim.fake_device import FakeDevice, device_plan
+from scheduler.sim.invariants import check_drained, check_invariants
 from scheduler.state import SchedulerState, init_state
 
 MARKER, EOS, VOCAB = 99_999, 2, 5_000

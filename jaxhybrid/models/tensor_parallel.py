@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxhybrid.config import ATTENTION, GDN, MAMBA2, AttentionConfig, GDNConfig, Mamba2Config, ModelConfig
+from jaxhybrid.models.config import ATTENTION, GDN, MAMBA2, AttentionConfig, GDNConfig, Mamba2Config, ModelConfig
 from jaxhybrid.models.pools import DeviceState, KVPool, RecurrentPool
 
 AXIS = "tp"

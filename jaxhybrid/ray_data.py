@@ -6,7 +6,7 @@ replica that runs it) and map batches of rows through `ScoreReplica`:
 
     import functools, ray
     from jaxhybrid import LLM
-    from jaxhybrid.distributed.ray_data import ScoreReplica, replica_resources
+    from jaxhybrid.ray_data import ScoreReplica, replica_resources
 
     ray.data.DataContext.get_current().execution_options.preserve_order = True   # outputs in input order
     scored = dataset.map_batches(ScoreReplica, batch_size=256, compute=ray.data.ActorPoolStrategy(size=4),
@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from jaxhybrid.api import LLM
+from jaxhybrid.llm import LLM
 from jaxhybrid.score import ScoreJob
 
 

@@ -14,16 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from jaxhybrid.config import GDNConfig, ModelConfig, eos_token_ids, load_config, parse_hf_config
-from jaxhybrid.generation_config import read_generation_config
-from jaxhybrid.model import Model, abstract_params
+from jaxhybrid.models.config import GDNConfig, ModelConfig, eos_token_ids, load_config, parse_hf_config
+from jaxhybrid.models.generation_config import read_generation_config
+from jaxhybrid.models.model import Model, abstract_params
 
 Path_ = tuple[str, ...]
 # A converted tensor, or one part of a tensor assembled from several checkpoint tensors.
 Piece = tuple[Path_, Any, np.ndarray]  # (param path, part key or None, array)
 
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default_model"
+DEFAULT_MODEL_DIR = Path(__file__).parents[1] / "assets" / "default_model"
 # What a checkpoint is served from, fetched from the hub (as vLLM fetches them): config, generation config,
 # tokenizer and chat template, the safetensors and their index.
 HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

@@ -1,4 +1,4 @@
-"""`python -m scheduler.simulate`: the randomized scheduler simulator (see simulator.py) as a CLI.
+"""`python -m scheduler.sim.simulate`: the randomized scheduler simulator (see simulator.py) as a CLI.
 
 Prints one summary line `finished=A/B stalls=N i1_violations=N leaks=N` and exits 1 on any stall,
 violation, leak or unfinished request. `--trace --prompt-len N` instead runs one request of N tokens
@@ -19,13 +19,13 @@ from scheduler.lifecycle import add_request
 from scheduler.plan import StepResult
 from scheduler.request import Request, SamplingParams
 from scheduler.schedule import schedule
-from scheduler.simulator import Report, Workload, run_seed
+from scheduler.sim.simulator import Report, Workload, run_seed
 from scheduler.state import init_state
 from scheduler.update import update
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m scheduler.simulate", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m scheduler.sim.simulate", description=__doc__)
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--block-size", type=int, default=16)

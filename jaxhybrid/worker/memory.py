@@ -12,10 +12,16 @@ running requests' own slots always fit.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from jaxhybrid.config import GDN, MAMBA2, ModelConfig
+import jax
+from jax.sharding import Mesh
+
+from jaxhybrid.models.config import GDN, MAMBA2, ModelConfig
+from jaxhybrid.models.tensor_parallel import device_param_bytes
 from scheduler.replay import ring_rows
+
+CPU_MEMORY_BUDGET = 512 * 2**20  # pool bytes on a platform that reports no device memory
 
 
 class PoolSizes(NamedTuple):
@@ -76,3 +82,25 @@ def size_pools(cfg: ModelConfig, budget_bytes: int, *, block_size: int, ring_siz
     slots = 1 + 2 * max_num_seqs + cached if per_slot else 1
     blocks = (budget_bytes - slots * per_slot) // per_block if per_block else 1
     return PoolSizes(int(blocks), int(slots), int(max_num_seqs), per_block, per_slot)
+
+
+def pool_budget(utilization: float, device_bytes: int, weight_bytes: int, in_use: int = 0) -> int:
+    """One device's pool bytes: `utilization` of its `device_bytes` less its share of the weights and what
+    is already `in_use`."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    return int(utilization * device_bytes) - weight_bytes - in_use
+
+
+def device_memory_budget(utilization: float, weight_bytes: int) -> int:
+    """`pool_budget` on this host's first device; CPU_MEMORY_BUDGET where it reports no memory."""
+    stats = jax.devices()[0].memory_stats() or {}
+    budget = pool_budget(utilization, stats.get("bytes_limit", 0), weight_bytes, stats.get("bytes_in_use", 0))
+    return budget if "bytes_limit" in stats else CPU_MEMORY_BUDGET
+
+
+def param_bytes(params: Any, cfg: ModelConfig, mesh: Mesh | None) -> int:
+    """The params' bytes on one device: all of them, or their shards under tensor parallelism."""
+    if mesh is None:
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+    return device_param_bytes(params, cfg, mesh)

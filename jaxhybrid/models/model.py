@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.config import ModelConfig
+from jaxhybrid.models.config import ModelConfig
 from jaxhybrid.models.hybrid import HybridLM
 from jaxhybrid.models.ops import DEFAULT_OPS, ModelOps
+from jaxhybrid.models.plan_transfer import DevicePlan
 from jaxhybrid.models.pools import init_device_state
-from jaxhybrid.plan_transfer import DevicePlan
 from scheduler.plan import RowKind
 
 

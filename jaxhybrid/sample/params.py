@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 import scheduler
-from jaxhybrid.sampling import pack_row
+from jaxhybrid.sample.sampler import pack_row
 
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # vLLM takes any int64 (and torch any uint64)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from jaxhybrid.tokenizer import Tokenizer
+from jaxhybrid.engine.tokenizer import Tokenizer
 
 _WINDOW = 6  # prompt tokens decoded before the first output token: enough context for BPE's leading spaces
 _INCOMPLETE = "\ufffd"

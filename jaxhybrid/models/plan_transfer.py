@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scheduler import BatchPlan
+from scheduler import BatchPlan, RowKind
 
 _COUNTS = ("num_rows", "num_tokens", "num_hit_copies", "num_pair_copies", "num_publishes", "num_materializations")
 # the plan fields the device reads, by name (host-only fields: step_id, request_ids, row_ids)
@@ -117,3 +117,21 @@ def unpack_plan(buffer: jax.Array, layout: PlanLayout, row_data_bytes: int) -> D
         else:
             out[name] = words.astype(dtype)
     return DevicePlan(**out)
+
+
+def row_of(offsets: jax.Array, index: jax.Array) -> jax.Array:
+    """The row r with offsets[r] <= index < offsets[r + 1] ([R+1] cumulative offsets)."""
+    return jnp.clip(jnp.searchsorted(offsets[1:], index, side="right"), 0, offsets.shape[0] - 2)
+
+
+def next_tokens(plan: DevicePlan, sampled: jax.Array) -> jax.Array:
+    """[T] the token after each packed token: the next one in its chunk, the first lookahead token after a
+    chunk, the sampled token after a prompt (or a decode row's token), a verify row's emitted tokens."""
+    num_tokens = plan.token_ids.shape[0]
+    tok = jnp.arange(num_tokens)
+    row = row_of(plan.cu_seqlens, tok)
+    after_chunk = jnp.where(plan.num_lookahead_tokens[row] > 0, plan.lookahead_token_ids[row, 0], sampled[row, 0])
+    next_prompt = jnp.where(tok + 1 == plan.cu_seqlens[row + 1], after_chunk,
+                            plan.token_ids[jnp.minimum(tok + 1, num_tokens - 1)])
+    emitted = sampled[row, jnp.clip(tok - plan.cu_seqlens[row], 0, sampled.shape[1] - 1)]
+    return jnp.where(plan.row_kind[row] == RowKind.VERIFY, emitted, next_prompt)

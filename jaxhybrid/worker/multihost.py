@@ -9,7 +9,7 @@ calls `follow(llm)`, which receives each plan and runs the same jitted step on i
 leader calls `shutdown(llm)`. The step's outputs are replicated, so the leader reads them from its own
 devices; a follower never reads a result.
 
-    from jaxhybrid.distributed import multihost
+    from jaxhybrid.worker import multihost
     multihost.initialize("10.0.0.1:9876", num_processes=2, process_id=RANK)  # before any device work
     llm = LLM(MODEL, tensor_parallel_size=jax.device_count(), backend="reference")
     if jax.process_index() == 0:
@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxhybrid.plan_transfer import PlanLayout
+from jaxhybrid.models.plan_transfer import PlanLayout
 
 
 class Message(enum.IntEnum):

@@ -14,9 +14,9 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from jaxhybrid.engine import EngineLoad, EngineStats
-from jaxhybrid.outputs import RequestOutput
-from jaxhybrid.sampling_params import SamplingParams
+from jaxhybrid.engine.outputs import RequestOutput
+from jaxhybrid.engine.stats import EngineLoad, EngineStats
+from jaxhybrid.sample.params import SamplingParams
 from scheduler import SchedulerConfig
 
 PREFIX = "jaxhybrid:"

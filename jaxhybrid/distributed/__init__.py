@@ -1,1 +1,0 @@
-"""Beyond one device: tensor parallelism over a JAX mesh (`tensor_parallel`), across hosts (`multihost`)."""

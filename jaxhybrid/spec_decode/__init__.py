@@ -1,0 +1,1 @@
+"""Speculative decoding inside the step: MTP drafting (verification is the sampler's)."""

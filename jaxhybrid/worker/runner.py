@@ -1,0 +1,205 @@
+"""The runner owns the plan-to-device contract: one `BatchPlan` in, one `StepResult` out.
+
+`Runner.dispatch(plan)` packs the plan into one int32 transfer and calls the jitted step (`step.run_step`) of
+its bucket (the packed layout is the static argument) with the `DeviceState` donated; `fetch` reads the tokens.
+The runner also owns the pools, their tensor-parallel placement, precompilation and the multi-host channel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tqdm import tqdm
+
+from jaxhybrid.models.hybrid import HybridLM
+from jaxhybrid.models.model import Model
+from jaxhybrid.models.plan_transfer import PlanLayout, pack_plan
+from jaxhybrid.models.pools import DeviceState, init_device_state
+from jaxhybrid.models.tensor_parallel import AXIS, param_shardings, state_shardings, to_tp_layout
+from jaxhybrid.sample.sampler import ROW_DTYPE, Logprobs, batch_constraints
+from jaxhybrid.worker.buckets import padding_plan, plan_shapes
+from jaxhybrid.worker.multihost import Message, PlanChannel, is_leader
+from jaxhybrid.worker.step import Carried, StepOutput, run_step
+from scheduler import BatchPlan, SchedulerConfig, StepResult
+from scheduler.replay import ring_rows
+
+
+class Runner:
+    """A model's params and device pools, sized by a `SchedulerConfig`, stepping its plans."""
+
+    def __init__(self, model: Model, config: SchedulerConfig, *, max_logprobs: int = 20, mesh: Mesh | None = None):
+        if config.row_data_bytes != ROW_DTYPE.itemsize:
+            raise ValueError(f"SchedulerConfig.row_data_bytes must be {ROW_DTYPE.itemsize} (sampling.ROW_DTYPE), "
+                             f"got {config.row_data_bytes}")
+        if min(config.row_buckets) < 2:
+            # a one-row step makes every per-row pool write a one-index scatter, which XLA turns into a
+            # dynamic-update-slice and copies the whole pool around; a padding row costs nothing
+            raise ValueError(f"SchedulerConfig.row_buckets must all be >= 2, got {config.row_buckets}")
+        if config.num_spec_tokens and not model.config.mtp_layers:
+            raise ValueError(f"num_spec_tokens={config.num_spec_tokens} needs MTP weights (mtp.*), which this "
+                             f"{model.config.model_type} checkpoint does not have")
+        self.model, self.config, self.mesh = model, config, mesh
+        vocab = model.config.vocab_size
+        self.num_logprobs = vocab if max_logprobs == -1 else min(max_logprobs, vocab)  # vLLM's -1: no cap
+        self.params, self.module = model.params, model.module
+        # params given as ShapeDtypeStructs (`abstract_params`, with a sharding on the devices compiled for):
+        # a runner that holds no arrays and only lowers its step (`lower`), for a GPU this host may not have
+        self.abstract = isinstance(jax.tree.leaves(model.params)[0], jax.ShapeDtypeStruct)
+        # multi-host: every process runs every step; the leader sends the others its plans (multihost.py)
+        self.channel = PlanChannel() if jax.process_count() > 1 else None
+        self._layouts: dict[tuple[int, int, int, int], PlanLayout] = {}
+        shardings = {}
+        if mesh is not None:  # tensor parallel: weights and pools sharded by heads, outputs replicated
+            self.params = self._sharded_params(model.params)
+            self.module = HybridLM(model.config, dataclasses.replace(model.module.ops, mesh=mesh))
+            replicated = NamedSharding(mesh, PartitionSpec())
+            shardings = dict(out_shardings=(self._state_shardings(), replicated, replicated))
+        # the nested params dict flattened once: the jitted call then takes a flat list, and does not sort
+        # every dict's keys again on each step (0.1 ms of the host's step on the embedded model)
+        self.param_leaves, self._param_tree = jax.tree.flatten(self.params)
+        self._fresh_pools()
+        step = functools.partial(run_step, self.module, self._param_tree, config, self.num_logprobs)
+        self._step = jax.jit(step, static_argnums=3, donate_argnums=(1, 2), **shardings)
+
+    def _sharded_params(self, params: Any) -> Any:
+        """The params in the head-aligned layout, placed by `param_shardings` (abstract ones only annotated:
+        the layout permutes within axes, so their shapes stand)."""
+        cfg, mesh = self.model.config, self.mesh
+        if self.abstract:
+            return _sharded_specs(params, param_shardings(params, cfg, mesh))
+        params = params if self.channel is None else jax.tree.map(np.asarray, params)  # from the host
+        params = to_tp_layout(params, cfg, mesh.shape[AXIS])
+        return jax.device_put(params, param_shardings(params, cfg, mesh))
+
+    def _state_shardings(self) -> DeviceState:
+        return state_shardings(jax.eval_shape(self._fresh_state), self.model.config, self.mesh)
+
+    def _fresh_state(self) -> DeviceState:
+        config = self.config
+        return init_device_state(
+            self.model.config, num_blocks=config.num_blocks, block_size=config.block_size,
+            num_slots=config.num_state_slots, ring_entries=ring_rows(config.ring_size, config.num_spec_tokens),
+            history_len=config.max_model_len + config.num_spec_tokens, dtype=self.model.dtype,
+            snapshots=config.ring_size == 0)
+
+    def reset_state(self) -> None:
+        """Fresh, all-zero pools, after a failed step may have consumed the donated ones (followers too)."""
+        if self.channel is not None:
+            self.channel.send(Message.RESET)
+        self._fresh_pools()
+
+    def _replicated(self) -> jax.sharding.Sharding | None:
+        """Where the unsharded arguments live: replicated over the mesh, else with the params."""
+        if self.mesh is not None:
+            return NamedSharding(self.mesh, PartitionSpec())
+        return getattr(self.param_leaves[0], "sharding", None)
+
+    def _fresh_pools(self) -> None:
+        rows, width = max(self.config.row_buckets), 1 + self.config.num_spec_tokens
+        carried = Carried(np.zeros(rows * width, np.int32), np.zeros(rows, np.int32))
+        if self.abstract:  # the pools' shapes, on the devices the params are for; nothing allocated
+            shapes = jax.eval_shape(self._fresh_state)
+            self.state = (_specs(shapes, self._replicated()) if self.mesh is None
+                          else _sharded_specs(shapes, self._state_shardings()))
+            self.carried = _specs(carried, self._replicated())
+        elif self.mesh is None:
+            self.state, self.carried = self._fresh_state(), jax.device_put(carried)
+        else:  # built in place on the mesh, never whole on one device
+            self.state = jax.jit(self._fresh_state, out_shardings=self._state_shardings())()
+            self.carried = jax.device_put(carried, NamedSharding(self.mesh, PartitionSpec()))
+
+    def dispatch(self, plan: BatchPlan, constraints: np.ndarray | None = None) -> StepOutput:
+        """Start `plan` on the device and the copy of its tokens to the host; returns at once. `constraints`:
+        its rows' constraint entries [R, E, 4] (`sampling.batch_constraints`), None for none."""
+        buffer, layout = pack_plan(plan)
+        if constraints is None:
+            constraints = batch_constraints([], plan.row_kind.shape[0])
+        if self.channel is not None:  # the other processes run the step too: they get the plan first
+            if not is_leader():
+                raise RuntimeError("in a multi-host job only process 0 dispatches; the others call follow()")
+            bucket = (plan.token_bucket, plan.row_bucket, plan.block_table_bucket, plan.logits_bucket)
+            assert layout == self._layout_of(bucket), "a plan's layout must follow from its bucket"
+            self.channel.send(Message.STEP, bucket, buffer, constraints)
+        self.state, self.carried, out = self._step(self.param_leaves, self.state, self.carried, layout, buffer,
+                                                   constraints)
+        out.tokens.copy_to_host_async()
+        return out
+
+    def fetch(self, out: StepOutput) -> StepResult:
+        """The host's StepResult of a dispatched step (waits for it)."""
+        tokens, width = to_host(out.tokens), 1 + self.config.num_spec_tokens
+        return StepResult(tokens[:, :width], tokens[:, width], tokens[:, width + 1:])
+
+    def follow(self) -> int:
+        """Run the leader's steps until it stops (multi-host, every process but the leader); returns how many."""
+        if self.channel is None or is_leader():
+            raise RuntimeError("follow() is for the processes other than process 0 of a multi-host job")
+        steps = 0
+        while True:
+            message, layout, buffer, constraints = self.channel.receive(self._layout_of)
+            if message is Message.STOP:
+                return steps
+            if message is Message.RESET:
+                self._fresh_pools()
+                continue
+            self.state, self.carried, _ = self._step(self.param_leaves, self.state, self.carried, layout, buffer,
+                                                     constraints)
+            steps += 1
+
+    def _layout_of(self, bucket: tuple[int, int, int, int]) -> PlanLayout:
+        if bucket not in self._layouts:
+            self._layouts[bucket] = pack_plan(padding_plan(self.config, *bucket))[1]
+        return self._layouts[bucket]
+
+    def step(self, plan: BatchPlan) -> tuple[StepResult, Logprobs]:
+        """Run `plan`; returns the host's StepResult and the step's logprobs, still on device."""
+        out = self.dispatch(plan)
+        return self.fetch(out), out.logprobs
+
+    def compiled_buckets(self) -> int:
+        """Executables compiled so far (one per plan layout)."""
+        return self._step._cache_size()
+
+    def precompile(self, progress: bool = True) -> int:
+        """Compile the step for every bucket a plan of this config can have (running an all-padding plan,
+        which changes no real state); returns how many shapes there are."""
+        shapes = plan_shapes(self.config)
+        if self.channel is not None and not is_leader():
+            return len(shapes)  # a follower compiles as it follows the leader's precompile
+        for shape in tqdm(shapes, desc="compile", unit="bucket", disable=not progress):
+            self.step(padding_plan(self.config, *shape))
+        return len(shapes)
+
+    def trace(self, bucket: tuple[int, int, int, int]) -> jax.stages.Traced:
+        """The step of this (T, R, B, L) bucket traced as `precompile` compiles it (an all-padding plan, no
+        constraints): its jaxpr (`benchmarks/estimate.py` sums its kernels' cost estimates) and `lower()`."""
+        buffer, layout = pack_plan(padding_plan(self.config, *bucket))
+        constraints = batch_constraints([], bucket[1])
+        return self._step.trace(self.param_leaves, self.state, self.carried, layout,
+                                *_specs((buffer, constraints), self._replicated()))
+
+    def lower(self, bucket: tuple[int, int, int, int]) -> jax.stages.Lowered:
+        """The step of this bucket lowered for the runner's devices (`trace`); with abstract params it compiles
+        for a device this host need not have (`benchmarks/aot_step.py`)."""
+        return self.trace(bucket).lower()
+
+
+def _specs(tree: Any, sharding: jax.sharding.Sharding | None) -> Any:
+    """`tree`'s arrays as ShapeDtypeStructs, all with `sharding` (None: jit's default device)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+
+def _sharded_specs(tree: Any, shardings: Any) -> Any:
+    """`tree`'s arrays as ShapeDtypeStructs with the shardings of a tree of the same structure."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def to_host(tree: Any) -> Any:
+    """Host copies of a step's outputs, which are replicated: this process's own copy (under multi-host the
+    others' are not addressable)."""
+    return jax.tree.map(lambda array: np.asarray(array.addressable_data(0)), tree)
