@@ -22,8 +22,10 @@ import contextlib
 import gc
 import itertools
 import logging
+from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from jax.sharding import Mesh
 
@@ -44,6 +46,21 @@ log = logging.getLogger("jaxhybrid")
 OUTPUT_THREAD = "jaxhybrid-outputs"
 
 
+@dataclass
+class _Step:
+    """A dispatched step on its way: on the device, then resolved, then processed on the output thread."""
+
+    plan: BatchPlan
+    out: StepOutput
+    outputs: scheduler.StepOutputs  # on placeholders until the step's tokens are read
+    result: scheduler.StepResult | None = None  # the tokens, once read
+    processing: Future | None = None  # the output thread's work on it
+
+    def outputs_of(self) -> tuple:
+        """`OutputProcessor.process`'s arguments."""
+        return self.plan, self.out, self.result, self.outputs
+
+
 class Engine:
     """A model, its device pools and the scheduler state, serving requests step by step."""
 
@@ -58,10 +75,9 @@ class Engine:
         self.table = RequestTable(model, config, tokenizer, self.max_logprobs, seed)
         self.output_processor = OutputProcessor(self.table, self.stats)
         self._output_thread = ThreadPoolExecutor(1, thread_name_prefix=OUTPUT_THREAD)
-        self._in_flight: tuple[BatchPlan, StepOutput, scheduler.StepOutputs] | None = None
-        # one step ahead: the last resolved step, whose outputs are processed while the next one runs
-        self._unprocessed: tuple[BatchPlan, StepOutput, scheduler.StepResult, scheduler.StepOutputs] | None = None
-        self._processing: Future | None = None
+        # one step ahead, oldest first: a step whose outputs the output thread processes, a resolved step
+        # waiting for it, the step on the device
+        self._steps: deque[_Step] = deque()
         self._ids = itertools.count()
 
     def precompile(self, progress: bool = True) -> int:
@@ -123,7 +139,17 @@ class Engine:
         self.scheduler = scheduler.init_state(self.config)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.table.requests) or self.scheduler.has_work() or self._in_flight is not None
+        return bool(self.table.requests) or self.scheduler.has_work() or self.on_device
+
+    @property
+    def on_device(self) -> bool:
+        """A step has been dispatched whose tokens have not been read."""
+        return bool(self._steps) and self._steps[-1].result is None
+
+    @property
+    def processing(self) -> Future | None:
+        """The output thread's work on the oldest step, if it has been handed one."""
+        return self._steps[0].processing if self._steps else None
 
     def load(self) -> EngineLoad:
         state, config = self.scheduler, self.config
@@ -136,7 +162,7 @@ class Engine:
         """Run one step; returns the outputs of the requests that gained tokens or finished in it (one step
         ahead: the step before's, while this one runs)."""
         try:
-            if self.async_scheduling or self._in_flight is not None:  # switched to serial: drain the ahead loop
+            if self.async_scheduling or self._steps:  # switched to serial: drain the ahead loop
                 return self._step_ahead()
             if not self.scheduler.has_work():
                 return []
@@ -156,42 +182,41 @@ class Engine:
         thread; N+1 runs while N is resolved, N+1 is updated on placeholders and N+2 is scheduled
         (scheduler/resolve.py). Returns the outputs processed by then: N-1's, else N-2's (and N's too when
         nothing runs after it)."""
-        ahead, request_outputs = None, []
+        steps, ahead, request_outputs = self._steps, None, []
         if self.scheduler.has_work():
             plan = self._schedule()
             ahead = (plan, self.runner.dispatch(plan, self.table.plan_constraints(plan)))
             gc.collect(0)  # while the device is busy: the cyclic collector stays off the critical path
-        if self._unprocessed is not None:
+        waiting = next((step for step in steps if step.result is not None and step.processing is None), None)
+        if waiting is not None:
             request_outputs = self._processed()  # one step at a time: N-2's, done unless it outlasted a step
-            self._processing = self._output_thread.submit(self.output_processor.process, *self._unprocessed)
-            self._unprocessed = None
-        if self._in_flight is not None:
-            (plan, out, placeholder_outputs), self._in_flight = self._in_flight, None
-            result = self.runner.fetch(out)  # releases the GIL: the output thread runs meanwhile
-            self.scheduler, outputs = scheduler.resolve(self.scheduler, placeholder_outputs, result)
-            self._unprocessed = (plan, out, result, outputs)
+            waiting.processing = self._output_thread.submit(self.output_processor.process, *waiting.outputs_of())
+        if self.on_device:
+            running = steps[-1]
+            running.result = self.runner.fetch(running.out)  # releases the GIL: the output thread runs meanwhile
+            self.scheduler, running.outputs = scheduler.resolve(self.scheduler, running.outputs, running.result)
         if ahead is not None:
             plan, out = ahead
             placeholders = scheduler.placeholder_result(plan, self.config.num_spec_tokens)
-            self.scheduler, placeholder_outputs = scheduler.update(self.scheduler, plan, placeholders)
-            self._in_flight = (plan, out, placeholder_outputs)
-        if self._in_flight is None:  # nothing runs to hide output processing behind: finish it now
+            self.scheduler, outputs = scheduler.update(self.scheduler, plan, placeholders)
+            steps.append(_Step(plan, out, outputs))
+        if not self.on_device:  # nothing runs to hide output processing behind: finish it now
             request_outputs += self._processed()
-            if self._unprocessed is not None:
-                unprocessed, self._unprocessed = self._unprocessed, None
-                request_outputs += self.output_processor.process(*unprocessed)
-        elif self._processing is not None and self._processing.done():
+            while steps:
+                request_outputs += self.output_processor.process(*steps.popleft().outputs_of())
+        elif self.processing is not None and self.processing.done():
             request_outputs += self._processed()
         self._release_ended()
         return request_outputs
 
     def _processed(self) -> list[RequestOutput]:
-        """The output thread's results (waits for them). A snapshot taken before an abort that has ended its
-        request since is dropped: the abort returned the request's final output."""
-        processing, self._processing = self._processing, None
-        if processing is None:
+        """The output thread's results for the oldest step (waits for them); the step leaves the pipeline. A
+        snapshot taken before an abort that has ended its request since is dropped: the abort returned the
+        request's final output."""
+        if self.processing is None:
             return []
-        return [output for output in processing.result() if output.finished or output.request_id in self.table.requests]
+        outputs = self._steps.popleft().processing.result()
+        return [output for output in outputs if output.finished or output.request_id in self.table.requests]
 
     def _release_ended(self) -> None:
         """Free in the scheduler the sequences the output side ended that it still runs (a stop string)."""
@@ -212,7 +237,7 @@ class Engine:
         self.stats.failed_steps += 1
         with contextlib.suppress(Exception):  # the output thread must be idle before the requests are ended
             self._processed()
-        self._in_flight = self._unprocessed = None
+        self._steps.clear()
         self.runner.reset_state()
         self.scheduler = scheduler.init_state(self.config)
         failed = []

@@ -76,12 +76,12 @@ def test_an_abort_while_a_step_is_in_flight_frees_everything_once_it_completes(l
     for _ in range(8):  # prefills (64 tokens a step), then decode steps
         for out in engine.step():
             seen[out.request_id] = len(out.outputs[0].token_ids)
-    assert engine._in_flight is not None and len(seen) == 3 and min(seen.values()) > 0
+    assert engine.on_device and len(seen) == 3 and min(seen.values()) > 0
     aborted = [engine.abort(f"abort-{i}") for i in range(3)]
     assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in aborted)
     assert engine.has_unfinished_requests()  # the step in flight still runs them
     assert engine.step() == []  # it completes: its tokens are dropped
-    assert not engine.has_unfinished_requests() and engine._in_flight is None
+    assert not engine.has_unfinished_requests() and not engine.on_device
     assert not check_drained(engine.scheduler) and engine.load()[:4] == (0, 0, 0.0, 0.0)
 
 
@@ -135,7 +135,7 @@ def test_output_processing_that_outlasts_a_step_holds_up_nothing_and_an_abort_ou
     for _ in range(8):  # bounded: prefills, then the first decode steps
         settled.clear()
         assert engine.step() == []  # nothing is processed yet: the output thread stops at its first decode
-        handed = engine._processing  # the step handed to the output thread as this one was dispatched
+        handed = engine.processing  # the step handed to the output thread as this one was dispatched
         if handed is not None:  # however slowly that thread runs: it is held, or done, before the next step
             handed.add_done_callback(lambda _: settled.set())
             assert settled.wait(60)

@@ -18,7 +18,7 @@ if __name__ == "__main__":
     llm = make_llm(jax.device_count())
     if multihost.is_leader():
         report = generate(llm)
-        report["steps"] = llm.engine.stats.steps + (llm.engine._in_flight is not None)  # dispatched, read or not
+        report["steps"] = llm.engine.stats.steps + llm.engine.on_device  # dispatched, read or not
         multihost.shutdown(llm)
     else:
         report = {"steps": multihost.follow(llm)}
