@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from jaxhybrid.engine.requests import Prompt
 from jaxhybrid.llm import LLM
@@ -156,7 +155,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         return {"prompt": render.require_tokenizer(state.llm, "tokens").decode(body.tokens)}
 
     @app.post("/v1/completions")
-    @_load_aware(state)
+    @middleware.load_aware(state)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         name = _check_model(state, body.model)
         body.check()
@@ -170,7 +169,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
                                                                                response_id))
 
     @app.post("/v1/chat/completions")
-    @_load_aware(state)
+    @middleware.load_aware(state)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         name = _check_model(state, body.model)
         body.check()
@@ -183,7 +182,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         return await _unless_disconnected(request, state, _chat_response(state, streams, body, name, response_id))
 
     @app.post("/v1/chat/completions/batch")
-    @_load_aware(state)
+    @middleware.load_aware(state)
     async def chat_batch(body: BatchChatCompletionRequest, request: Request) -> Response:
         """vLLM's batched chat: each conversation a chat request of its own, answered together."""
         name = _check_model(state, body.model)
@@ -206,37 +205,6 @@ def _version() -> str:
         return version("jaxhybrid")
     except PackageNotFoundError:  # run from a checkout that was never installed
         return "unknown"
-
-
-def _load_aware(state: ServerState) -> Callable:
-    """vLLM's server load (GET /load): a generation request counts from its arrival until its response is
-    out: a plain one when its handler returns, a stream when its last event is sent or its client left."""
-    def wrap(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
-        @functools.wraps(handler)
-        async def counted(*args, **kwargs) -> Response:
-            state.server_load += 1
-            try:
-                response = await handler(*args, **kwargs)
-            except BaseException:
-                state.server_load -= 1
-                raise
-            if isinstance(response, StreamingResponse):
-                response.body_iterator = _released_at_end(state, response.body_iterator)
-            else:
-                state.server_load -= 1
-            return response
-
-        return counted
-
-    return wrap
-
-
-async def _released_at_end(state: ServerState, lines: AsyncIterator) -> AsyncIterator:
-    try:
-        async for line in lines:
-            yield line
-    finally:
-        state.server_load -= 1
 
 
 # -- parsing -------------------------------------------------------------------------------------------------

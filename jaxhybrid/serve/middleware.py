@@ -1,12 +1,18 @@
-"""The server's ASGI middleware: request-id headers, the root path, and Bearer keys on /v1/*."""
+"""The server's middleware: request-id headers, the root path, Bearer keys on /v1/*, and vLLM's server load."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import secrets
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+if TYPE_CHECKING:
+    from jaxhybrid.serve.app import ServerState
 
 
 class RequestIdHeader:
@@ -65,3 +71,34 @@ class ApiKeyGuard:
                 await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def load_aware(state: ServerState) -> Callable:
+    """vLLM's server load (GET /load): a generation request counts from its arrival until its response is
+    out: a plain one when its handler returns, a stream when its last event is sent or its client left."""
+    def wrap(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+        @functools.wraps(handler)
+        async def counted(*args, **kwargs) -> Response:
+            state.server_load += 1
+            try:
+                response = await handler(*args, **kwargs)
+            except BaseException:
+                state.server_load -= 1
+                raise
+            if isinstance(response, StreamingResponse):
+                response.body_iterator = released_at_end(state, response.body_iterator)
+            else:
+                state.server_load -= 1
+            return response
+
+        return counted
+
+    return wrap
+
+
+async def released_at_end(state: ServerState, lines: AsyncIterator) -> AsyncIterator:
+    try:
+        async for line in lines:
+            yield line
+    finally:
+        state.server_load -= 1

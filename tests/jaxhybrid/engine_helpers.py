@@ -17,6 +17,11 @@ from jaxhybrid.sample.sampler import ROW_DTYPE
 from scheduler import SchedulerConfig
 from scheduler.sim.invariants import check_drained
 
+# a code prompt and four continuations of it, as the default model was trained on (LLM and async engine tests)
+ANCHOR = "import os\nimport sys\n\n\ndef read_config(path):\n    \"\"\"Read a config file.\"\"\"\n"
+CANDIDATES = ["    with open(path) as f:\n        return f.read()\n", "    return {}\n",
+              "    raise NotImplementedError(path)\n", "    print(path)\n    return None\n"]
+
 
 @functools.cache
 def default_model() -> Model:

@@ -14,7 +14,7 @@ import pytest
 from jaxhybrid import LLM, SamplingParams
 from jaxhybrid.engine.core import OUTPUT_THREAD
 from scheduler.sim.invariants import check_drained
-from tests.jaxhybrid.test_llm import ANCHOR, CANDIDATES
+from tests.jaxhybrid.engine_helpers import ANCHOR, CANDIDATES
 
 NEW_TOKENS = 24
 

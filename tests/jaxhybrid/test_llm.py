@@ -11,16 +11,13 @@ from jaxhybrid.engine.tokenizer import CHECKPOINT_MARKER
 from jaxhybrid.models.pools import RecurrentPool, has_snapshots
 from scheduler import CheckpointMarkerError
 from tests.hf_fixtures import HF_FIXTURES
-from tests.jaxhybrid.engine_helpers import greedy_continuation
+from tests.jaxhybrid.engine_helpers import ANCHOR, CANDIDATES, greedy_continuation
 from tests.tolerances import assert_close, float32_atol, model_depth
 
-ANCHOR = "import os\nimport sys\n\n\ndef read_config(path):\n    \"\"\"Read a config file.\"\"\"\n"
 SCORED_ANCHOR = ("class Config:\n    \"\"\"Settings read from the environment.\"\"\"\n\n"
                  "    def __init__(self, env):\n        self.env = env\n\n    def get(self, key):\n")
 LOGPROB_ANCHOR = ("def parse(line):\n    \"\"\"Split a comma separated line into its fields.\"\"\"\n"
                   "    fields = line.split(\",\")\n    return [field.strip() for field in fields]\n\n\n")
-CANDIDATES = ["    with open(path) as f:\n        return f.read()\n", "    return {}\n",
-              "    raise NotImplementedError(path)\n", "    print(path)\n    return None\n"]
 
 
 @pytest.fixture(scope="module")

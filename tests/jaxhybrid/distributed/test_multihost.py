@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.jaxhybrid.distributed.test_tensor_parallel import (
+from tests.jaxhybrid.distributed.workers import (
     LOGPROB_ATOL,
     WORKER_TIMEOUT,
     split_axis,

@@ -5,60 +5,28 @@ hits, publishes and materialisations, with the weights and pools really split by
 four heads wide); and the head-aligned conv layout, which needs no devices."""
 
 import dataclasses
-import functools
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
 from jaxhybrid.models.config import load_config
-from jaxhybrid.models.tensor_parallel import AXIS, layout_orders, to_tp_layout
+from jaxhybrid.models.tensor_parallel import layout_orders, to_tp_layout
 from tests.jaxhybrid.distributed.tp_worker import MODELS
+from tests.jaxhybrid.distributed.workers import LOGPROB_ATOL, WORKER_TIMEOUT, split_axis, tp_runs
 from tests.tolerances import assert_close
 
-# the same maths with the heads' partial sums added in another order (the row-parallel projections)
-LOGPROB_ATOL = 1e-4
 # each case's TP sizes: the Pallas kernels (the GPU's path) at 2 and 4, the reference ops at 2 (4 ways
 # replicates the same heads, which the interpret cases and the wide model's case check)
 CASES = {"qwen3_next/reference": ("2",), "qwen3_next/interpret": ("2", "4"), "nemotron_h/reference": ("2",),
          "nemotron_h/interpret": ("2", "4")}
-# a worker compiles the whole engine once per TP size: about a minute on a quiet machine, several on a loaded one;
-# these bounds only catch a hang
-WORKER_TIMEOUT = 840
 pytestmark = pytest.mark.timeout(WORKER_TIMEOUT + 60)
-
-
-def worker_env(num_devices: int) -> dict:
-    """A subprocess's environment: `num_devices` CPU devices, and the step compiled without most XLA
-    optimisations (compiling is most of these tests' time; TP and one device compare at any level)."""
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={num_devices}",
-            "JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
-
-
-@functools.cache
-def tp_runs(*cases: str) -> dict:
-    """tp_worker.py's reports {case: {tp: report}} for arguments "model/backend=1,2,4", from one subprocess."""
-    worker = Path(__file__).with_name("tp_worker.py")
-    done = subprocess.run([sys.executable, str(worker), *cases], env=worker_env(4), capture_output=True, text=True,
-                          timeout=WORKER_TIMEOUT, cwd=Path(__file__).parents[3])
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
 
 
 def tp_reports(case: str) -> dict:
     """One case's reports at TP = 1 and its CASES sizes (a subprocess per case keeps each test well inside its
     timeout)."""
     return tp_runs(f"{case}={','.join(('1', *CASES[case]))}")[case]
-
-
-def split_axis(spec: list | None) -> int | None:
-    """The array axis split over the mesh (None: replicated or on one device)."""
-    return spec.index(AXIS) if spec and AXIS in spec else None
 
 
 @pytest.mark.parametrize("case", CASES)

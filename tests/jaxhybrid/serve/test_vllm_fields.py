@@ -18,8 +18,7 @@ from tokenizers.processors import TemplateProcessing
 
 from jaxhybrid.llm import LLM
 from jaxhybrid.sample.params import SamplingParams
-from jaxhybrid.serve import app as serve_app
-from jaxhybrid.serve import streaming
+from jaxhybrid.serve import middleware, streaming
 from jaxhybrid.serve.app import ServerState, build_app
 from jaxhybrid.serve.engine_loop import EngineLoop
 from jaxhybrid.serve.metrics import ServerMetrics, cache_config_info
@@ -251,9 +250,9 @@ def test_server_load_counts_requests_until_their_response_is_out(serve):
         return JSONResponse({})
 
     async def counts() -> None:
-        await serve_app._load_aware(state)(plain)()
+        await middleware.load_aware(state)(plain)()
         assert state.server_load == 0
-        response = await serve_app._load_aware(state)(streamed)()
+        response = await middleware.load_aware(state)(streamed)()
         lines = response.body_iterator
         assert (await anext(lines), state.server_load) == ("data: 1\n\n", 1)
         assert [line async for line in lines] == ["data: [DONE]\n\n"] and state.server_load == 0

@@ -32,6 +32,11 @@ MODEL_NAME = "jaxhybrid-default"  # the served name of the embedded model withou
 _CONFIG = json.loads((Path(DEFAULT_MODEL_DIR) / "config.json").read_text())
 _TOKENIZER_CONFIG = json.loads((Path(DEFAULT_MODEL_DIR) / "tokenizer_config.json").read_text())
 VOCAB_SIZE: int = _CONFIG["vocab_size"]
+# The chat echo tests' request. vLLM's samples until the model's end of sequence, which this random model reaches
+# only after 500 to 2,500 tokens (a minute or two here), so the port ends the same request at its first "."
+# (seeded: a few dozen tokens), which gives the same finish_reason "stop"; max_tokens bounds it should a "." never
+# come.
+BOUNDED = {"seed": 0, "stop": ["."], "max_tokens": 200}
 SERVER_FLAGS = {"tokenizer_info": True, "server_load_tracking": True}  # `build_app`'s, on every module's app
 MAX_MODEL_LEN = int(SMALL[SMALL.index("--max-model-len") + 1])  # the session `LLM`'s
 LONG_MODEL_LEN = 10100  # vLLM's cancellation test asks for 10000 tokens; 700 KV blocks hold one such sequence

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, VOCAB_SIZE, InProcessServer, make_client
+from tests.jaxhybrid.serve.vllm_openai.conftest import (
+    BOUNDED,
+    MODEL_NAME,
+    VOCAB_SIZE,
+    InProcessServer,
+    make_client,
+)
 
 
 @pytest.fixture(scope="module")
@@ -14,12 +20,6 @@ def client(long_llm):
     server = InProcessServer(long_llm)
     yield make_client(server)
     server.stop()
-
-
-# vLLM's request samples until the model's end of sequence. This random model reaches it only after 500 to
-# 2,500 tokens (a minute or two here), so the port ends the same request at its first "." (seeded: a few dozen
-# tokens), which gives the same finish_reason "stop"; max_tokens bounds it should a "." never come.
-BOUNDED = {"seed": 0, "stop": ["."], "max_tokens": 200}
 
 
 @pytest.mark.parametrize("echo", [True, False])

@@ -11,8 +11,7 @@ from typing import Any, NamedTuple
 import openai
 import pytest
 
-from tests.jaxhybrid.serve.vllm_openai.chat_completion.test_chat_echo import BOUNDED
-from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, InProcessServer
+from tests.jaxhybrid.serve.vllm_openai.conftest import BOUNDED, MODEL_NAME, InProcessServer
 
 API_KEY = "abc-123"
 ERROR_API_KEY = "abc"
