@@ -1,31 +1,11 @@
-"""What the benchmarks share: where results go, the machine a run was measured on, and how a plot is saved."""
+"""What the benchmarks share: how a plot is drawn off-screen and saved."""
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import platform
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-RESULTS = Path(__file__).parent / "results"
-
-
-def machine() -> dict:
-    """The run's machine: the cores this process may use (both sides of a peer comparison are pinned the same
-    way), the load it ran under, and the interpreter."""
-    return {"platform": platform.platform(), "python": platform.python_version(),
-            "cores": len(os.sched_getaffinity(0)), "load_average": os.getloadavg()}
-
-
-def write_results(name: str, meta: dict, results: Any) -> Path:
-    """`results/<name>.json`: {"meta": the machine and `meta`, "results": `results`}."""
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"meta": {**machine(), **meta}, "results": results}, indent=1))
-    return path
 
 
 @contextlib.contextmanager
