@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from jaxhybrid.models.config import load_config
+from jaxhybrid.models.hf_config import load_config
 from jaxhybrid.models.tensor_parallel import head_shards, local_heads
 from pallas_kernels import aot
 from pallas_kernels.attention import ragged_paged_attention

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxhybrid.engine_args import EngineArgs
-from jaxhybrid.models.config import ModelConfig, load_config
+from jaxhybrid.models.config import ModelConfig
+from jaxhybrid.models.hf_config import load_config
 from jaxhybrid.models.model import Model, abstract_params
 from jaxhybrid.models.ops import ModelOps
 from jaxhybrid.models.tensor_parallel import AXIS

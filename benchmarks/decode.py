@@ -49,8 +49,8 @@ from common import figure  # benchmarks/ is sys.path[0]
 
 import scheduler
 from jaxhybrid import LLM, SamplingParams
-from jaxhybrid.models.config import parse_hf_config
 from jaxhybrid.models.export import export_hf_checkpoint
+from jaxhybrid.models.hf_config import parse_hf_config
 from jaxhybrid.models.hybrid import HybridLM
 from jaxhybrid.models.model import init_params
 from jaxhybrid.models.plan_transfer import pack_plan, unpack_plan

@@ -59,7 +59,8 @@ from tqdm import tqdm
 
 from benchmarks.aot_step import PRESETS, Setup, build_runner
 from benchmarks.common import figure
-from jaxhybrid.models.config import ModelConfig, parse_hf_config
+from jaxhybrid.models.config import ModelConfig
+from jaxhybrid.models.hf_config import parse_hf_config
 from pallas_kernels import aot
 from pallas_kernels.cost import Cost, kernel_cost, xla_cost
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from common import figure  # benchmarks/ is sys.path[0]
 
-from jaxhybrid.models.config import load_config
+from jaxhybrid.models.hf_config import load_config
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.conv1d import conv1d_prefill
 from pallas_kernels.cost import kernel_cost

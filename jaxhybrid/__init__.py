@@ -2,7 +2,8 @@
 
 from jaxhybrid.engine.outputs import CompletionOutput, RequestOutput
 from jaxhybrid.llm import LLM
-from jaxhybrid.models.config import ConfigError, ModelConfig, load_config, parse_hf_config
+from jaxhybrid.models.config import ConfigError, ModelConfig
+from jaxhybrid.models.hf_config import load_config, parse_hf_config
 from jaxhybrid.models.model import Model, init_params
 from jaxhybrid.models.weights import CheckpointError, load_model, restore_params, save_params
 from jaxhybrid.sample.params import SamplingParams

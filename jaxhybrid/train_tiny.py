@@ -20,8 +20,8 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from jaxhybrid.llm import LLM
-from jaxhybrid.models.config import parse_hf_config
 from jaxhybrid.models.export import export_hf_checkpoint
+from jaxhybrid.models.hf_config import parse_hf_config
 from jaxhybrid.models.weights import load_model
 from jaxhybrid.sample.params import SamplingParams
 from jaxhybrid.tiny.bpe import EOS_TOKEN, encode_documents, save_tokenizer, train_tokenizer

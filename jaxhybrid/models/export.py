@@ -11,7 +11,8 @@ import jax
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxhybrid.models.config import GDNConfig, ModelConfig, parse_hf_config
+from jaxhybrid.models.config import GDNConfig, ModelConfig
+from jaxhybrid.models.hf_config import parse_hf_config
 
 # Our kind-independent sublayer names -> Qwen checkpoint module names.
 _SUBLAYERS = {"norm_0": "input_layernorm", "norm_1": "post_attention_layernorm", "gdn": "linear_attn",

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from jaxhybrid.models.config import GDNConfig, ModelConfig, eos_token_ids, load_config, parse_hf_config
+from jaxhybrid.models.config import GDNConfig, ModelConfig
 from jaxhybrid.models.generation_config import read_generation_config
+from jaxhybrid.models.hf_config import eos_token_ids, load_config, parse_hf_config
 from jaxhybrid.models.model import Model, abstract_params
 
 Path_ = tuple[str, ...]

@@ -12,7 +12,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.engine_args import EngineArgs
-from jaxhybrid.models.config import load_config
+from jaxhybrid.models.hf_config import load_config
 from jaxhybrid.models.model import Model, abstract_params, init_params
 from jaxhybrid.models.tensor_parallel import AXIS, param_shardings
 from jaxhybrid.worker.buckets import plan_shapes

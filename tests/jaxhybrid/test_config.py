@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from jaxhybrid.models.config import ATTENTION, GDN, MAMBA2, MLP, MOE, ConfigError, load_config, parse_hf_config
+from jaxhybrid.models.config import ATTENTION, GDN, MAMBA2, MLP, MOE, ConfigError
+from jaxhybrid.models.hf_config import load_config, parse_hf_config
 from tests.hf_fixtures import HF_FIXTURES
 
 

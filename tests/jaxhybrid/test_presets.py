@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jaxhybrid.models.config import ATTENTION, GDN, MAMBA2, MLP, MOE, load_config
+from jaxhybrid.models.config import ATTENTION, GDN, MAMBA2, MLP, MOE
+from jaxhybrid.models.hf_config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = REPO / "configs" / "models"

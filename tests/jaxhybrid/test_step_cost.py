@@ -10,7 +10,8 @@ import pytest
 
 from benchmarks.estimate import checkpoint_steps, expected_tokens, step_seconds
 from jaxhybrid.engine_args import EngineArgs
-from jaxhybrid.models.config import ATTENTION, GDN, load_config
+from jaxhybrid.models.config import ATTENTION, GDN
+from jaxhybrid.models.hf_config import load_config
 from jaxhybrid.models.model import Model, abstract_params
 from jaxhybrid.models.ops import ModelOps
 from jaxhybrid.worker.runner import Runner

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.models.config import parse_hf_config
+from jaxhybrid.models.hf_config import parse_hf_config
 from jaxhybrid.models.hybrid import HybridLM
 from jaxhybrid.models.model import init_params
 from jaxhybrid.tiny.fast_ops import TRAINING_OPS

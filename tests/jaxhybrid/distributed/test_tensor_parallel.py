@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxhybrid.models.config import load_config
+from jaxhybrid.models.hf_config import load_config
 from jaxhybrid.models.tensor_parallel import layout_orders, to_tp_layout
 from tests.jaxhybrid.distributed.tp_worker import MODELS
 from tests.jaxhybrid.distributed.workers import LOGPROB_ATOL, WORKER_TIMEOUT, split_axis, tp_runs

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxhybrid import LLM, SamplingParams
-from jaxhybrid.models.config import parse_hf_config
 from jaxhybrid.models.export import export_hf_checkpoint
+from jaxhybrid.models.hf_config import parse_hf_config
 from jaxhybrid.models.model import init_params
 from jaxhybrid.models.pools import KVPool, RecurrentPool
 from jaxhybrid.models.weights import DEFAULT_MODEL_DIR
