@@ -181,9 +181,10 @@ def _apply_filters(logits: jax.Array, rows: SamplingRows) -> jax.Array:
     kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
     logits = jnp.where(logits < kth, -jnp.inf, logits)
     probs_sorted = jax.nn.softmax(jnp.where(ordered < kth, -jnp.inf, ordered), axis=-1)
-    # top-p: keep the smallest prefix of the sorted tokens whose mass reaches p (the first always stays)
+    # top-p: keep the smallest prefix of the sorted tokens whose mass reaches p (the first always stays); p = 1
+    # keeps all, as in vLLM, though the mass before a last tiny-probability token can round to 1
     before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
-    cut = jnp.sum(before < rows.top_p[:, None], axis=-1)  # tokens kept, >= 1
+    cut = jnp.sum((before < rows.top_p[:, None]) | (rows.top_p[:, None] >= 1), axis=-1)  # tokens kept, >= 1
     threshold = jnp.take_along_axis(ordered, (cut - 1)[:, None], axis=-1)
     logits = jnp.where(logits < threshold, -jnp.inf, logits)
     probs = jax.nn.softmax(logits, axis=-1)

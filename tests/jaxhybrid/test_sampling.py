@@ -37,7 +37,7 @@ def _numpy_filter(logits: np.ndarray, temperature: float, top_k: int, top_p: flo
     mass = 0.0
     kept_p = np.zeros(len(x), bool)
     for i in order:
-        if not keep[i] or mass >= top_p:
+        if not keep[i] or (top_p < 1 and mass >= top_p):  # p = 1 keeps all, whatever the rounding
             continue
         kept_p[i], mass = True, mass + probs[i]
     probs = np.where(kept_p, probs, 0.0)
@@ -52,6 +52,13 @@ def test_top_k_top_p_min_p_keep_what_numpy_keeps(seed, temperature, top_k, top_p
     rows = _rows(1, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     kept = np.isfinite(np.asarray(filtered_logits(jnp.asarray(logits), rows)))[0]
     np.testing.assert_array_equal(kept, _numpy_filter(logits[0], temperature, top_k, top_p, min_p))
+
+
+def test_top_p_of_one_keeps_a_token_whose_mass_rounds_away():
+    """Sorted probabilities sum to 1 in f32 before the last, tiny one: top-p 1 must still keep it."""
+    logits = np.array([[30.0, 29.0] + [0.0] * (V - 2)], np.float32)
+    rows = _rows(1, temperature=1.0, top_k=V, top_p=1.0)
+    assert np.isfinite(np.asarray(filtered_logits(jnp.asarray(logits), rows))).all()
 
 
 def test_penalties_match_the_vllm_rules():
