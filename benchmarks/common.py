@@ -1,11 +1,36 @@
-"""What the benchmarks share: how a plot is drawn off-screen and saved."""
+"""What the benchmarks share: where results go, the machine they ran on, and how a plot is drawn off-screen."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import platform
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    """The machine and software a run measured: cores and load, and jax's version and backend if it was used."""
+    info = {"machine": platform.machine(), "cores": os.cpu_count(), "load_average": os.getloadavg(),
+            "python": platform.python_version()}
+    if "jax" in sys.modules:  # benchmarks of the pure-Python scheduler never import it
+        jax = sys.modules["jax"]
+        info |= {"jax": jax.__version__, "backend": jax.default_backend()}
+    return info
+
+
+def write_results(name: str, results: Any, meta: dict[str, Any], **extra: Any) -> Path:
+    """`benchmarks/results/NAME.json`: `{"meta": machine() | meta, "results": results, **extra}`."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"meta": machine() | meta, "results": results, **extra}, indent=1))
+    print(f"wrote {path}")
+    return path
 
 
 @contextlib.contextmanager

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import platform
 import re
 import shutil
 import tempfile
@@ -45,7 +44,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import figure  # benchmarks/ is sys.path[0]
+from common import RESULTS, figure, write_results  # benchmarks/ is sys.path[0]
 
 import scheduler
 from jaxhybrid import LLM, SamplingParams
@@ -59,7 +58,6 @@ from jaxhybrid.tiny.corpus import HELD_OUT_MODULES, stdlib_dir
 from jaxhybrid.worker.memory import slot_bytes
 from scheduler import RowKind
 
-RESULTS = Path(__file__).parent / "results"
 TOKENIZER = Path(__file__).resolve().parent.parent / "jaxhybrid" / "assets" / "default_model"
 # vLLM's CPU peer's checkpoint (/work/shared/reference/vllm_cpu_peer.md): 40,752,352 parameters
 MOE_40M = dict(
@@ -304,10 +302,7 @@ def run_breakdown(args: argparse.Namespace) -> None:
             for batch in args.batches:
                 rows.append(breakdown(checkpoint, dtype, batch, args.new_tokens, args.repeats))
                 print_breakdown(rows[-1:])
-    RESULTS.mkdir(exist_ok=True)
-    meta = {"backend": jax.default_backend(), "machine": platform.processor() or platform.machine(),
-            "new_tokens": args.new_tokens}
-    (RESULTS / "decode_breakdown.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    write_results("decode_breakdown", rows, {"new_tokens": args.new_tokens})
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -345,10 +340,7 @@ def main() -> None:
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         print(f"{r['mode']:<12}{r['batch']:>6}{r['tokens_per_s']:>10.1f}{r['speedup']:>10.2f}{r['steps']:>7}"
               f"{r['acceptance']:>8.2f}{r['state_bytes_per_request']:>13}")
-    RESULTS.mkdir(exist_ok=True)
-    meta = {"backend": jax.default_backend(), "machine": platform.processor() or platform.machine(),
-            "new_tokens": args.new_tokens}
-    (RESULTS / "decode.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    write_results("decode", results, {"new_tokens": args.new_tokens})
     plot(results, RESULTS / "decode.png")
 
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import queue
 import subprocess
 import sys
@@ -53,9 +52,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import jax
 import numpy as np
-from common import figure  # benchmarks/ is sys.path[0]
+from common import RESULTS, figure, write_results  # benchmarks/ is sys.path[0]
 from tqdm import tqdm
 
 import scheduler
@@ -63,7 +61,6 @@ from jaxhybrid import LLM, SamplingParams
 from jaxhybrid.engine.core import Engine
 from jaxhybrid.engine.requests import Prompt
 
-RESULTS = Path(__file__).parent / "results"
 PEER = Path(__file__).parent / "hf_peer.py"
 PHASES = ("schedule", "update", "resolve", "dispatch", "outputs")
 # XLA:CPU's worker thread frees ~1.5k small blocks the engine's thread allocated at each dispatch; with glibc's
@@ -379,11 +376,7 @@ def main() -> None:
                 rows += run["rows"]
                 timelines.update(run["timelines"])
     print_table(rows)
-    RESULTS.mkdir(exist_ok=True)
-    meta = {"jax": jax.__version__, "backend": jax.default_backend(), "machine": platform.machine(),
-            "cpu_count": os.cpu_count(), "glibc_tunables": args.glibc_tunables}
-    (RESULTS / f"{args.name}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
-    print(f"wrote {RESULTS / args.name}.json")
+    write_results(args.name, rows, {"glibc_tunables": args.glibc_tunables})
     plot(rows, timelines, RESULTS / f"{args.name}.png")
 
 

@@ -16,18 +16,15 @@ Prints a table, writes benchmarks/results/grouped_prefill.json and grouped_prefi
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
-from common import figure  # benchmarks/ is sys.path[0]
+from common import RESULTS, figure, write_results  # benchmarks/ is sys.path[0]
 
 from jaxhybrid import LLM, SamplingParams
 from jaxhybrid.engine.tokenizer import CHECKPOINT_MARKER
 
-RESULTS = Path(__file__).parent / "results"
 PARAMS = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
@@ -90,10 +87,8 @@ def main() -> None:
         print(f"{r['n']:>4}{r['marker_s']:>10.2f}{r['no_marker_s']:>11.2f}{r['one_by_one_s']:>9.2f}"
               f"{r['marker_tokens_computed']:>8}{r['speedup']:>9.2f}{r['bound']:>7.2f}{r['fraction_of_bound']:>10.2f}"
               f"{r['marker_s_per_candidate']:>8.3f}")
-    RESULTS.mkdir(exist_ok=True)
-    meta = {"backend": jax.default_backend(), "anchor": args.anchor, "candidate": args.candidate,
-            "model": "embedded default (qwen3_next, 1.7M params)"}
-    (RESULTS / "grouped_prefill.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    write_results("grouped_prefill", results, {"anchor": args.anchor, "candidate": args.candidate,
+                                               "model": "embedded default (qwen3_next, 1.7M params)"})
     plot(results, RESULTS / "grouped_prefill.png")
 
 

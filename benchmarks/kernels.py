@@ -18,22 +18,18 @@ smoke run of the same cases.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
-from pathlib import Path
 from typing import NamedTuple
 
 import jax
 import numpy as np
-from common import figure  # benchmarks/ is sys.path[0]
+from common import figure, write_results  # benchmarks/ is sys.path[0]
 
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.conv1d import conv1d_prefill, conv1d_replay
 from pallas_kernels.gdn import gdn_decode, gdn_materialise, gdn_prefill, gdn_verify
 from pallas_kernels.mamba2 import ssd_decode, ssd_materialise, ssd_prefill, ssd_verify
 
-RESULTS = Path(__file__).parent / "results"
 H200_HBM_BYTES_PER_S = 4.8e12
 
 
@@ -338,13 +334,10 @@ def run_roofline(args) -> None:
                             reference_s=xla_s, kernel_tflops=case.flops / kernel_s / 1e12,
                             reference_tflops=case.flops / xla_s / 1e12, roofline=fraction,
                             reference_roofline=xla_fraction, target=target))
-    RESULTS.mkdir(exist_ok=True)
-    meta = dict(platform=platform.platform(), jax=jax.__version__, device=str(jax.devices()[0]), dtype=args.dtype,
-                kernel_backend=args.kernel_backend, divide=args.divide)
-    out = RESULTS / f"kernels_{jax.default_backend()}_roofline.json"
-    out.write_text(json.dumps(dict(meta=meta, results=records), indent=2))
+    meta = dict(device=str(jax.devices()[0]), dtype=args.dtype, kernel_backend=args.kernel_backend,
+                divide=args.divide)
+    out = write_results(f"kernels_{jax.default_backend()}_roofline", records, meta)
     plot(records, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 def main():
@@ -381,12 +374,8 @@ def main():
         print(line)
         records.append(dict(op=case.op, shape=case.shape, backend=backend, ms=ms, numpy_ms=np_ms,
                             tokens_per_s=case.tokens / ms * 1e3, state_gb_per_s=gbps))
-    RESULTS.mkdir(exist_ok=True)
-    meta = dict(platform=platform.platform(), jax=jax.__version__, device=str(jax.devices()[0]), scale=s)
-    out = RESULTS / f"kernels_{jax.default_backend()}.json"
-    out.write_text(json.dumps(dict(meta=meta, results=records), indent=2))
+    out = write_results(f"kernels_{jax.default_backend()}", records, dict(device=str(jax.devices()[0]), scale=s))
     _plot(records, backend, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What the side-by-side benchmarks share: random token-id work, and jaxhybrid's side of it.
 
-Scoring puts the checkpoint marker before the anchor's last token (block-aligned), so the anchor is computed
-once and each candidate from the checkpoint on; the anchor's last logit scores each candidate's first token.
+Scoring is `LLM.score_candidates`: a checkpoint before the anchor's last token (block-aligned), so the anchor is
+computed once and each candidate from the checkpoint on; the anchor's last logit scores each candidate's first token.
 Generation is greedy with eos ignored, so both sides produce exactly `new_tokens` per prompt.
 """
 
@@ -23,24 +23,21 @@ def random_ids(rng: np.random.Generator, vocab: int, n: int) -> list[int]:
 
 def engine(directory: Path, dtype: str = "auto", max_num_seqs: int = 64) -> LLM:
     """An LLM sized for these jobs, every bucket compiled before anything is timed."""
-    # row bucket 2 for decoding one sequence: XLA:CPU reads weights ~1.5x faster at M=1 than in a wider one
+    # buckets of 2 for decoding one sequence: XLA:CPU turns a one-row bf16 matmul into a convert of the whole
+    # weight to f32 (2.3x slower), and a wider bucket computes padding
     llm = LLM(directory, dtype=dtype, skip_tokenizer_init=True, num_blocks=4096, num_state_slots=160,
               max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, max_model_len=ANCHOR + CANDIDATE_LEN + 16,
-              mamba_block_size=BLOCK, token_buckets=(1, 16, 128, 1024),
+              mamba_block_size=BLOCK, token_buckets=(2, 16, 128, 1024),
               row_buckets=tuple(r for r in (2, 16, 64) if r <= max_num_seqs))
     llm.engine.precompile(progress=False)
     return llm
 
 
 def score(llm: LLM, anchor: list[int], candidates: list[list[int]]) -> tuple[float, list[list[float]]]:
-    """Seconds, and each candidate's prompt logprobs after the anchor."""
-    checkpoint = (len(anchor) - 1) // BLOCK * BLOCK
-    prompts = [{"prompt_token_ids": anchor + c, "checkpoint_position": checkpoint} for c in candidates]
+    """Seconds, and each candidate's prompt logprobs after the anchor (`LLM.score_candidates`: the anchor once)."""
     start = time.perf_counter()
-    scored = llm.generate(prompts, SamplingParams(max_tokens=0, prompt_logprobs=0), use_tqdm=False)
-    seconds = time.perf_counter() - start
-    return seconds, [[o.prompt_logprobs[p][o.prompt_token_ids[p]].logprob
-                      for p in range(len(anchor), len(o.prompt_token_ids))] for o in scored]
+    scores = llm.score_candidates(anchor, candidates)
+    return time.perf_counter() - start, [c.token_logprobs for c in scores.candidates]
 
 
 def generate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:

@@ -37,14 +37,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
-from common import figure  # benchmarks/ is sys.path[0]
+from common import RESULTS, figure, write_results  # benchmarks/ is sys.path[0]
 
 from scheduler import (
     Request,
@@ -61,8 +59,6 @@ from scheduler import (
 # CPU time of this thread: the machine is shared, and the target is the work of one core, not the
 # time spent waiting for one
 CLOCK = time.thread_time
-RESULTS = Path(__file__).parent / "results" / "scheduler_overhead.json"
-PLOT = RESULTS.with_suffix(".png")
 BASELINE = "baseline_replace_256_records"
 
 
@@ -257,18 +253,15 @@ def main() -> None:
     per_request = {rows: typical[name][0]["mean_ms"] * 1e3 / rows for name, rows in ROWS.items()}
     print("cost per running request (k = 3, mean): " + ", ".join(f"{rows} rows {us:.2f} us"
                                                                  for rows, us in per_request.items()))
-    meta = {"python": platform.python_version(), "numpy": np.__version__, "cpu_count": os.cpu_count(),
-            "load_average": os.getloadavg(), "clock": "time.thread_time", "repeats": args.repeats,
+    meta = {"numpy": np.__version__, "clock": "time.thread_time", "repeats": args.repeats,
             "steps": args.steps, "reported": "per scenario, the run with the median p99",
             "gc": "gc.freeze() after set-up, automatic collection off, gc.collect(0) after each step timed as "
                   "gc_mean_ms; runs_auto_gc: the same scenario with automatic collection"}
     results = {name: {**typical[name][0], "runs": [run[0] for run in runs[name]], "runs_auto_gc": auto_gc[name]}
                for name in SCENARIOS}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"meta": meta, "results": results, "us_per_running_request": per_request},
-                                  indent=2))
-    plot_cdfs({name: run[1] for name, run in typical.items()}, PLOT)
-    print(f"wrote {RESULTS} and {PLOT} (load average {meta['load_average'][0]:.2f})")
+    write_results("scheduler_overhead", results, meta, us_per_running_request=per_request)
+    plot_cdfs({name: run[1] for name, run in typical.items()}, RESULTS / "scheduler_overhead.png")
+    print(f"load average {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -22,13 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
-from common import figure  # benchmarks/ is sys.path[0]
+from common import RESULTS, figure, write_results  # benchmarks/ is sys.path[0]
 
 from jaxhybrid import LLM
 
-RESULTS = Path(__file__).parent / "results"
 PEER = Path(__file__).parent / "hf_peer.py"
 ANCHOR, SHORTEST, LONGEST, HF_BATCH = 2048, 64, 256, 4
 
@@ -95,10 +93,8 @@ def main() -> None:
         print(f"{r['candidates']:>5}{r['reuse_s_per_candidate']:>11.3f}{r['no_reuse_s_per_candidate']:>14.3f}"
               f"{r['transformers_s_per_candidate']:>9.3f}{r['vs_transformers']:>7.2f}{r['reuse_speedup']:>9.2f}"
               f"{r['flop_ratio_bound']:>7.2f}{r['of_bound']:>10.2f}{r['max_logprob_diff']:>11.1e}")
-    RESULTS.mkdir(exist_ok=True)
-    meta = {"backend": jax.default_backend(), "parameters": params, "compile_s": compile_s, "anchor": ANCHOR,
-            "candidate_lengths": [SHORTEST, LONGEST], "hf_batch": HF_BATCH}
-    (RESULTS / "scoring.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    write_results("scoring", rows, {"parameters": params, "compile_s": compile_s, "anchor": ANCHOR,
+                                    "candidate_lengths": [SHORTEST, LONGEST], "hf_batch": HF_BATCH})
     plot(rows, RESULTS / "scoring.png")
     assert all(r["max_logprob_diff"] <= 1e-3 for r in rows), "scores disagree with transformers"
 

@@ -49,12 +49,12 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from common import figure  # benchmarks/ is sys.path[0]
+from common import RESULTS, figure, write_results  # benchmarks/ is sys.path[0]
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
-RESULTS, PEER, REPO = HERE / "results", HERE / "hf_peer.py", HERE.parent
+PEER, REPO = HERE / "hf_peer.py", HERE.parent
 HOST = "127.0.0.1"
 REQUEST_TIMEOUT_S = 3600.0
 DRAIN_SERIES = ("jaxhybrid:num_requests_running", "jaxhybrid:num_requests_waiting",
@@ -537,17 +537,14 @@ def compare(args: argparse.Namespace) -> int:
     print(f"target: >= 3x output throughput ({ratio['output_throughput']:.2f}x) at an equal or better p99 TTFT "
           f"({ours['p99_ttft_ms']:.0f} vs {theirs['p99_ttft_ms']:.0f} ms): {'met' if met else 'NOT met'}")
     print(f"server logs: {logs}")
-    RESULTS.mkdir(exist_ok=True)
     meta = {k: getattr(args, k) for k in ("num_prompts", "request_rate", "max_concurrency", "random_input_len",
                                           "random_output_len", "random_range_ratio", "seed", "disconnect_fraction",
                                           "temperature", "ours_args", "hf_serve_args")}
     meta["request_rate"] = "inf" if math.isinf(args.request_rate) else args.request_rate
     meta["parameters"] = params
-    out = {"meta": meta, "jaxhybrid": without_raw(ours), "transformers": without_raw(theirs),
-           "ratio": ratio, "target_met": met}
-    (RESULTS / "serve_load_vs_transformers.json").write_text(json.dumps(out, indent=1))
-    plot({"jaxhybrid": ours, "transformers": theirs}, RESULTS / "serve_load_vs_transformers.png")
-    print(f"wrote {RESULTS / 'serve_load_vs_transformers.json'} and .png")
+    results = {"jaxhybrid": without_raw(ours), "transformers": without_raw(theirs)}
+    path = write_results("serve_load_vs_transformers", results, meta, ratio=ratio, target_met=met)
+    plot({"jaxhybrid": ours, "transformers": theirs}, path.with_suffix(".png"))
     return 0 if healthy(ours) else 1
 
 

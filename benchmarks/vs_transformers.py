@@ -25,12 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 import peer_work as peer
-from common import figure  # benchmarks/ is sys.path[0]
+from common import RESULTS, figure, write_results  # benchmarks/ is sys.path[0]
 
-RESULTS = Path(__file__).parent / "results"
 PEER = Path(__file__).parent / "hf_peer.py"
 CANDIDATES = 64
 
@@ -94,9 +92,7 @@ def main() -> None:
                  else f"agreeing prefix {r['same_tokens']:.2f}")
         print(f"{r['job']:<9}{r['unit']:>14}{r['jaxhybrid']:>11.1f}{r['transformers']:>14.1f}{r['ratio']:>8.2f}"
               f"  {check}")
-    RESULTS.mkdir(exist_ok=True)
-    meta = {"backend": jax.default_backend(), "parameters": params, "compile_s": mine["compile_s"]}
-    (RESULTS / "vs_transformers.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    write_results("vs_transformers", rows, {"parameters": params, "compile_s": mine["compile_s"]})
     plot(rows, RESULTS / "vs_transformers.png")
     assert all(r.get("max_logprob_diff", 0) <= 1e-3 for r in rows), "logprobs disagree with transformers"
 

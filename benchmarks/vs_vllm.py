@@ -41,11 +41,10 @@ from pathlib import Path
 import numpy as np
 import peer_work as peer
 import serve_load
-from common import figure  # benchmarks/ is sys.path[0]
+from common import figure, write_results  # benchmarks/ is sys.path[0]
 from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
 REPEATS, ROUNDS = 2, 2
 GEN_ROWS, SCORE_CANDIDATES, CONCURRENCY = (1, 16, 64), (16, 64, 256), (16, 64)
 TARGETS = {"gen_b1": 0.7, "gen_b16": 1.0, "gen_b64": 1.0, "score_n64": 3.0, "serve_c16": 1.0, "serve_c64": 1.0}
@@ -183,14 +182,11 @@ def main() -> None:
         row["ratio_equal_cores"] = row["jaxhybrid"] / row["vllm_both"]
         row["ratio_vs_best"] = row["jaxhybrid"] / max(row["vllm_both"], row["vllm_default"])
         row["target"] = TARGETS.get(row["job"])
-    meta |= {"parameters": params, "cores": os.cpu_count(), "repeats": REPEATS,
+    meta |= {"parameters": params, "repeats": REPEATS,
              "vllm_version": subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"],
                                             capture_output=True, text=True).stdout.strip()}
     report(rows, meta)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "vs_vllm.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
-    plot(rows, RESULTS / "vs_vllm.png")
-    print(f"wrote {RESULTS / 'vs_vllm.json'} and .png")
+    plot(rows, write_results("vs_vllm", rows, meta).with_suffix(".png"))
 
 
 def report(rows: list[dict], meta: dict) -> None:

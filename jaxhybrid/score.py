@@ -1,23 +1,10 @@
-"""`python -m jaxhybrid.score`: offline batch jobs, JSONL in and JSONL out, in input order.
+"""`python -m jaxhybrid.score`: offline batch jobs, JSONL in and JSONL out, in input order (docs/batch.md).
 
-Two line formats, told apart by their keys:
-  * the OpenAI batch format `vllm run-batch` reads: `{"custom_id", "method": "POST", "url":
-    "/v1/completions" | "/v1/chat/completions", "body": {...}}`, answered with vLLM's output line
-    `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`;
-  * scoring: `{"id", "prompt", "candidates": [...], "top_logprobs"?: k}` (text or token ids). Each
-    candidate is scored given the prompt: its total and per-token log-probabilities, and with
-    `top_logprobs` the k most likely next tokens after the prompt. The job places the checkpoint at the
-    end of the prompt itself (its last token stays after it, so that its logits score each candidate's
-    first token), so the prompt is computed once for all its candidates. Text prompts and candidates are
-    tokenized separately (as lm-eval-harness does for context and continuation).
-
-A bad line becomes an error line naming the problem and the job goes on. Lines are read and run a window
-at a time (bounded memory; windows aligned to line numbers, each from an empty prefix cache), each output
-line is written whole and flushed, and `--resume` keeps the complete windows of an earlier run of the same
-job (a torn last line is cut) and carries on after them. A line's output depends only on its window: ids
-come from the line number and seeds from `--seed` and the line number, so a resumed job, or one spread over
-Ray Data actors (`--ray --num-replicas R`, `jaxhybrid.ray_data`), writes the same bytes as an
-uninterrupted one.
+Two line formats, told apart by their keys: the OpenAI batch lines of `vllm run-batch`, and scoring lines
+`{"id", "prompt", "candidates", "top_logprobs"?}`, whose prompt is computed once for all its candidates.
+A bad line becomes an error line and the job goes on. Lines run a window at a time, each window from an
+empty prefix cache; ids and seeds come from line numbers. So a line's output depends only on its window, and a
+resumed job (`--resume`) or one spread over Ray Data actors (`--ray`) writes the same bytes as one run.
 """
 
 from __future__ import annotations
