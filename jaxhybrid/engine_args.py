@@ -96,20 +96,21 @@ class EngineArgs:
             num_blocks, num_state_slots, max_num_seqs = (num_blocks or sizes.num_blocks,
                                                          num_state_slots or sizes.num_state_slots, sizes.max_num_seqs)
             log.info("pools: %s", sizes.describe())
-        # one block-table width and logits buckets on the token ladder keep the compiled shapes few. Ladders
-        # start at 2: XLA:CPU makes every bf16 matmul of one row a convert of the whole weight to f32 and a
-        # multiply-reduce (batch-1 decode 2.3x slower than at 2 rows, 1.3x at 8), and a one-row step copies
-        # whole pools (see Runner)
-        ladder = lambda cap: default_buckets(cap, smallest=2, growth=self.bucket_growth)
-        token_buckets = self.token_buckets or ladder(self.max_num_batched_tokens)
-        row_buckets = self.row_buckets or ladder(max_num_seqs)
+        # One block-table width keeps the compiled shapes few. Tokens start at 2: XLA:CPU makes a bf16 matmul of
+        # one row a convert of the whole weight to f32 and a multiply-reduce (batch-1 decode 2.3x slower than at
+        # 2 tokens, 1.3x at 8). Rows and logits set no matmul's rows and start at 8, since every bucket they add
+        # multiplies the compiled steps (see Runner.precompile).
+        ladder = lambda cap, smallest: default_buckets(cap, smallest=smallest, growth=self.bucket_growth)
+        token_buckets = self.token_buckets or ladder(self.max_num_batched_tokens, 2)
+        row_buckets = self.row_buckets or ladder(max_num_seqs, 8)
+        logits_buckets = self.token_buckets or ladder(self.max_num_batched_tokens, 8)
         return SchedulerConfig(
             block_size=block_size, mamba_block_size=self.mamba_block_size,
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             num_blocks=num_blocks, num_state_slots=num_state_slots, num_spec_tokens=k,
             cache_mode="align" if self.enable_prefix_caching else "none",
             ring_size=ring_size, vocab_size=cfg.vocab_size, row_data_bytes=ROW_DTYPE.itemsize,
-            token_buckets=token_buckets, row_buckets=row_buckets, logits_buckets=token_buckets,
+            token_buckets=token_buckets, row_buckets=row_buckets, logits_buckets=logits_buckets,
             block_table_buckets=(-(-(max_model_len + k) // block_size),))
 
 

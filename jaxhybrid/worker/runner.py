@@ -22,7 +22,7 @@ from jaxhybrid.models.plan_transfer import PlanLayout, pack_plan
 from jaxhybrid.models.pools import DeviceState, init_device_state
 from jaxhybrid.models.tensor_parallel import AXIS, param_shardings, state_shardings, to_tp_layout
 from jaxhybrid.sample.sampler import ROW_DTYPE, Logprobs, batch_constraints
-from jaxhybrid.worker.buckets import padding_plan, plan_shapes
+from jaxhybrid.worker.buckets import check_maps_suffice, memory_maps, padding_plan, plan_shapes
 from jaxhybrid.worker.multihost import Message, PlanChannel, is_leader
 from jaxhybrid.worker.step import Carried, StepOutput, run_step
 from scheduler import BatchPlan, SchedulerConfig, StepResult
@@ -171,8 +171,11 @@ class Runner:
         shapes = plan_shapes(self.config)
         if self.channel is not None and not is_leader():
             return len(shapes)  # a follower compiles as it follows the leader's precompile
-        for shape in tqdm(shapes, desc="compile", unit="bucket", disable=not progress):
+        for i, shape in enumerate(tqdm(shapes, desc="compile", unit="bucket", disable=not progress)):
+            before = memory_maps()
             self.step(padding_plan(self.config, *shape))
+            if i == 0:  # a clear error now rather than a crash in a later compile
+                check_maps_suffice(before, memory_maps(), len(shapes) - 1)
         return len(shapes)
 
     def trace(self, bucket: tuple[int, int, int, int]) -> jax.stages.Traced:

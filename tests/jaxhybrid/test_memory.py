@@ -1,14 +1,22 @@
-"""Pool sizing from a memory budget: slot pages counted as the engine allocates them, budgets respected."""
+"""Pool sizing from a memory budget: slot pages counted as the engine allocates them, budgets respected; compiled
+steps kept within the host's memory-map limit."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxhybrid.engine.requests import Prompt
+from jaxhybrid.engine_args import CLI_DEFAULTS, EngineArgs
 from jaxhybrid.models.pools import RecurrentPool, init_device_state
+from jaxhybrid.sample.params import SamplingParams
+from jaxhybrid.worker.buckets import memory_maps, plan_shapes
 from jaxhybrid.worker.memory import size_pools, slot_bytes
 from scheduler import SchedulerConfig
 from scheduler.replay import ring_rows
 from tests.hf_fixtures import fixture_model
+from tests.jaxhybrid.engine_helpers import engine_for, run_to_completion
 
 
 def _page_nbytes(cfg, ring_size: int, k: int, history_len: int) -> int:
@@ -48,3 +56,28 @@ def test_scarce_slots_cap_max_num_seqs_and_a_tiny_budget_names_the_problem():
     with pytest.raises(ValueError, match="max_model_len 4096"):
         size_pools(cfg, 10 * per_slot, block_size=16, ring_size=16, num_spec_tokens=3, max_num_seqs=8,
                    max_model_len=4096)
+
+
+def test_default_ladders_keep_two_token_steps_and_the_server_s_compiled_steps_few():
+    """Tokens from 2 (XLA:CPU turns one-row bf16 matmuls into whole-weight converts); rows and logits from 8,
+    so that the server's defaults at 64 sequences compile few enough steps to fit Linux's memory-map limit."""
+    cfg = fixture_model("qwen3_next").config
+    args = dataclasses.replace(EngineArgs(max_num_seqs=64, num_blocks=64, num_state_slots=160), **CLI_DEFAULTS)
+    config = args.scheduler_config(cfg, lambda: 0, dtype=jnp.dtype(jnp.bfloat16))
+    assert config.token_buckets[0] == 2 and config.row_buckets[0] == config.logits_buckets[0] == 8
+    assert len(plan_shapes(config)) <= 40  # ~1,400 maps each for an 8-layer model, against 65,530
+
+
+def test_precompile_stops_with_a_clear_error_before_the_memory_maps_run_out(monkeypatch):
+    """Past vm.max_map_count XLA:CPU's next compile dies with SIGSEGV: after its first step precompile
+    projects the maps the rest will take and refuses, and the engine still steps."""
+    model = fixture_model("qwen3_next")
+    engine = engine_for(model, token_buckets=(16, 64), logits_buckets=(16, 64))  # 3 shapes
+    held, limit = memory_maps()
+    assert 0 < held < limit
+    readings = iter([(held, held + 2000), (held + 1500, held + 2000)])  # 1,500 maps per compiled step
+    monkeypatch.setattr("jaxhybrid.worker.runner.memory_maps", lambda: next(readings))
+    with pytest.raises(RuntimeError, match=r"compiling 3 step shapes needs about .* vm.max_map_count"):
+        engine.precompile(progress=False)
+    engine.add_request("a", Prompt((1, 2, 3)), SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(run_to_completion(engine)["a"].outputs[0].token_ids) == 2
