@@ -191,7 +191,7 @@ def main() -> None:
 
 def report(rows: list[dict], meta: dict) -> None:
     print(f"checkpoint: random Qwen3-Next MoE, {meta['parameters'] / 1e6:.1f}M parameters, bf16; vLLM "
-          f"{meta['vllm_version']}; {meta['cores']} cores; jaxhybrid compile {meta['jaxhybrid_compile_s']:.0f} s")
+          f"{meta['vllm_version']}; {os.cpu_count()} cores; jaxhybrid compile {meta['jaxhybrid_compile_s']:.0f} s")
     print(f"{'job':<11}{'unit':>16}{'jaxhybrid':>11}{'vLLM 2 cores':>14}{'vLLM default':>14}{'ratio':>7}"
           f"{'vs best':>9}{'target':>8}  check")
     for r in rows:
