@@ -37,12 +37,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import os
 import time
 from pathlib import Path
 
 import numpy as np
-from common import RESULTS, figure, write_results  # benchmarks/ is sys.path[0]
+from common import figure, write_results  # benchmarks/ is sys.path[0]
 
 from scheduler import (
     Request,
@@ -259,9 +258,8 @@ def main() -> None:
                   "gc_mean_ms; runs_auto_gc: the same scenario with automatic collection"}
     results = {name: {**typical[name][0], "runs": [run[0] for run in runs[name]], "runs_auto_gc": auto_gc[name]}
                for name in SCENARIOS}
-    write_results("scheduler_overhead", results, meta, us_per_running_request=per_request)
-    plot_cdfs({name: run[1] for name, run in typical.items()}, RESULTS / "scheduler_overhead.png")
-    print(f"load average {os.getloadavg()[0]:.2f}")
+    path = write_results("scheduler_overhead", results, meta, us_per_running_request=per_request)
+    plot_cdfs({name: run[1] for name, run in typical.items()}, path.with_suffix(".png"))
 
 
 if __name__ == "__main__":

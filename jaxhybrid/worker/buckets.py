@@ -39,7 +39,8 @@ def check_maps_suffice(before: tuple[int, int] | None, after: tuple[int, int] | 
     an 8-layer model), and past Linux's default 65,530 the next compile dies with SIGSEGV."""
     if before is None or after is None:
         return
-    (held, limit), per_step = after, after[0] - before[0]
+    held, limit = after
+    per_step = held - before[0]
     needed = held + per_step * remaining
     if needed > limit:
         raise RuntimeError(

@@ -171,8 +171,8 @@ class Runner:
         shapes = plan_shapes(self.config)
         if self.channel is not None and not is_leader():
             return len(shapes)  # a follower compiles as it follows the leader's precompile
+        before = memory_maps()
         for i, shape in enumerate(tqdm(shapes, desc="compile", unit="bucket", disable=not progress)):
-            before = memory_maps()
             self.step(padding_plan(self.config, *shape))
             if i == 0:  # a clear error now rather than a crash in a later compile
                 check_maps_suffice(before, memory_maps(), len(shapes) - 1)
