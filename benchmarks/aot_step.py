@@ -1,9 +1,10 @@
 """The engine's whole jitted step compiled for an H100/H200 without a GPU, at a preset's real sizes.
 
 For each preset, TP size, MTP K and ReplaySSM window W (0: the snapshot baseline), the engine is built as
-`LLM` builds it (`EngineArgs.scheduler_config`, pools sized by `size_pools` for `gpu_memory_utilization` of the
-target's HBM less the weights) over ABSTRACT params (`abstract_params`: ShapeDtypeStructs, nothing
-allocated), and its step is compiled (`Runner.lower`) for every bucket the engine compiles
+`LLM` builds it on a GPU over ABSTRACT params (`abstract_params`: ShapeDtypeStructs, nothing allocated):
+`EngineArgs.scheduler_config` sizes the pools (`size_pools`) for `gpu_memory_utilization` of the target's HBM
+less the weights and less the largest step's temporaries (`runner.step_temporaries`, one extra compile).
+Its step is compiled (`Runner.lower`) for every bucket the engine compiles
 (`plan_shapes`). At TP > 1 the step is compiled for a multi-device deviceless topology ("1x1x<tp>").
 
 The device's memory is what jax's allocator holds, as the engine reads it (`memory_stats()["bytes_limit"]`):
@@ -37,7 +38,7 @@ from jaxhybrid.models.ops import ModelOps
 from jaxhybrid.models.tensor_parallel import AXIS
 from jaxhybrid.worker.buckets import plan_shapes
 from jaxhybrid.worker.memory import param_bytes, pool_budget
-from jaxhybrid.worker.runner import Runner
+from jaxhybrid.worker.runner import Runner, step_temporaries
 from pallas_kernels import aot
 from scheduler.config import SchedulerConfig
 
@@ -116,9 +117,16 @@ def build_runner(setup: Setup, target: str, args: argparse.Namespace,
     engine_args = EngineArgs(tensor_parallel_size=setup.tp, speculative_config=mtp, max_num_seqs=args.max_num_seqs,
                              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                              replayssm_window=setup.window, backend="pallas")
-    config = engine_args.scheduler_config(cfg, lambda: budget, dtype=dtype)
+    model = Model(cfg, params, ops=ModelOps(backend="pallas"), block_size=engine_args.block_size)
+
+    def temporaries(config: SchedulerConfig) -> int:  # as LLM measures them on a GPU
+        with aot.lowering_for(target, topology):
+            return step_temporaries(model, config, mesh)
+
+    # pools resized after sizing need no room measured for them
+    config = engine_args.scheduler_config(cfg, lambda: budget, dtype=dtype,
+                                          step_temporaries=temporaries if resize is None else None)
     config = config if resize is None else resize(config)
-    model = Model(cfg, params, ops=ModelOps(backend="pallas"), block_size=config.block_size)
     pools = (f"budget {budget / GiB:.2f} GiB: {config.num_blocks} KV blocks, {config.num_state_slots} state slots, "
              f"max_num_seqs {config.max_num_seqs}, max_model_len {config.max_model_len}")
     return Runner(model, config, mesh=mesh), topology, pools

@@ -23,7 +23,7 @@ import yaml
 from jaxhybrid.models.config import ModelConfig
 from jaxhybrid.models.tensor_parallel import local_config
 from jaxhybrid.sample.sampler import ROW_DTYPE
-from jaxhybrid.worker.memory import size_pools
+from jaxhybrid.worker.memory import PoolSizes, size_pools
 from pallas_kernels.common import resolve_backend
 from scheduler import SchedulerConfig
 from scheduler.buckets import default_buckets
@@ -78,11 +78,14 @@ class EngineArgs:
     async_scheduling: bool = _arg(True, "schedule one step ahead of the device (--no-: the serial loop, for "
                                   "debugging)")
 
-    def scheduler_config(self, cfg: ModelConfig, budget: Callable[[], int], *, dtype: jnp.dtype) -> SchedulerConfig:
+    def scheduler_config(self, cfg: ModelConfig, budget: Callable[[], int], *, dtype: jnp.dtype,
+                         step_temporaries: Callable[[SchedulerConfig], int] | None = None) -> SchedulerConfig:
         """The engine's SchedulerConfig for these arguments: pools sized by `size_pools` for one device's
         `budget()` bytes and that device's share of a slot and a block (the pools split by heads over
-        `tensor_parallel_size` devices) unless both counts are given, bucket ladders, W for the backend."""
-        k, block_size = speculative_tokens(self.speculative_config), self.block_size
+        `tensor_parallel_size` devices) unless both counts are given, bucket ladders, W for the backend.
+        `step_temporaries(config)`: bytes the largest step of `config` needs besides its arguments
+        (`runner.step_temporaries`), left out of the pools' budget so that the step has room to run."""
+        k = speculative_tokens(self.speculative_config)
         max_model_len = self.max_model_len or min(cfg.max_position_embeddings, 4096)
         window = self.replayssm_window
         if window is None:  # the reference ops fold a ring entry with a whole pass over the state
@@ -90,12 +93,28 @@ class EngineArgs:
         ring_size = window and max(window, 1 + k)  # 0: the snapshot baseline
         num_blocks, num_state_slots, max_num_seqs = self.num_blocks, self.num_state_slots, self.max_num_seqs
         if num_blocks is None or num_state_slots is None:
-            sizes = size_pools(local_config(cfg, self.tensor_parallel_size), budget(), block_size=block_size,
-                               ring_size=ring_size, num_spec_tokens=k, max_num_seqs=max_num_seqs,
-                               max_model_len=max_model_len, dtype_bytes=dtype.itemsize)
+            def size(available: int) -> PoolSizes:
+                return size_pools(local_config(cfg, self.tensor_parallel_size), available, block_size=self.block_size,
+                                  ring_size=ring_size, num_spec_tokens=k, max_num_seqs=max_num_seqs,
+                                  max_model_len=max_model_len, dtype_bytes=dtype.itemsize)
+
+            available = budget()
+            if step_temporaries is not None:  # measured at the ladders of the whole budget: the largest step
+                probe = size(available)
+                reserved = step_temporaries(self._config(cfg, k, ring_size, max_model_len, probe.num_blocks,
+                                                         probe.num_state_slots, probe.max_num_seqs))
+                log.info("the largest step's temporaries: %.2f GiB, kept out of the pools", reserved / 2**30)
+                available -= reserved
+            sizes = size(available)
             num_blocks, num_state_slots, max_num_seqs = (num_blocks or sizes.num_blocks,
                                                          num_state_slots or sizes.num_state_slots, sizes.max_num_seqs)
             log.info("pools: %s", sizes.describe())
+        return self._config(cfg, k, ring_size, max_model_len, num_blocks, num_state_slots, max_num_seqs)
+
+    def _config(self, cfg: ModelConfig, k: int, ring_size: int, max_model_len: int, num_blocks: int,
+                num_state_slots: int, max_num_seqs: int) -> SchedulerConfig:
+        """The SchedulerConfig of these pools, with the bucket ladders they imply."""
+        block_size = self.block_size
         # One block-table width keeps the compiled shapes few. Tokens start at 2: XLA:CPU makes a bf16 matmul of
         # one row a convert of the whole weight to f32 and a multiply-reduce (batch-1 decode 2.3x slower than at
         # 2 tokens, 1.3x at 8). Rows and logits set no matmul's rows and start at 8, since every bucket they add

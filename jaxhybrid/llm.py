@@ -22,7 +22,8 @@ from jaxhybrid.models.model import Model
 from jaxhybrid.models.tensor_parallel import make_mesh
 from jaxhybrid.models.weights import load_model, resolve_model
 from jaxhybrid.sample.params import SamplingParams
-from jaxhybrid.worker.memory import device_memory_budget, param_bytes
+from jaxhybrid.worker.memory import device_memory_budget, param_bytes, reports_memory
+from jaxhybrid.worker.runner import step_temporaries
 from scheduler import parse_checkpoint_marker
 
 if TYPE_CHECKING:
@@ -62,9 +63,12 @@ class LLM:
                              "has no MTP weights (mtp.*)")
         tp = args.tensor_parallel_size
         mesh = make_mesh(tp) if tp > 1 else None
+        # where the device has a memory limit, the largest step's temporaries are measured and kept out of the
+        # pools; a CPU has no limit to keep to, and its budget is a fixed size
+        temporaries = (lambda config: step_temporaries(self.model, config, mesh)) if reports_memory() else None
         self.config = args.scheduler_config(
             cfg, lambda: device_memory_budget(args.gpu_memory_utilization, param_bytes(self.model.params, cfg, mesh)),
-            dtype=dtype)
+            dtype=dtype, step_temporaries=temporaries)
         self.engine = Engine(self.model, self.config, self.tokenizer, seed=args.seed, max_logprobs=args.max_logprobs,
                              mesh=mesh, async_scheduling=args.async_scheduling)
         self._counter = 0

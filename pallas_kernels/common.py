@@ -2,7 +2,7 @@
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -12,13 +12,41 @@ from jax.experimental import pallas as pl
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def dot_precision(dtype) -> jax.lax.Precision:
+TF32X3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
+def dot_precision(dtype, interpret: bool, f32_on_gpu=TF32X3) -> jax.lax.Precision | jax.lax.DotAlgorithmPreset:
     """In-kernel dot precision for operands of `dtype`, always accumulated in f32.
 
-    f32 operands keep IEEE fp32 (HIGHEST) so kernels match their f32 references; bf16/fp16 operands run at
-    DEFAULT, which is what puts them on tensor cores (HIGHEST would upcast them to fp32 passes).
+    bf16/fp16 operands run at DEFAULT, on tensor cores (HIGHEST would upcast them to fp32 passes). f32 operands
+    run as `f32_on_gpu` on Triton: by default 3xTF32, three tensor-core passes over operands split into high
+    and low TF32 halves, close to fp32's accuracy, where IEEE fp32 dots (HIGHEST) are FMA loops whose operands
+    fill the registers and spill at GDN's and SSD's prefill tiles (`benchmarks/aot_kernels.py`). Interpret mode
+    runs XLA:CPU, which has no TF32: IEEE fp32, as the references.
     """
-    return HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+    if jnp.dtype(dtype) != jnp.float32:
+        return jax.lax.Precision.DEFAULT
+    return HIGHEST if interpret else f32_on_gpu
+
+
+class Dots(NamedTuple):
+    """What a kernel's dots need to know: their operands' dtype, whether the kernel is interpreted, and how f32
+    operands run on Triton (`dot_precision`)."""
+
+    dtype: Any
+    interpret: bool
+    f32_on_gpu: Any = TF32X3
+
+    def __call__(self, a, b, contract=((1,), (0,))):
+        """a @ b (contracting `contract`) on operands cast to this dtype, accumulated in f32."""
+        return jax.lax.dot_general(a.astype(self.dtype), b.astype(self.dtype), (contract, ((), ())),
+                                   precision=dot_precision(self.dtype, self.interpret, self.f32_on_gpu),
+                                   preferred_element_type=jnp.float32)
+
+    @property
+    def f32(self) -> "Dots":
+        """The same kernel's dots on f32 intermediates."""
+        return self._replace(dtype=jnp.float32)
 
 
 MIN_DOT_SIDE = 16  # Triton's smallest tl.dot side

@@ -96,7 +96,12 @@ def device_memory_budget(utilization: float, weight_bytes: int) -> int:
     """`pool_budget` on this host's first device; CPU_MEMORY_BUDGET where it reports no memory."""
     stats = jax.devices()[0].memory_stats() or {}
     budget = pool_budget(utilization, stats.get("bytes_limit", 0), weight_bytes, stats.get("bytes_in_use", 0))
-    return budget if "bytes_limit" in stats else CPU_MEMORY_BUDGET
+    return budget if reports_memory() else CPU_MEMORY_BUDGET
+
+
+def reports_memory() -> bool:
+    """Whether this host's first device has a memory limit (a GPU does; XLA:CPU reports none)."""
+    return "bytes_limit" in (jax.devices()[0].memory_stats() or {})
 
 
 def param_bytes(params: Any, cfg: ModelConfig, mesh: Mesh | None) -> int:

@@ -192,6 +192,19 @@ class Runner:
         return self.trace(bucket).lower()
 
 
+def step_temporaries(model: Model, config: SchedulerConfig, mesh: Mesh | None = None) -> int:
+    """Bytes of temporaries XLA allocates for `config`'s largest step (its last bucket), compiled for the
+    devices `model`'s params are on without allocating anything: abstract params and pools of the fewest
+    pages (2 KV blocks, 4 state slots), since no temporary grows with the pools (test_memory.py). The
+    pools get the budget less this (vLLM's profile run measures the same peak by running a step)."""
+    params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=getattr(p, "sharding", None)),
+                          model.params)
+    probe = Model(model.config, params, ops=model.module.ops, block_size=model.block_size)
+    fewest_pages = dataclasses.replace(config, num_blocks=2, num_state_slots=4)
+    compiled = Runner(probe, fewest_pages, mesh=mesh).lower(plan_shapes(config)[-1]).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
 def _specs(tree: Any, sharding: jax.sharding.Sharding | None) -> Any:
     """`tree`'s arrays as ShapeDtypeStructs, all with `sharding` (None: jit's default device)."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)

@@ -15,7 +15,7 @@ writes q.dtype directly. New K/V are written into the pool by XLA before the ker
 only reads the pools.
 
 Precision: both dots take q.dtype operands (K/V and the probabilities are cast to it; bf16/fp16 run on
-tensor cores at `dot_precision`) and accumulate in f32; softmax statistics and the accumulator stay f32.
+tensor cores at `common.dot_precision`) and accumulate in f32; softmax statistics and the accumulator stay f32.
 """
 
 import functools
@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.attention import cost
 from pallas_kernels.attention.reference import write_kv
-from pallas_kernels.common import check_dot_sides, chunk_table, dot_precision, max_num_chunks, zero_padding
+from pallas_kernels.common import HIGHEST, Dots, check_dot_sides, chunk_table, max_num_chunks, zero_padding
 
 MIN_BLOCK_M = 16  # Triton's tensor-core dots want M >= 16
 # Programs that fill an H100/H200 (132 SMs) several times over: more splits only add partials to merge.
@@ -64,7 +64,7 @@ def default_num_splits(num_tiles: int, num_kv_heads: int, max_context: int) -> i
     return max(1, min(max_context // MIN_SPLIT_KEYS, by_occupancy, MAX_SPLITS))
 
 
-def _online_softmax_step(carry, scores, values, precision):
+def _online_softmax_step(carry, scores, values, dots):
     """FlashAttention-2 §3.1.1 running max / sum update; scores [M, BS] f32 (-inf = masked)."""
     running_max, running_sum, acc = carry
     new_max = jnp.maximum(running_max, scores.max(axis=1))
@@ -72,14 +72,17 @@ def _online_softmax_step(carry, scores, values, precision):
     safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
     probs = jnp.exp(scores - safe_max[:, None])
     rescale = jnp.exp(running_max - safe_max)
-    pv = jnp.dot(probs.astype(values.dtype), values, precision=precision, preferred_element_type=jnp.float32)
+    pv = dots(probs, values)
     return new_max, rescale * running_sum + probs.sum(axis=1), rescale[:, None] * acc + pv
 
 
-def _attend_blocks(q, positions, row, kv_head, first_block, end_block, last_position, refs, *, block_size, scale):
+def _attend_blocks(q, positions, row, kv_head, first_block, end_block, last_position, refs, *, block_size, scale,
+                   interpret):
     """Online softmax of q [M, Dh] over KV blocks [first_block, end_block) of `row`; returns (max, sum, acc)."""
     block_table_ref, k_pool_ref, v_pool_ref = refs
-    precision = dot_precision(q.dtype)
+    # IEEE for f32 (HIGHEST): these [M, Dh] x [Dh, BS] tiles fit its FMA loops, and 3xTF32's split operands
+    # spill at Dh 256 (`benchmarks/aot_kernels.py`)
+    dots = Dots(q.dtype, interpret, f32_on_gpu=HIGHEST)
 
     def body(j, carry):
         block = block_table_ref[row, j]
@@ -87,9 +90,9 @@ def _attend_blocks(q, positions, row, kv_head, first_block, end_block, last_posi
         keys = k_pool_ref[block, :, kv_head, :].astype(q.dtype)  # [BS, Dh]
         # Select, not multiply by a zero probability: a block's unwritten tail may hold NaN or Inf.
         values = jnp.where((key_positions <= last_position)[:, None], v_pool_ref[block, :, kv_head, :], 0)
-        scores = jnp.dot(q, keys.T, precision=precision, preferred_element_type=jnp.float32) * scale  # [M, BS]
+        scores = dots(q, keys.T) * scale  # [M, BS]
         scores = jnp.where(key_positions[None, :] <= positions[:, None], scores, -jnp.inf)
-        return _online_softmax_step(carry, scores, values.astype(q.dtype), precision)
+        return _online_softmax_step(carry, scores, values, dots)
 
     num_m, head_dim = q.shape
     init = (
@@ -112,7 +115,7 @@ def _attention_kernel(
     v_pool_ref,  # [NB, BS, HKV, Dh]
     # S = 1: o [T + BT, HKV, GP, Dh]; else f32 acc [S, T + BT, HKV, GP, Dh], max and sum [S, T + BT, HKV, GP]
     *out_refs,
-    tokens_per_tile, block_size, num_splits, scale,
+    tokens_per_tile, block_size, num_splits, scale, interpret,
 ):  # fmt: skip
     i_tile, kv_head, i_split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tile_len = tile_lens_ref[i_tile]
@@ -136,7 +139,7 @@ def _attention_kernel(
         refs = (block_table_ref, k_pool_ref, v_pool_ref)
         running_max, running_sum, acc = _attend_blocks(
             q, first_position + token, row, kv_head, first_block, end_block, last_position, refs,
-            block_size=block_size, scale=scale,
+            block_size=block_size, scale=scale, interpret=interpret,
         )  # fmt: skip
         if num_splits == 1:  # every row sees key 0, so its sum is >= 1
             (o_ref,) = out_refs
@@ -204,7 +207,7 @@ def ragged_paged_attention(
     out_shape = jax.ShapeDtypeStruct(grouped.shape, q.dtype)
     kernel = functools.partial(
         _attention_kernel,
-        tokens_per_tile=tokens_per_tile, block_size=block_size, num_splits=num_splits, scale=scale,
+        tokens_per_tile=tokens_per_tile, block_size=block_size, num_splits=num_splits, scale=scale, interpret=interpret,
     )  # fmt: skip
     outs = pl.pallas_call(
         kernel,

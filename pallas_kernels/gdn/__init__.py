@@ -16,12 +16,17 @@ the state after them is S0 advanced by each entry in turn (S <- e^g S + k^ (x) u
 them (DESIGN "ReplaySSM and MTP", kernels_models §4.4).
 """
 
+import jax.numpy as jnp
+
 from pallas_kernels import tuning
 from pallas_kernels.common import resolve_backend
 from pallas_kernels.gdn import pallas, pallas_prefill, reference
 from pallas_kernels.gdn.reference import gdn_chunked, gdn_recurrent
 
-KERNEL_CHUNK, REFERENCE_CHUNK = 64, 16
+REFERENCE_CHUNK = 16
+# The kernel's chunk by activation dtype: tensor-core tiles of 64 rows; f32's 3xTF32 dots hold each operand as
+# two TF32 halves, and at chunk 32 or 64 the intra-chunk and output calls spill (`benchmarks/aot_kernels.py`).
+KERNEL_CHUNK = {jnp.dtype(jnp.bfloat16): 64, jnp.dtype(jnp.float16): 64, jnp.dtype(jnp.float32): 16}
 
 __all__ = [
     "gdn_chunked", "gdn_decode", "gdn_materialise", "gdn_prefill", "gdn_recurrent", "gdn_verify",
@@ -47,8 +52,9 @@ def gdn_prefill(
       checkpoint_slots: ... into this slot ([R] i32, 0 = no checkpoint).
       chunk_size: C (for the Pallas kernel a power of two >= 16: whole 16-row blocks); each row is chunked
         from its own first token.
-        None: 64 for the kernel (tensor-core tiles), 16 for the reference, whose in-chunk solve costs C^2
-        per token (on 2 CPU cores 16 prefills 1.4x faster than 64, and 128 2.3x slower).
+        None: `KERNEL_CHUNK` of the activations' dtype for the kernel (64; f32: 16), 16 for the reference,
+        whose in-chunk solve costs C^2 per token (on 2 CPU cores 16 prefills 1.4x faster than 64, and 128 2.3x
+        slower).
       backend: "reference", "pallas" or "interpret" (the Pallas kernel interpreted on CPU); None: pallas
         on GPU, reference on CPU.
 
@@ -57,7 +63,7 @@ def gdn_prefill(
     """
     args = (q, k, v, g, beta, cu_seqlens, state_pool, slots, has_initial, checkpoint_lens, checkpoint_slots)
     backend = resolve_backend(backend)
-    chunk_size = chunk_size or (REFERENCE_CHUNK if backend == "reference" else KERNEL_CHUNK)
+    chunk_size = chunk_size or (REFERENCE_CHUNK if backend == "reference" else KERNEL_CHUNK[jnp.dtype(v.dtype)])
     options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
     if backend == "reference":
         return reference.gdn_prefill(*args, **options)

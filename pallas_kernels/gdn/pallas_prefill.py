@@ -12,20 +12,19 @@ dtype and accumulate in f32 (`wy.dot`); g, beta, the states and the pool stay f3
 """
 
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import check_dot_sides, check_rows, chunk_table, dividing_tile, int32, zero_padding
+from pallas_kernels.common import Dots, check_dot_sides, check_rows, chunk_table, dividing_tile, int32, zero_padding
 from pallas_kernels.gdn import cost
 from pallas_kernels.gdn.reference import l2norm
 from pallas_kernels.gdn.wy import (
     BLOCK,
     block_cumsum,
-    dot,
     dot_nt,
     dot_tn,
     lower_times,
@@ -39,7 +38,7 @@ _f32 = jnp.float32
 class _Config(NamedTuple):
     group: int  # value heads per qk head (value head h reads qk head h // group)
     chunk_size: int
-    dtype: Any  # dtype of the dots' operands: the activations'
+    dots: Dots  # the activations' dtype, the dots' operands
     scale: float  # query scale
     normalise: bool  # l2-normalise q and k
     state_block_v: int  # V tile of the state pass
@@ -97,14 +96,14 @@ def _intra_chunk_kernel(
     def _():
         k = [_keys(b, cfg) for b in blocks(k_ref, i_h // cfg.group)]
         beta, cum = blocks(beta_ref, i_h), block_cumsum(blocks(g_ref, i_h))
-        inverse = unit_lower_inverse_blocks(scaled_kkt(k, beta, cum, cfg.dtype))
+        inverse = unit_lower_inverse_blocks(scaled_kkt(k, beta, cum, cfg.dots), cfg.dots)
         beta_v = [b[:, None] * v for b, v in zip(beta, blocks(v_ref, i_h), strict=True)]
-        store(u_ref, lower_times(inverse, beta_v, cfg.dtype))
+        store(u_ref, lower_times(inverse, beta_v, cfg.dots))
         beta_decayed_k = [(b * jnp.exp(c))[:, None] * k_b for b, c, k_b in zip(beta, cum, k, strict=True)]
-        store(w_ref, lower_times(inverse, beta_decayed_k, cfg.dtype))
+        store(w_ref, lower_times(inverse, beta_decayed_k, cfg.dots))
 
 
-def _state_after(state, k, v_new, cum, count, dtype):
+def _state_after(state, k, v_new, cum, count, dots):
     """State after the chunk's first `count` tokens: e^{G_p} S + sum_{j<count} e^{G_p - G_j} k_j v_new_j.
 
     p = count - 1; the decay goes on v_new before its cast, as in FLA `chunk_fwd_h`.
@@ -113,7 +112,7 @@ def _state_after(state, k, v_new, cum, count, dtype):
     cum_p = jnp.sum(jnp.where(positions == count - 1, cum, 0.0))
     # Mask before exp: G_p - G_j > 0 for j > p and may overflow.
     weights = jnp.exp(jnp.where(positions < count, cum_p - cum, -jnp.inf))
-    return jnp.exp(cum_p) * state + dot_tn(k, v_new * weights[:, None], dtype)
+    return jnp.exp(cum_p) * state + dot_tn(k, v_new * weights[:, None], dots)
 
 
 def _state_pass_kernel(
@@ -153,15 +152,15 @@ def _state_pass_kernel(
         k = _keys(_load_rows(k_ref, start, length, size, i_k), cfg)
         cum = jnp.cumsum(_load_rows(g_ref, start, length, size, i_h))
         w = _load_rows(w_ref, start, length, size, i_h)
-        v_new = _load_rows(u_ref, start, length, size, i_h, cols).astype(_f32) - dot(w, s, cfg.dtype)
+        v_new = _load_rows(u_ref, start, length, size, i_h, cols).astype(_f32) - cfg.dots(w, s)
         _store_rows(v_new_ref, start, length, v_new, i_h, cols)
         count = ckpt_len - c * size
 
         @pl.when((count >= 1) & (count <= length) & (ckpt_slot > 0) & (slot > 0))
         def _():
-            state_out_ref[ckpt_slot, i_h, :, cols] = _state_after(s, k, v_new, cum, count, cfg.dtype)
+            state_out_ref[ckpt_slot, i_h, :, cols] = _state_after(s, k, v_new, cum, count, cfg.dots)
 
-        return _state_after(s, k, v_new, cum, length, cfg.dtype)
+        return _state_after(s, k, v_new, cum, length, cfg.dots)
 
     state = jax.lax.fori_loop(0, (eos - bos + size - 1) // size, chunk, state)
 
@@ -196,8 +195,8 @@ def _output_kernel(
         # Mask before exp: G_i - G_j > 0 above the diagonal and may overflow.
         gamma = jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], -jnp.inf))
         v_new = _load_rows(v_new_ref, start, length, size, i_h, cols)
-        o = dot(q * jnp.exp(cum)[:, None], h_ref[i_c, i_h, :, cols], cfg.dtype)
-        _store_rows(o_ref, start, length, o + dot(dot_nt(q, k, cfg.dtype) * gamma, v_new, cfg.dtype), i_h, cols)
+        o = cfg.dots(q * jnp.exp(cum)[:, None], h_ref[i_c, i_h, :, cols])
+        _store_rows(o_ref, start, length, o + cfg.dots(dot_nt(q, k, cfg.dots) * gamma, v_new), i_h, cols)
 
 
 def _pallas_call(kernel, operands: dict, out_shape, grid, name, cfg, interpret, cost_estimate, aliases=None):
@@ -219,12 +218,12 @@ def _intra_chunk(table, k, v, g, beta, cfg, interpret):
     (num_tokens, num_heads, head_v), head_k = v.shape, k.shape[2]
     operands = dict(starts=table.starts, lengths=table.lengths, k=k, v=v, g=g, beta=beta)
     out_shape = (
-        jax.ShapeDtypeStruct((num_tokens, num_heads, head_k), cfg.dtype),
-        jax.ShapeDtypeStruct((num_tokens, num_heads, head_v), cfg.dtype),
+        jax.ShapeDtypeStruct((num_tokens, num_heads, head_k), cfg.dots.dtype),
+        jax.ShapeDtypeStruct((num_tokens, num_heads, head_v), cfg.dots.dtype),
     )
     grid = (table.starts.shape[0], num_heads)
     name = f"gdn_prefill_intra_chunk_chunk_size={cfg.chunk_size}"
-    estimate = cost.intra_chunk(k, v, g, beta, cfg.dtype, cfg.chunk_size)
+    estimate = cost.intra_chunk(k, v, g, beta, cfg.dots.dtype, cfg.chunk_size)
     return _pallas_call(functools.partial(_intra_chunk_kernel, cfg=cfg), operands, out_shape, grid, name, cfg,
                         interpret, estimate)
 
@@ -237,14 +236,14 @@ def _state_pass(table, rows: dict, k, w, u, g, state_pool, cfg, interpret):
     check_dot_sides(interpret, K=head_k, state_block_v=block_v)
     operands = dict(**rows, k=k, w=w, u=u, g=g, state=state_pool)
     out_shape = (
-        jax.ShapeDtypeStruct((num_chunks, num_heads, head_k, head_v), cfg.dtype),
+        jax.ShapeDtypeStruct((num_chunks, num_heads, head_k, head_v), cfg.dots.dtype),
         jax.ShapeDtypeStruct(u.shape, u.dtype),
         jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype),
     )
     grid = (rows["slots"].shape[0], num_heads, head_v // block_v)
     kernel = functools.partial(_state_pass_kernel, cfg=cfg, block_v=block_v)
     name = f"gdn_prefill_state_pass_{block_v=}_chunk_size={cfg.chunk_size}"
-    estimate = cost.state_pass(k, w, u, g, state_pool, cfg.dtype, rows["slots"].shape[0], num_chunks)
+    estimate = cost.state_pass(k, w, u, g, state_pool, cfg.dots.dtype, rows["slots"].shape[0], num_chunks)
     return _pallas_call(kernel, operands, out_shape, grid, name, cfg, interpret, estimate, aliases={"state": 2})
 
 
@@ -290,7 +289,7 @@ def gdn_prefill(
     _check_chunk_size(chunk_size)
     num_tokens, num_heads = v.shape[:2]
     cfg = _Config(
-        group=num_heads // q.shape[1], chunk_size=chunk_size, dtype=jnp.result_type(q, k, v),
+        group=num_heads // q.shape[1], chunk_size=chunk_size, dots=Dots(jnp.result_type(q, k, v), interpret),
         scale=q.shape[2] ** -0.5 if scale is None else scale, normalise=use_qk_l2norm, state_block_v=state_block_v,
         output_block_v=output_block_v, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

@@ -11,33 +11,20 @@ ordinary arrays.
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import dot_precision
+from pallas_kernels.common import Dots
 
 BLOCK = 16
 _f32 = jnp.float32
 
 
-def dot(a, b, dtype, contract=((1,), (0,))):
-    """a @ b (contracting `contract`) on operands cast to `dtype`, accumulated in f32.
-
-    The one place the dtype rule lives: bf16/fp16 activations run the dot at their own precision on tensor
-    cores, f32 ones at IEEE fp32 (`dot_precision`); f32 intermediates are cast by the caller's choice of
-    dtype, as FLA casts w, h, v_new and A^-1 to the input dtype before each `tl.dot`.
-    """
-    dims = (contract, ((), ()))
-    return jax.lax.dot_general(
-        a.astype(dtype), b.astype(dtype), dims, precision=dot_precision(dtype), preferred_element_type=_f32
-    )
-
-
-def dot_nt(a, b, dtype):
+def dot_nt(a, b, dots: Dots):
     """a b^T without materialising b^T."""
-    return dot(a, b, dtype, ((1,), (1,)))
+    return dots(a, b, ((1,), (1,)))
 
 
-def dot_tn(a, b, dtype):
+def dot_tn(a, b, dots: Dots):
     """a^T b without materialising a^T."""
-    return dot(a, b, dtype, ((0,), (0,)))
+    return dots(a, b, ((0,), (0,)))
 
 
 def block_cumsum(g_blocks):
@@ -54,10 +41,11 @@ def _tile_iota():
     return rows, jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
 
 
-def scaled_kkt(k_blocks, beta_blocks, cum_blocks, dtype):
+def scaled_kkt(k_blocks, beta_blocks, cum_blocks, dots: Dots):
     """Blocks of A = StrictLower(diag(beta) (K K^T) . Gamma), Gamma_ij = exp(G_i - G_j) (§1.4 step 1), f32.
 
-    k_blocks: [16, K] (normalised keys, dotted in `dtype`); beta_blocks, cum_blocks: [16] f32.
+    k_blocks: [16, K] (normalised keys, dotted by `dots`: in the activation dtype, as FLA casts w, h, v_new and
+    A^-1 to the input dtype before each `tl.dot`); beta_blocks, cum_blocks: [16] f32.
     """
     rows, cols = _tile_iota()
     a = []
@@ -67,7 +55,7 @@ def scaled_kkt(k_blocks, beta_blocks, cum_blocks, dtype):
             exponent = cum_i[:, None] - cum_blocks[j][None, :]
             if j == i:  # mask before exp: G_i - G_j > 0 above the diagonal and may overflow
                 exponent = jnp.where(rows >= cols, exponent, -jnp.inf)
-            block = beta_i[:, None] * dot_nt(k_i, k_blocks[j], dtype) * jnp.exp(exponent)
+            block = beta_i[:, None] * dot_nt(k_i, k_blocks[j], dots) * jnp.exp(exponent)
             row.append(jnp.where(rows > cols, block, 0.0) if j == i else block)
         a.append(row)
     return a
@@ -92,8 +80,8 @@ def _invert_diagonal(blocks):
     return list(jax.lax.fori_loop(1, BLOCK, substitute, (eye,) * len(blocks)))
 
 
-def unit_lower_inverse_blocks(a):
-    """Blocks of (I + A)^-1 for the strictly lower A given as blocks a[i][j], j <= i (f32).
+def unit_lower_inverse_blocks(a, dots: Dots):
+    """Blocks of (I + A)^-1 for the strictly lower A given as blocks a[i][j], j <= i (f32, dotted by `dots.f32`).
 
     Block row i of (I + A) X = I below the diagonal reads (I + A_ii) X_ij + sum_{j <= m < i} A_im X_mj = 0,
     so X_ij = -X_ii sum_m A_im X_mj from the blocks of earlier rows (FLA `merge_16x16_to_64x64_inverse`).
@@ -102,12 +90,12 @@ def unit_lower_inverse_blocks(a):
     inverse = []
     for i, row in enumerate(a):
         below = [
-            -dot(diagonal[i], sum(dot(row[m], inverse[m][j], _f32) for m in range(j, i)), _f32) for j in range(i)
+            -dots.f32(diagonal[i], sum(dots.f32(row[m], inverse[m][j]) for m in range(j, i))) for j in range(i)
         ]
         inverse.append(below + [diagonal[i]])
     return inverse
 
 
-def lower_times(m, x_blocks, dtype):
-    """Blocks of M X for lower triangular blocks m[i][j] and [16, N] blocks of X, dotted in `dtype`."""
-    return [sum(dot(m_ij, x_blocks[j], dtype) for j, m_ij in enumerate(row)) for row in m]
+def lower_times(m, x_blocks, dots: Dots):
+    """Blocks of M X for lower triangular blocks m[i][j] and [16, N] blocks of X, dotted by `dots`."""
+    return [sum(dots(m_ij, x_blocks[j]) for j, m_ij in enumerate(row)) for row in m]

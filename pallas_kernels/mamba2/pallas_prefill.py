@@ -7,7 +7,7 @@ Two kernels, as mamba_ssm splits `_bmm_chunk_fwd` from `_chunk_scan_fwd`:
    its row chunk by chunk with its [block_p, N] fp32 state tile in registers and reads the chunk's CB, so
    the heads of a group and the P tiles of a head share one C Bᵀ.
 Tokens are read unpadded: partial chunks are masked loads and stores. Dots take operands in the activation
-dtype (`common.dot_precision`) and accumulate in f32.
+dtype (`common.Dots`) and accumulate in f32.
 """
 
 import functools
@@ -17,15 +17,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import check_rows, chunk_table, dot_precision, int32
+from pallas_kernels.common import HIGHEST, Dots, check_rows, chunk_table, int32
 from pallas_kernels.mamba2 import cost
 from pallas_kernels.mamba2.pallas import check_tiles, pool_call, program_tile
 
 _f32 = jnp.float32
-
-
-def _dot(a, b):
-    return jnp.dot(a, b, precision=dot_precision(a.dtype), preferred_element_type=_f32)
 
 
 def _load_tokens(ref, start, mask, *index):
@@ -46,7 +42,7 @@ def _chunk_cb_kernel(
     B_ref,  # [T, G, N]
     C_ref,  # [T, G, N]
     cb_ref,  # [NC, G, BT, BT] f32
-    *, block_t,
+    *, block_t, dots,
 ):  # fmt: skip
     i_chunk, group = pl.program_id(0), pl.program_id(1)
     start, length = chunk_starts_ref[i_chunk], chunk_lengths_ref[i_chunk]
@@ -56,17 +52,17 @@ def _chunk_cb_kernel(
         mask = jnp.arange(block_t) < length
         b = _load_tokens(B_ref, start, mask, group, slice(None))
         c = _load_tokens(C_ref, start, mask, group, slice(None))
-        cb_ref[i_chunk, group] = _dot(c, b.T)
+        cb_ref[i_chunk, group] = dots(c, b.T)
 
 
-def _chunk_cb(B, C, starts, lengths, *, block_t, interpret):
+def _chunk_cb(B, C, starts, lengths, *, block_t, dots):
     """[NC, G, BT, BT] f32: C_l . B_s of each chunk (zero past its length); surplus chunks uninitialised."""
     num_chunks, num_groups = starts.shape[0], B.shape[1]
     return pl.pallas_call(
-        functools.partial(_chunk_cb_kernel, block_t=block_t),
+        functools.partial(_chunk_cb_kernel, block_t=block_t, dots=dots),
         out_shape=jax.ShapeDtypeStruct((num_chunks, num_groups, block_t, block_t), _f32),
         grid=(num_chunks, num_groups),
-        interpret=interpret,
+        interpret=dots.interpret,
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         cost_estimate=cost.chunk_cb(B, C, block_t),
         name=f"ssd_chunk_cb_{block_t=}",
@@ -76,7 +72,7 @@ def _chunk_cb(B, C, starts, lengths, *, block_t, interpret):
 # ---------------------------------------------------------------- phase 2: per-head chunk scan
 
 
-def _chunk_output(state, cb, x, dt, a, c):
+def _chunk_output(state, cb, x, dt, a, c, dots):
     """y without the D x skip [BT, BP] f32 of one chunk from state [BP, N], and cum = cumsum(dt a) [BT].
 
     cb [BT, BT] f32; x [BT, BP] and c [BT, N] in the activation dtype; dt [BT] f32 (0 on masked tokens, so
@@ -88,19 +84,19 @@ def _chunk_output(state, cb, x, dt, a, c):
     # exp(segsum): mask before exp, the upper triangle is positive and may overflow.
     decay = jnp.where(lower, jnp.exp(jnp.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
     # dt folds into the decay matrix (mamba_ssm `_chunk_scan_fwd`), so x enters the dot as loaded.
-    y_diag = _dot((cb * decay * dt[None, :]).astype(x.dtype), x)
-    y_off = jnp.exp(cum)[:, None] * _dot(c, state.astype(x.dtype).T)
+    y_diag = dots(cb * decay * dt[None, :], x)
+    y_off = jnp.exp(cum)[:, None] * dots(c, state.T)
     return y_diag + y_off, cum
 
 
-def _state_after(state, x, dt, b, cum, count):
+def _state_after(state, x, dt, b, cum, count, dots):
     """State after the chunk's first `count` (>= 1) tokens (§2.3 steps 2-3 truncated at count):
     e^{cum[count-1]} state + sum_{s < count} e^{cum[count-1] - cum_s} dt_s x_s (x) b_s."""
     positions = jnp.arange(cum.shape[0])
     taken = positions < count
     last = jnp.sum(jnp.where(positions == count - 1, cum, 0.0))  # cum[count - 1], without a gather
     weights = jnp.where(taken, jnp.exp(jnp.where(taken, last - cum, 0.0)) * dt, 0.0)
-    update = _dot((x.astype(_f32) * weights[:, None]).astype(x.dtype).T, b)
+    update = dots((x.astype(_f32) * weights[:, None]).T, b)
     return jnp.exp(last) * state + update
 
 
@@ -135,7 +131,7 @@ def _ssd_prefill_kernel(
     state_ref,  # [S, NH, P, N] f32, aliased to state_out_ref
     y_ref,  # [T, NH, P]
     state_out_ref,  # [S, NH, P, N] f32
-    *, heads_per_group, block_p, block_t,
+    *, heads_per_group, block_p, block_t, dots,
 ):  # fmt: skip
     i_row, num_rows = pl.program_id(0), slots_ref.shape[0]
     head, group, p0 = program_tile(heads_per_group, block_p)
@@ -158,16 +154,16 @@ def _ssd_prefill_kernel(
         x = _load_tokens(x_ref, start, mask, head, rows)
         dt = _load_tokens(dt_ref, start, mask, head).astype(_f32)
         b, c = (_load_tokens(ref, start, mask, group, slice(None)) for ref in (B_ref, C_ref))
-        y, cum = _chunk_output(state, cb_ref[first_chunk + i, group], x, dt, a, c)
+        y, cum = _chunk_output(state, cb_ref[first_chunk + i, group], x, dt, a, c, dots)
         y = (y + d * x.astype(_f32)).astype(y_ref.dtype)
         plt.store(y_ref.at[pl.ds(start, block_t), head, rows], y, mask=mask[:, None])
         in_chunk = checkpoint_len - i * block_t
 
         @pl.when(checkpoint & (in_chunk >= 1) & (in_chunk <= block_t))
         def _():
-            state_out_ref[checkpoint_slot, head, rows, :] = _state_after(state, x, dt, b, cum, in_chunk)
+            state_out_ref[checkpoint_slot, head, rows, :] = _state_after(state, x, dt, b, cum, in_chunk, dots)
 
-        return _state_after(state, x, dt, b, cum, count)
+        return _state_after(state, x, dt, b, cum, count, dots)
 
     state = jax.lax.fori_loop(0, pl.cdiv(end - begin, block_t), chunk, state)
 
@@ -203,11 +199,13 @@ def _check_operands(x, B, C, state_pool, block_p, block_t, interpret):
     return block_p, block_t
 
 
-def default_tiles(state_size: int) -> tuple[int, int]:
+def default_tiles(state_size: int, dtype) -> tuple[int, int]:
     """(block_p, block_t): 32 x 64, but 16 x 32 at N >= 256, where the [block_p, N] f32 state and the [block_t, N]
     B and C tiles of the larger tiling need more than 255 registers a thread and spill (bf16, 8 warps,
-    `benchmarks/aot_kernels.py`)."""
-    return (16, 32) if state_size >= 256 else (32, 64)
+    `benchmarks/aot_kernels.py`). f32 activations take block_t 16: their 3xTF32 dots hold each operand as
+    two TF32 halves, and every longer tile spills."""
+    block_p = 16 if state_size >= 256 else 32
+    return (block_p, 16) if jnp.dtype(dtype) == jnp.float32 else (block_p, 2 * block_p)
 
 
 def _first_chunks(cu_seqlens, block_t):
@@ -237,18 +235,20 @@ def ssd_prefill(
     spills (`benchmarks/aot_kernels.py`, bf16).
     """
     check_rows(cu_seqlens, slots, "slots")
-    tiles = default_tiles(state_pool.shape[-1])
+    tiles = default_tiles(state_pool.shape[-1], x.dtype)
     block_p, block_t = tiles[0] if block_p is None else block_p, tiles[1] if block_t is None else block_t
     block_p, block_t = _check_operands(x, B, C, state_pool, block_p, min(block_t, chunk_size), interpret)
     if checkpoint_lens is None:
         checkpoint_lens, checkpoint_slots = jnp.zeros_like(slots), jnp.zeros_like(slots)
     table = chunk_table(cu_seqlens, x.shape[0], block_t)
-    cb = _chunk_cb(B, C, table.starts, table.lengths, block_t=block_t, interpret=interpret)
+    dots = Dots(x.dtype, interpret)
+    # C B^T's f32 [BT, N] x [N, BT] tiles fit IEEE's FMA loops; 3xTF32 spills them at N 256 (aot_kernels.py)
+    cb = _chunk_cb(B, C, table.starts, table.lengths, block_t=block_t, dots=dots._replace(f32_on_gpu=HIGHEST))
     first_chunks = _first_chunks(cu_seqlens, block_t)
     metadata = int32(cu_seqlens, slots, has_initial, checkpoint_lens, checkpoint_slots, first_chunks)
     operands = [*metadata, A.astype(_f32), D.astype(_f32), x, dt, B, C, cb, state_pool]
     kernel = functools.partial(
-        _ssd_prefill_kernel, heads_per_group=x.shape[1] // B.shape[1], block_p=block_p, block_t=block_t
+        _ssd_prefill_kernel, heads_per_group=x.shape[1] // B.shape[1], block_p=block_p, block_t=block_t, dots=dots
     )
     return pool_call(
         kernel, operands, (x, state_pool), num_rows=slots.shape[0], block_p=block_p, interpret=interpret,

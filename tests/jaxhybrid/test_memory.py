@@ -1,5 +1,5 @@
-"""Pool sizing from a memory budget: slot pages counted as the engine allocates them, budgets respected; compiled
-steps kept within the host's memory-map limit."""
+"""Pool sizing from a memory budget: slot pages counted as the engine allocates them, budgets respected with room
+for the largest step's temporaries; compiled steps kept within the host's memory-map limit."""
 
 import dataclasses
 
@@ -13,9 +13,10 @@ from jaxhybrid.models.pools import RecurrentPool, init_device_state
 from jaxhybrid.sample.params import SamplingParams
 from jaxhybrid.worker.buckets import memory_maps, plan_shapes
 from jaxhybrid.worker.memory import size_pools, slot_bytes
+from jaxhybrid.worker.runner import Runner, step_temporaries
 from scheduler import SchedulerConfig
 from scheduler.replay import ring_rows
-from tests.hf_fixtures import fixture_model
+from tests.hf_fixtures import HF_FIXTURES, fixture_model
 from tests.jaxhybrid.engine_helpers import engine_for, run_to_completion
 
 
@@ -44,6 +45,39 @@ def test_pools_fill_the_budget_and_make_a_valid_scheduler_config():
     SchedulerConfig(block_size=16, max_num_seqs=sizes.max_num_seqs, max_model_len=4096, num_blocks=sizes.num_blocks,
                     num_state_slots=sizes.num_state_slots, num_spec_tokens=3, ring_size=16)
     assert "KV blocks" in sizes.describe()
+
+
+def test_pools_leave_the_largest_step_room_for_its_temporaries():
+    model = fixture_model("qwen3_next")
+    args, budget, measured = EngineArgs(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256), 64 << 20, []
+
+    def temporaries(config: SchedulerConfig) -> int:
+        measured.append(step_temporaries(model, config))
+        return measured[-1]
+
+    plain = args.scheduler_config(model.config, lambda: budget, dtype=model.dtype)
+    config = args.scheduler_config(model.config, lambda: budget, dtype=model.dtype, step_temporaries=temporaries)
+    runner = Runner(model, config)
+    compiled = runner.lower(plan_shapes(config)[-1]).compile().memory_analysis()
+    # measured over pools of the fewest pages, the same as over the real pools: none grows with the pools
+    assert compiled.temp_size_in_bytes == measured[0] > 0
+    pool_bytes = lambda config: sum(leaf.nbytes for leaf in jax.tree.leaves(Runner(model, config).state))  # noqa: E731
+    assert pool_bytes(config) + compiled.temp_size_in_bytes <= budget < pool_bytes(plain) + compiled.temp_size_in_bytes
+    assert config.num_blocks < plain.num_blocks
+
+
+def test_an_llm_on_a_device_with_a_memory_limit_keeps_the_step_s_temporaries_out_of_its_pools(monkeypatch):
+    from jaxhybrid import llm
+
+    small = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, skip_tokenizer_init=True)
+    monkeypatch.setattr(llm, "device_memory_budget", lambda utilization, weights: 32 << 20)
+    plain = llm.LLM(HF_FIXTURES / "nemotron_h", **small).config
+    measured = []
+    monkeypatch.setattr(llm, "reports_memory", lambda: True)
+    monkeypatch.setattr(llm, "step_temporaries", lambda *args: measured.append(step_temporaries(*args)) or measured[-1])
+    limited = llm.LLM(HF_FIXTURES / "nemotron_h", **small).config
+    assert len(measured) == 1 and measured[0] > 0
+    assert limited.num_blocks < plain.num_blocks
 
 
 def test_scarce_slots_cap_max_num_seqs_and_a_tiny_budget_names_the_problem():

@@ -4,12 +4,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.common import Dots
 from pallas_kernels.gdn.reference import unit_lower_inverse
 from pallas_kernels.gdn.wy import BLOCK, block_cumsum, scaled_kkt, unit_lower_inverse_blocks
 from tests.tolerances import Float32
 
 K = 16
 CHUNKS = [16, 32, 64]
+F32_DOTS = Dots(jnp.float32, interpret=True)  # on plain arrays: XLA:CPU's IEEE fp32
 
 
 def _chunk(size, seed, near_identical_keys=False):
@@ -52,7 +54,7 @@ def test_scaled_kkt_blocks_equal_dense_a(size):
     k, beta, g = _chunk(size, seed=size)
     cum = block_cumsum(_blocks(g))
     Float32(depth=size).check(np.concatenate(cum), np.cumsum(g.astype(np.float64)))
-    a = _dense(scaled_kkt(_blocks(k), _blocks(beta), cum, jnp.float32))
+    a = _dense(scaled_kkt(_blocks(k), _blocks(beta), cum, F32_DOTS))
     # Each entry: a K-term dot, the cumsum of up to C decays inside exp, two products.
     Float32(depth=K + size + 2).check(a, _dense_a(k, beta, g))
 
@@ -61,7 +63,7 @@ def test_scaled_kkt_blocks_equal_dense_a(size):
 @pytest.mark.parametrize("size", CHUNKS)
 def test_blocked_inverse_equals_linalg_and_substitution(size, near_identical_keys):
     a = _dense_a(*_chunk(size, seed=size + 1, near_identical_keys=near_identical_keys)).astype(np.float32)
-    inverse = _dense(unit_lower_inverse_blocks(_lower_blocks(a)))
+    inverse = _dense(unit_lower_inverse_blocks(_lower_blocks(a), F32_DOTS))
     exact = np.linalg.inv(np.eye(size) + a.astype(np.float64))
     # Row r of the inverse sums r products of earlier rows, each computed the same way: a chain of C rows of
     # C terms. The 16 x 16 merges regroup the same sums.

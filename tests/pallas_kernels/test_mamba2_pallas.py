@@ -17,7 +17,7 @@ from ssd_cases import CHUNK, T_PREFILL, T_VERIFY, A, D, G, N, R, S, W, prefill_c
 from ssd_replay_op import SsdReplay
 from varlen_inputs import cu_seqlens, row_lengths
 
-from pallas_kernels.common import chunk_table
+from pallas_kernels.common import Dots, chunk_table
 from pallas_kernels.mamba2 import pallas, pallas_prefill, reference
 from tests.tolerances import BFloat16, Float32
 
@@ -204,7 +204,8 @@ def test_chunk_cb_holds_c_bt_of_every_chunk_and_group():
     lengths = [CHUNK + 5, 0, 2 * CHUNK, 3]
     _, _, b, c = random_tokens(np.random.default_rng(2), T_PREFILL, jnp.float32)
     table = chunk_table(cu_seqlens(lengths, R), T_PREFILL, CHUNK)
-    cb = np.asarray(pallas_prefill._chunk_cb(b, c, table.starts, table.lengths, block_t=CHUNK, interpret=True))
+    cb = np.asarray(pallas_prefill._chunk_cb(b, c, table.starts, table.lengths, block_t=CHUNK,
+                                              dots=Dots(jnp.float32, interpret=True)))
     b, c = np.asarray(b), np.asarray(c)
     for j in np.flatnonzero(np.asarray(table.lengths)):
         tokens = slice(int(table.starts[j]), int(table.starts[j] + table.lengths[j]))
@@ -325,12 +326,14 @@ def test_public_ops_dispatch_to_the_kernel_in_a_replay_stream():
             F32.check(y, y_ref[position])
 
 
-@pytest.mark.parametrize(("state_size", "tiles"), [(NEMO_N, "block_p_32_block_t_64"), (256, "block_p_16_block_t_32")])
-def test_prefill_default_tiles_shrink_at_state_size_256(state_size, tiles):
-    """Nemotron-H 47B/56B have N = 256, where the 32 x 64 tiles spilled registers on sm_90 and 16 x 32 did not
-    (benchmarks/aot_kernels.py, bf16)."""
+@pytest.mark.parametrize(("state_size", "dtype", "tiles"), [
+    (NEMO_N, jnp.bfloat16, "block_p_32_block_t_64"), (256, jnp.bfloat16, "block_p_16_block_t_32"),
+    (NEMO_N, jnp.float32, "block_p_32_block_t_16"), (256, jnp.float32, "block_p_16_block_t_16")])
+def test_prefill_default_tiles_shrink_at_state_size_256_and_for_f32(state_size, dtype, tiles):
+    """Nemotron-H 47B/56B have N = 256, where the 32 x 64 tiles spilled registers on sm_90 and 16 x 32 did not;
+    f32's 3xTF32 dots spill at every block_t above 16 (benchmarks/aot_kernels.py)."""
     rows = [_spec(NEMO_R, dtype=jnp.int32), _spec(NEMO_R, dtype=jnp.bool_)]
-    tokens = _nemotron_tokens(256)
-    tokens[3:5] = [_spec(256, NEMO_G, state_size, dtype=jnp.bfloat16)] * 2
+    tokens = _nemotron_tokens(256, dtype)
+    tokens[3:5] = [_spec(256, NEMO_G, state_size, dtype=dtype)] * 2
     args = [*tokens, _spec(NEMO_S, NEMO_NH, NEMO_P, state_size), *rows]
     assert f"ssd_prefill_{tiles}" in lower_for_cuda(pallas_prefill.ssd_prefill, *args)
