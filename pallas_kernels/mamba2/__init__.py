@@ -56,7 +56,7 @@ def ssd_prefill(
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.ssd_prefill(*args, chunk_size=chunk_size)
-    launch = _launch("ssd_prefill", pallas_prefill.ssd_prefill, state_pool, "block_p", "block_t")
+    launch = _launch("ssd_prefill", pallas_prefill.ssd_prefill, state_pool, "block_p", "block_t", "state_parts")
     return pallas_prefill.ssd_prefill(*args, chunk_size=chunk_size, interpret=backend == "interpret", **launch)
 
 

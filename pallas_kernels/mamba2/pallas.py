@@ -61,10 +61,10 @@ def _decode_tokens(
     return jax.lax.fori_loop(0, length, token, state)
 
 
-def program_tile(heads_per_group, block_p):
-    """(head, group, first P index) of this program."""
+def program_tile(heads_per_group, block_p, parts=1):
+    """(head, group, first P index) of this program; grid axis 2 holds `parts` programs per P tile."""
     head = pl.program_id(1)
-    return head, head // heads_per_group, pl.program_id(2) * block_p
+    return head, head // heads_per_group, pl.program_id(2) // parts * block_p
 
 
 def _ssd_replay_kernel(
@@ -200,13 +200,14 @@ def check_tiles(state_pool, block_p):
 
 
 def pool_call(kernel, operands, out_shapes, *, num_rows, block_p, interpret, name, cost_estimate, num_warps=4,
-              num_stages=1):
-    """pallas_call over (row, head, P tile); the last operand, the state pool, is the last output, in place."""
+              num_stages=1, parts=1):
+    """pallas_call over (row, head, P tile x `parts`); the last operand, the state pool, is the last output, in
+    place."""
     num_heads, head_dim = operands[-1].shape[1:3]
     return pl.pallas_call(
         kernel,
         out_shape=tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in out_shapes),
-        grid=(num_rows, num_heads, head_dim // block_p),
+        grid=(num_rows, num_heads, head_dim // block_p * parts),
         input_output_aliases={len(operands) - 1: len(out_shapes) - 1},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),

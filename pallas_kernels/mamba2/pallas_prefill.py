@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import HIGHEST, Dots, check_rows, chunk_table, int32
+from pallas_kernels.common import HIGHEST, Dots, check_rows, chunk_table, int32, zero_padding
 from pallas_kernels.mamba2 import cost
 from pallas_kernels.mamba2.pallas import check_tiles, pool_call, program_tile
 
@@ -72,8 +72,10 @@ def _chunk_cb(B, C, starts, lengths, *, block_t, dots):
 # ---------------------------------------------------------------- phase 2: per-head chunk scan
 
 
-def _chunk_output(state, cb, x, dt, a, c, dots):
-    """y without the D x skip [BT, BP] f32 of one chunk from state [BP, N], and cum = cumsum(dt a) [BT].
+def _chunk_output(state, cb, x, dt, a, c, dots, first_part):
+    """y without the D x skip [BT, BP] f32 of one chunk from state [BP, N], and cum = cumsum(dt a) [BT]; with
+    the state split over programs by its N columns, the part of y those columns give, and the in-chunk term
+    in the `first_part` only.
 
     cb [BT, BT] f32; x [BT, BP] and c [BT, N] in the activation dtype; dt [BT] f32 (0 on masked tokens, so
     they do not decay the chunk).
@@ -86,7 +88,7 @@ def _chunk_output(state, cb, x, dt, a, c, dots):
     # dt folds into the decay matrix (mamba_ssm `_chunk_scan_fwd`), so x enters the dot as loaded.
     y_diag = dots(cb * decay * dt[None, :], x)
     y_off = jnp.exp(cum)[:, None] * dots(c, state.T)
-    return y_diag + y_off, cum
+    return jnp.where(first_part, y_diag, 0.0) + y_off, cum
 
 
 def _state_after(state, x, dt, b, cum, count, dots):
@@ -129,23 +131,24 @@ def _ssd_prefill_kernel(
     C_ref,  # [T, G, N]
     cb_ref,  # [NC, G, BT, BT] f32, from `_chunk_cb_kernel`
     state_ref,  # [S, NH, P, N] f32, aliased to state_out_ref
-    y_ref,  # [T, NH, P]
+    y_ref,  # [T, NH, P]; with state_parts > 1 f32 [state_parts, T, NH, P], a part of y per part of N
     state_out_ref,  # [S, NH, P, N] f32
-    *, heads_per_group, block_p, block_t, dots,
+    *, heads_per_group, block_p, block_t, state_parts, dots,
 ):  # fmt: skip
     i_row, num_rows = pl.program_id(0), slots_ref.shape[0]
-    head, group, p0 = program_tile(heads_per_group, block_p)
+    head, group, p0 = program_tile(heads_per_group, block_p, state_parts)
+    part, block_n = pl.program_id(2) % state_parts, state_ref.shape[-1] // state_parts
     slot, begin, end = slots_ref[i_row], cu_seqlens_ref[i_row], cu_seqlens_ref[i_row + 1]
-    rows = pl.ds(p0, block_p)
+    rows, cols = pl.ds(p0, block_p), pl.ds(part * block_n, block_n)
     a, d, first_chunk = A_ref[head], D_ref[head], first_chunks_ref[i_row]
     checkpoint_len, checkpoint_slot = checkpoint_lens_ref[i_row], checkpoint_slots_ref[i_row]
     checkpoint = (checkpoint_slot > 0) & (slot > 0) & (checkpoint_len <= end - begin)
     # where, not a product: a stale slot may hold NaN.
-    state = jnp.where(has_initial_ref[i_row] != 0, state_ref[slot, head, rows, :], 0.0)
+    state = jnp.where(has_initial_ref[i_row] != 0, state_ref[slot, head, rows, cols], 0.0)
 
     @pl.when(checkpoint & (checkpoint_len == 0))
     def _():
-        state_out_ref[checkpoint_slot, head, rows, :] = state
+        state_out_ref[checkpoint_slot, head, rows, cols] = state
 
     def chunk(i, state):
         start = begin + i * block_t
@@ -153,15 +156,17 @@ def _ssd_prefill_kernel(
         mask = jnp.arange(block_t) < count
         x = _load_tokens(x_ref, start, mask, head, rows)
         dt = _load_tokens(dt_ref, start, mask, head).astype(_f32)
-        b, c = (_load_tokens(ref, start, mask, group, slice(None)) for ref in (B_ref, C_ref))
-        y, cum = _chunk_output(state, cb_ref[first_chunk + i, group], x, dt, a, c, dots)
-        y = (y + d * x.astype(_f32)).astype(y_ref.dtype)
-        plt.store(y_ref.at[pl.ds(start, block_t), head, rows], y, mask=mask[:, None])
+        b, c = (_load_tokens(ref, start, mask, group, cols) for ref in (B_ref, C_ref))
+        y, cum = _chunk_output(state, cb_ref[first_chunk + i, group], x, dt, a, c, dots, part == 0)
+        y = (y + jnp.where(part == 0, d, 0.0) * x.astype(_f32)).astype(y_ref.dtype)
+        tokens = pl.ds(start, block_t)
+        y_tile = y_ref.at[tokens, head, rows] if state_parts == 1 else y_ref.at[part, tokens, head, rows]
+        plt.store(y_tile, y, mask=mask[:, None])
         in_chunk = checkpoint_len - i * block_t
 
         @pl.when(checkpoint & (in_chunk >= 1) & (in_chunk <= block_t))
         def _():
-            state_out_ref[checkpoint_slot, head, rows, :] = _state_after(state, x, dt, b, cum, in_chunk, dots)
+            state_out_ref[checkpoint_slot, head, rows, cols] = _state_after(state, x, dt, b, cum, in_chunk, dots)
 
         return _state_after(state, x, dt, b, cum, count, dots)
 
@@ -169,8 +174,10 @@ def _ssd_prefill_kernel(
 
     @pl.when(slot > 0)
     def _():
-        state_out_ref[slot, head, rows, :] = state
+        state_out_ref[slot, head, rows, cols] = state
 
+    if state_parts > 1:  # the launcher sums the parts and zeroes the padding tokens
+        return
     zero = functools.partial(_zero_tokens, y_ref, head=head, p0=p0, block_t=block_t, block_p=block_p)
 
     @pl.when(i_row == 0)
@@ -185,7 +192,7 @@ def _ssd_prefill_kernel(
 # ---------------------------------------------------------------- launcher
 
 
-def _check_operands(x, B, C, state_pool, block_p, block_t, interpret):
+def _check_operands(x, B, C, state_pool, block_p, block_t, state_parts, interpret):
     """Validated (block_p, block_t); x, B and C share the dots' operand dtype."""
     if B.dtype != x.dtype or C.dtype != x.dtype:
         raise ValueError(f"x, B and C must share one dtype, got {x.dtype}, {B.dtype}, {C.dtype}")
@@ -194,18 +201,25 @@ def _check_operands(x, B, C, state_pool, block_p, block_t, interpret):
     block_p = check_tiles(state_pool, block_p)
     if block_t & (block_t - 1):
         raise ValueError(f"block_t={block_t} (min of block_t and chunk_size) must be a power of two")
-    if not interpret and min(block_p, block_t, state_pool.shape[-1]) < 16:
-        raise ValueError(f"Triton dots need tiles >= 16: {block_p=}, {block_t=}, N={state_pool.shape[-1]}")
+    state_size = state_pool.shape[-1]
+    if state_parts < 1 or state_size % state_parts:
+        raise ValueError(f"state_parts={state_parts} must divide the state's N={state_size}")
+    if not interpret and min(block_p, block_t, state_size // state_parts) < 16:
+        raise ValueError(f"Triton dots need tiles >= 16: {block_p=}, {block_t=}, N / state_parts = "
+                         f"{state_size // state_parts}")
     return block_p, block_t
 
 
-def default_tiles(state_size: int, dtype) -> tuple[int, int]:
-    """(block_p, block_t): 32 x 64, but 16 x 32 at N >= 256, where the [block_p, N] f32 state and the [block_t, N]
-    B and C tiles of the larger tiling need more than 255 registers a thread and spill (bf16, 8 warps,
-    `benchmarks/aot_kernels.py`). f32 activations take block_t 16: their 3xTF32 dots hold each operand as
-    two TF32 halves, and every longer tile spills."""
+def default_tiles(state_size: int, dtype) -> tuple[int, int, int]:
+    """(block_p, block_t, state_parts): 32 x 64, but 16 x 32 at N >= 256, where the [block_p, N] f32 state and
+    the [block_t, N] B and C tiles of the larger tiling need more than 255 registers a thread and spill (bf16,
+    8 warps, `benchmarks/aot_kernels.py`). f32 activations take block_t 16, since their 3xTF32 dots hold each
+    operand as two TF32 halves and every longer tile spills, and split a state of N > 128 over programs of 128
+    columns each (at N 256 one program spilled 164 B)."""
     block_p = 16 if state_size >= 256 else 32
-    return (block_p, 16) if jnp.dtype(dtype) == jnp.float32 else (block_p, 2 * block_p)
+    if jnp.dtype(dtype) == jnp.float32:
+        return block_p, 16, max(state_size // 128, 1)
+    return block_p, 2 * block_p, 1
 
 
 def _first_chunks(cu_seqlens, block_t):
@@ -215,14 +229,15 @@ def _first_chunks(cu_seqlens, block_t):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("chunk_size", "block_p", "block_t", "num_warps", "num_stages", "interpret"),
+    jax.jit,
+    static_argnames=("chunk_size", "block_p", "block_t", "state_parts", "num_warps", "num_stages", "interpret"),
     donate_argnames="state_pool",
 )
 def ssd_prefill(
     x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, D: jax.Array, cu_seqlens: jax.Array,
     state_pool: jax.Array, slots: jax.Array, has_initial: jax.Array, checkpoint_lens: jax.Array | None = None,
     checkpoint_slots: jax.Array | None = None, *, chunk_size: int = 128, block_p: int | None = None,
-    block_t: int | None = None,
+    block_t: int | None = None, state_parts: int | None = None,
     num_warps: int = 8, num_stages: int = 2, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """Same contract as `reference.ssd_prefill`; x, B, C (and y) in one of f32/bf16/fp16.
@@ -230,14 +245,17 @@ def ssd_prefill(
     Each row is chunked from its own first token in chunks of min(block_t, chunk_size) tokens; chunk_size
     chunks are whole numbers of them, so results equal the chunked reference up to rounding. A checkpoint
     state is computed inside its chunk. Checkpoint slots must not be running slots of other rows.
-    block_p, block_t: tiles of P and of a chunk's tokens; None: `default_tiles`.
+    block_p, block_t: tiles of P and of a chunk's tokens; state_parts: programs that split a state tile's N
+      columns between them (their parts of y are summed after the kernel); None: `default_tiles`.
     num_warps: 8, since with 4 the block_p 32 / block_t 64 program needs more than 255 registers a thread and
     spills (`benchmarks/aot_kernels.py`, bf16).
     """
     check_rows(cu_seqlens, slots, "slots")
-    tiles = default_tiles(state_pool.shape[-1], x.dtype)
-    block_p, block_t = tiles[0] if block_p is None else block_p, tiles[1] if block_t is None else block_t
-    block_p, block_t = _check_operands(x, B, C, state_pool, block_p, min(block_t, chunk_size), interpret)
+    chosen = (block_p, block_t, state_parts)
+    block_p, block_t, state_parts = (d if c is None else c for c, d in zip(chosen, default_tiles(
+        state_pool.shape[-1], x.dtype), strict=True))
+    block_p, block_t = _check_operands(x, B, C, state_pool, block_p, min(block_t, chunk_size), state_parts,
+                                       interpret)
     if checkpoint_lens is None:
         checkpoint_lens, checkpoint_slots = jnp.zeros_like(slots), jnp.zeros_like(slots)
     table = chunk_table(cu_seqlens, x.shape[0], block_t)
@@ -248,10 +266,13 @@ def ssd_prefill(
     metadata = int32(cu_seqlens, slots, has_initial, checkpoint_lens, checkpoint_slots, first_chunks)
     operands = [*metadata, A.astype(_f32), D.astype(_f32), x, dt, B, C, cb, state_pool]
     kernel = functools.partial(
-        _ssd_prefill_kernel, heads_per_group=x.shape[1] // B.shape[1], block_p=block_p, block_t=block_t, dots=dots
-    )
-    return pool_call(
-        kernel, operands, (x, state_pool), num_rows=slots.shape[0], block_p=block_p, interpret=interpret,
-        name=f"ssd_prefill_{block_p=}_{block_t=}", num_warps=num_warps, num_stages=num_stages,
-        cost_estimate=cost.prefill(x, dt, B, C, state_pool, slots.shape[0], block_t),
+        _ssd_prefill_kernel, heads_per_group=x.shape[1] // B.shape[1], block_p=block_p, block_t=block_t,
+        state_parts=state_parts, dots=dots,
     )  # fmt: skip
+    y_shape = x if state_parts == 1 else jax.ShapeDtypeStruct((state_parts, *x.shape), _f32)
+    y, state_pool = pool_call(
+        kernel, operands, (y_shape, state_pool), num_rows=slots.shape[0], block_p=block_p, interpret=interpret,
+        name=f"ssd_prefill_{block_p=}_{block_t=}_{state_parts=}", num_warps=num_warps, num_stages=num_stages,
+        cost_estimate=cost.prefill(x, dt, B, C, state_pool, slots.shape[0], block_t), parts=state_parts,
+    )  # fmt: skip
+    return (y, state_pool) if state_parts == 1 else (zero_padding(y.sum(0), cu_seqlens, x.dtype), state_pool)

@@ -153,14 +153,15 @@ def test_materialise_interpret_matches_reference(num_entries, seed):
     _check_materialise(num_entries, seed, interpret=True)
 
 
-def _check_prefill(lengths, seed, dtype, interpret, block_t=CHUNK, **overrides):
+def _check_prefill(lengths, seed, dtype, interpret, block_t=CHUNK, state_parts=1, **overrides):
     """Kernel against the reference (chunk CHUNK) on one case; `overrides` replace its per-row arguments."""
     args, pool = prefill_case(lengths, np.random.default_rng(seed), dtype)
     args.update(overrides)
     y_ref, pool_ref = reference.ssd_prefill(**_as_f32(args), state_pool=jnp.array(pool), chunk_size=CHUNK)
     y, pool_out = pallas_prefill.ssd_prefill(
-        **args, state_pool=jnp.array(pool), chunk_size=CHUNK, block_p=BLOCK_P, block_t=block_t, interpret=interpret
-    )
+        **args, state_pool=jnp.array(pool), chunk_size=CHUNK, block_p=BLOCK_P, block_t=block_t,
+        state_parts=state_parts, interpret=interpret,
+    )  # fmt: skip
     assert y.dtype == dtype
     PREFILL_Y[dtype].check(y, y_ref, "y")
     PREFILL_STATE[dtype].check(pool_out, pool_ref, "state_pool")
@@ -180,19 +181,30 @@ def test_prefill_chunk_edge_lengths():
     _check_prefill([CHUNK - 1, CHUNK, CHUNK + 1, 1], seed=5, dtype=jnp.float32, interpret=True)
 
 
-def test_prefill_checkpoints_inside_chunks():
-    """Checkpoints mid-chunk in a row's third chunk, on a chunk boundary, at 0 (the start state), at the end."""
+@pytest.mark.parametrize("state_parts", [1, 2])
+def test_prefill_checkpoints_inside_chunks(state_parts):
+    """Checkpoints mid-chunk in a row's third chunk, on a chunk boundary, at 0 (the start state), at the end;
+    also with the state's N columns split between two programs (f32 at N 256 on a GPU)."""
     lengths, seed = [4 * CHUNK + 3, 2 * CHUNK + 7, CHUNK, 6], 7
     running = prefill_case(lengths, np.random.default_rng(seed), jnp.float32)[0]["slots"]
     spare = np.setdiff1d(np.arange(1, S), running)[:R].astype(np.int32)
     checkpoint_lens = np.array([2 * CHUNK + 5, CHUNK, 0, 6], np.int32)
-    _check_prefill(lengths, seed, jnp.float32, interpret=True, checkpoint_lens=checkpoint_lens, checkpoint_slots=spare)
+    _check_prefill(lengths, seed, jnp.float32, interpret=True, state_parts=state_parts,
+                   checkpoint_lens=checkpoint_lens, checkpoint_slots=spare)
 
 
-def test_prefill_tokens_before_the_first_row_are_padding():
+@pytest.mark.parametrize("state_parts", [1, 2])
+def test_prefill_tokens_before_the_first_row_are_padding(state_parts):
     """A grouped prefill's second phase starts at cu_seqlens[0] > 0: the tokens before it must come out zero."""
     lengths = [CHUNK + 3, 2, 0, 20]
-    _check_prefill(lengths, seed=4, dtype=jnp.float32, interpret=True, cu_seqlens=cu_seqlens(lengths, R) + 7)
+    _check_prefill(lengths, seed=4, dtype=jnp.float32, interpret=True, state_parts=state_parts,
+                   cu_seqlens=cu_seqlens(lengths, R) + 7)
+
+
+def test_prefill_state_parts_must_divide_n():
+    args, pool = prefill_case([4, 4, 4, 4], np.random.default_rng(0), jnp.float32)
+    with pytest.raises(ValueError, match="state_parts=3 must divide the state's N=16"):
+        pallas_prefill.ssd_prefill(**args, state_pool=jnp.array(pool), state_parts=3, interpret=True)
 
 
 def test_prefill_fp16_in_chunks_smaller_than_chunk_size():
@@ -327,11 +339,14 @@ def test_public_ops_dispatch_to_the_kernel_in_a_replay_stream():
 
 
 @pytest.mark.parametrize(("state_size", "dtype", "tiles"), [
-    (NEMO_N, jnp.bfloat16, "block_p_32_block_t_64"), (256, jnp.bfloat16, "block_p_16_block_t_32"),
-    (NEMO_N, jnp.float32, "block_p_32_block_t_16"), (256, jnp.float32, "block_p_16_block_t_16")])
+    (NEMO_N, jnp.bfloat16, "block_p_32_block_t_64_state_parts_1"),
+    (256, jnp.bfloat16, "block_p_16_block_t_32_state_parts_1"),
+    (NEMO_N, jnp.float32, "block_p_32_block_t_16_state_parts_1"),
+    (256, jnp.float32, "block_p_16_block_t_16_state_parts_2")])
 def test_prefill_default_tiles_shrink_at_state_size_256_and_for_f32(state_size, dtype, tiles):
     """Nemotron-H 47B/56B have N = 256, where the 32 x 64 tiles spilled registers on sm_90 and 16 x 32 did not;
-    f32's 3xTF32 dots spill at every block_t above 16 (benchmarks/aot_kernels.py)."""
+    f32's 3xTF32 dots spill at every block_t above 16, and at N 256 unless two programs split the state
+    (benchmarks/aot_kernels.py)."""
     rows = [_spec(NEMO_R, dtype=jnp.int32), _spec(NEMO_R, dtype=jnp.bool_)]
     tokens = _nemotron_tokens(256, dtype)
     tokens[3:5] = [_spec(256, NEMO_G, state_size, dtype=dtype)] * 2
