@@ -38,7 +38,7 @@ CANDIDATES = {
     "gdn_decode": grid(block_v=(16, 32, 64), **WARPS),
     "gdn_verify": grid(block_v=(16, 32, 64), **WARPS),
     "gdn_materialise": grid(block_v=(16, 32, 64), **WARPS),
-    "ssd_prefill": grid(block_p=(16, 32, 64), block_t=(32, 64), **WARPS),
+    "ssd_prefill": grid(block_p=(16, 32, 64), block_t=(16, 32, 64), state_parts=(1, 2), **WARPS),
     "ssd_decode": grid(block_p=(16, 32, 64), **WARPS),
     "ssd_verify": grid(block_p=(16, 32, 64), **WARPS),
     "ssd_materialise": grid(block_p=(16, 32, 64), **WARPS),

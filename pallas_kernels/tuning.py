@@ -62,9 +62,10 @@ def recorded(device_kind: str | None = None) -> dict:
     return _recorded(directory / device_file(device_kind))
 
 
-def shape_class(**dims: int) -> str:
-    """'K128.V128' from K=128, V=128: the static dims a launch choice depends on."""
-    return ".".join(f"{name}{size}" for name, size in dims.items())
+def shape_class(dtype=None, **dims: int) -> str:
+    """'K128.V128' from K=128, V=128: the static dims a launch choice depends on; 'K128.V128.float32' with the
+    activations' dtype, for ops whose tiles depend on it."""
+    return ".".join([f"{name}{size}" for name, size in dims.items()] + ([] if dtype is None else [str(dtype)]))
 
 
 def defaults(launcher, *names: str) -> dict:

@@ -67,7 +67,8 @@ def gdn_prefill(
     options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
     if backend == "reference":
         return reference.gdn_prefill(*args, **options)
-    launch = _launch("gdn_prefill", pallas_prefill.gdn_prefill, state_pool, "state_block_v", "output_block_v")
+    launch = _launch("gdn_prefill", pallas_prefill.gdn_prefill, state_pool, "state_block_v", "output_block_v",
+                     dtype=jnp.dtype(v.dtype))
     return pallas_prefill.gdn_prefill(*args, **options, interpret=backend == "interpret", **launch)
 
 
@@ -163,5 +164,8 @@ def gdn_materialise(state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ri
     return pallas.gdn_materialise(*args, interpret=backend == "interpret", **launch)
 
 
-def _launch(op, launcher, state_pool, *tiles):
-    return tuning.for_launcher(op, launcher, tuning.shape_class(K=state_pool.shape[2], V=state_pool.shape[3]), *tiles)
+def _launch(op, launcher, state_pool, *tiles, dtype=None):
+    """`tuning.for_launcher` by the state's dims (and `dtype`, the activations', for a prefill: its defaults
+    depend on it)."""
+    shape_class = tuning.shape_class(dtype, K=state_pool.shape[2], V=state_pool.shape[3])
+    return tuning.for_launcher(op, launcher, shape_class, *tiles)

@@ -18,6 +18,8 @@ the state after them is S0 advanced by each entry in turn (h <- e^{dt A} h + dt 
 owned by the scheduler and passed per row (kernels_models §4.3, FlashInfer `checkpointing_ssu`).
 """
 
+import jax.numpy as jnp
+
 from pallas_kernels import tuning
 from pallas_kernels.common import resolve_backend
 from pallas_kernels.mamba2 import pallas, pallas_prefill, reference
@@ -56,7 +58,8 @@ def ssd_prefill(
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.ssd_prefill(*args, chunk_size=chunk_size)
-    launch = _launch("ssd_prefill", pallas_prefill.ssd_prefill, state_pool, "block_p", "block_t", "state_parts")
+    launch = _launch("ssd_prefill", pallas_prefill.ssd_prefill, state_pool, "block_p", "block_t", "state_parts",
+                     dtype=jnp.dtype(x.dtype))
     return pallas_prefill.ssd_prefill(*args, chunk_size=chunk_size, interpret=backend == "interpret", **launch)
 
 
@@ -137,5 +140,8 @@ def ssd_materialise(
     return pallas.ssd_materialise(*args, interpret=backend == "interpret", **launch)
 
 
-def _launch(op, launcher, state_pool, *tiles):
-    return tuning.for_launcher(op, launcher, tuning.shape_class(P=state_pool.shape[2], N=state_pool.shape[3]), *tiles)
+def _launch(op, launcher, state_pool, *tiles, dtype=None):
+    """`tuning.for_launcher` by the state's dims (and `dtype`, the activations', for a prefill: its defaults
+    depend on it)."""
+    shape_class = tuning.shape_class(dtype, P=state_pool.shape[2], N=state_pool.shape[3])
+    return tuning.for_launcher(op, launcher, shape_class, *tiles)

@@ -1,10 +1,14 @@
 """Launch parameters: an op's defaults, the sweep's recorded choice for its shape class, a sweep's override."""
 
+import functools
+
+import jax.numpy as jnp
 import pytest
 import yaml
 
 from pallas_kernels import tuning
 from pallas_kernels.common import check_dot_sides, dividing_tile
+from pallas_kernels.mamba2 import pallas_prefill, ssd_prefill
 
 DEFAULTS = dict(block_v=64, num_warps=4)
 
@@ -26,6 +30,29 @@ def test_the_recorded_choice_applies_to_its_shape_class_only(tmp_path, monkeypat
     assert tuning.launch("gdn_decode", "K128.V128", DEFAULTS) == dict(block_v=32, num_warps=4)
     assert tuning.launch("gdn_decode", "K64.V64", DEFAULTS) == DEFAULTS
     assert tuning.asked["gdn_decode"] == "K64.V64"
+
+
+def test_a_prefill_records_its_choice_per_activation_dtype(tmp_path, monkeypatch):
+    """The prefills' tiles depend on the dtype (f32's 3xTF32 dots need shorter tiles): a bf16 sweep's choice must
+    not reach f32."""
+    recorded = {"ssd_prefill": {"P64.N128.bfloat16": {"block_t": 32}}}
+    (tmp_path / "nvidia_h200.yaml").write_text(yaml.safe_dump(recorded))
+    monkeypatch.setenv("JAXHYBRID_KERNEL_CONFIGS", str(tmp_path))
+    chosen = {}
+
+    @functools.wraps(pallas_prefill.ssd_prefill)  # the launcher's signature holds the defaults
+    def launcher(*args, **launch):
+        chosen.update(launch)
+
+    monkeypatch.setattr(pallas_prefill, "ssd_prefill", launcher)
+    pool = jnp.zeros((2, 1, 64, 128), jnp.float32)
+    with tuning.compiling_for("NVIDIA H200"):
+        for dtype in (jnp.bfloat16, jnp.float32):
+            tokens = jnp.zeros((4, 1, 64), dtype), jnp.zeros((4, 1, 128), dtype)
+            ssd_prefill(tokens[0], jnp.zeros((4, 1)), jnp.zeros(1), tokens[1], tokens[1], jnp.zeros(1),
+                        jnp.array([0, 4]), pool, jnp.array([1]), jnp.array([False]), backend="pallas")
+            assert (tuning.asked["ssd_prefill"], chosen["block_t"]) == (
+                f"P64.N128.{jnp.dtype(dtype)}", 32 if dtype == jnp.bfloat16 else None)
 
 
 def test_compiling_for_a_gpu_reads_its_table_on_a_host_without_one(tmp_path, monkeypatch):
