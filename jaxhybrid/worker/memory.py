@@ -94,14 +94,20 @@ def pool_budget(utilization: float, device_bytes: int, weight_bytes: int, in_use
 
 def device_memory_budget(utilization: float, weight_bytes: int) -> int:
     """`pool_budget` on this host's first device; CPU_MEMORY_BUDGET where it reports no memory."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = _first_device_stats()
     budget = pool_budget(utilization, stats.get("bytes_limit", 0), weight_bytes, stats.get("bytes_in_use", 0))
     return budget if reports_memory() else CPU_MEMORY_BUDGET
 
 
 def reports_memory() -> bool:
     """Whether this host's first device has a memory limit (a GPU does; XLA:CPU reports none)."""
-    return "bytes_limit" in (jax.devices()[0].memory_stats() or {})
+    return "bytes_limit" in _first_device_stats()
+
+
+def _first_device_stats() -> dict:
+    # this process's own device: under multi-host jax.devices()[0] may be another process's, and asking for
+    # its stats made the two-process test's next collective time out (test_multihost.py)
+    return jax.local_devices()[0].memory_stats() or {}
 
 
 def param_bytes(params: Any, cfg: ModelConfig, mesh: Mesh | None) -> int:

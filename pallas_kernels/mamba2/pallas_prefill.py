@@ -5,7 +5,9 @@ Two kernels, as mamba_ssm splits `_bmm_chunk_fwd` from `_chunk_scan_fwd`:
    once per group into a scratch output [NC, G, BT, BT] (chunks from `common.chunk_table`).
 2. `_ssd_prefill_kernel`, grid (row, head, P tile) as in `pallas_kernels.mamba2.pallas`: each program walks
    its row chunk by chunk with its [block_p, N] fp32 state tile in registers and reads the chunk's CB, so
-   the heads of a group and the P tiles of a head share one C Bᵀ.
+   the heads of a group and the P tiles of a head share one C Bᵀ. With `state_parts` > 1, that many programs
+   split each state tile by its N columns; each writes the part of y its columns give, and the launcher sums
+   the parts (f32 at N 256, where one program's registers spill).
 Tokens are read unpadded: partial chunks are masked loads and stores. Dots take operands in the activation
 dtype (`common.Dots`) and accumulate in f32.
 """
