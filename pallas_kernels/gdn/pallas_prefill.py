@@ -282,8 +282,8 @@ def gdn_prefill(
     state_block_v: the state pass holds a [K, BV] f32 tile per program: narrow tiles keep it in registers
       and give a single long row HV * V / BV programs.
     output_block_v: the output call has no carry and reuses its q k^T tile across BV columns.
-    num_warps, num_stages: Triton launch parameters of all three calls. 8 warps: with 4 the intra-chunk call
-      needs more than 255 registers a thread at chunk 64 and spills (`benchmarks/aot_kernels.py`, bf16).
+    num_warps, num_stages: Triton launch parameters of all three calls. 8 warps: with 4 the three calls need
+      234-255 registers a thread at chunk 64, at the limit (`benchmarks/aot_kernels.py`, bf16).
     """
     check_rows(cu_seqlens, slots, "slots")
     _check_chunk_size(chunk_size)
