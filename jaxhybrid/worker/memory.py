@@ -7,7 +7,8 @@ token history (int32 per position, for sampling penalties). A KV block holds `bl
 attention layer, the MTP layers included. The state pool gets a slot per running request and per
 checkpoint it may reserve (so admission never waits on slots that cannot free), plus its share of the
 budget for cached prefix states; the KV pool gets the rest. `max_num_seqs` is capped so that the
-running requests' own slots always fit.
+running requests' own slots always fit. On a device with a memory limit the budget is what is left of
+`gpu_memory_utilization` after the weights and the largest step's temporaries (`runner.step_temporaries`).
 """
 
 from __future__ import annotations
