@@ -47,7 +47,6 @@ the largest prefill step.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import time
@@ -61,6 +60,7 @@ from benchmarks.aot_step import PRESETS, Setup, build_runner
 from benchmarks.common import figure
 from jaxhybrid.models.config import ModelConfig
 from jaxhybrid.models.hf_config import parse_hf_config
+from jaxhybrid.worker.runner import fewest_pages
 from pallas_kernels import aot
 from pallas_kernels.cost import Cost, kernel_cost, xla_cost
 
@@ -150,7 +150,6 @@ def model_config(preset: str, drafts: int) -> ModelConfig:
 
 
 def stepper(setup: Setup, args: argparse.Namespace, costs: dict) -> Stepper:
-    fewest_pages = lambda config: dataclasses.replace(config, num_blocks=2, num_state_slots=4)  # noqa: E731
     cfg = model_config(setup.preset, setup.k)
     runner, topology, _ = build_runner(setup, "h200", args, resize=fewest_pages, cfg=cfg)
     return Stepper(setup, runner, topology, costs, args.cache)

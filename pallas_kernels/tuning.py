@@ -93,6 +93,13 @@ def for_launcher(op: str, launcher, shape_class: str, *tiles: str) -> dict:
     return launch(op, shape_class, defaults(launcher, *tiles, "num_warps", "num_stages"))
 
 
+def for_state_pool(op: str, launcher, state_pool, dim_names: tuple[str, str], *tiles: str, dtype=None) -> dict:
+    """`for_launcher` for an op over a [S, H, X, Y] state pool: its shape class is X and Y (named `dim_names`)
+    and, for an op whose defaults depend on it (the prefills), the activations' `dtype`."""
+    dims = dict(zip(dim_names, state_pool.shape[2:4], strict=True))
+    return for_launcher(op, launcher, shape_class(dtype, **dims), *tiles)
+
+
 @contextlib.contextmanager
 def compiling_for(device_kind: str) -> Iterator[None]:
     """Inside the block ops take `device_kind`'s recorded launch parameters, whatever this host runs on:

@@ -97,7 +97,7 @@ def device_memory_budget(utilization: float, weight_bytes: int) -> int:
     """`pool_budget` on this host's first device; CPU_MEMORY_BUDGET where it reports no memory."""
     stats = _first_device_stats()
     budget = pool_budget(utilization, stats.get("bytes_limit", 0), weight_bytes, stats.get("bytes_in_use", 0))
-    return budget if reports_memory() else CPU_MEMORY_BUDGET
+    return budget if "bytes_limit" in stats else CPU_MEMORY_BUDGET
 
 
 def reports_memory() -> bool:

@@ -200,9 +200,13 @@ def step_temporaries(model: Model, config: SchedulerConfig, mesh: Mesh | None = 
     params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=getattr(p, "sharding", None)),
                           model.params)
     probe = Model(model.config, params, ops=model.module.ops, block_size=model.block_size)
-    fewest_pages = dataclasses.replace(config, num_blocks=2, num_state_slots=4)
-    compiled = Runner(probe, fewest_pages, mesh=mesh).lower(plan_shapes(config)[-1]).compile()
+    compiled = Runner(probe, fewest_pages(config), mesh=mesh).lower(plan_shapes(config)[-1]).compile()
     return compiled.memory_analysis().temp_size_in_bytes
+
+
+def fewest_pages(config: SchedulerConfig) -> SchedulerConfig:
+    """`config` with pools of 2 KV blocks and 4 state slots: a step whose other shapes are `config`'s."""
+    return dataclasses.replace(config, num_blocks=2, num_state_slots=4)
 
 
 def _specs(tree: Any, sharding: jax.sharding.Sharding | None) -> Any:

@@ -77,12 +77,9 @@ def _online_softmax_step(carry, scores, values, dots):
 
 
 def _attend_blocks(q, positions, row, kv_head, first_block, end_block, last_position, refs, *, block_size, scale,
-                   interpret):
+                   dots):
     """Online softmax of q [M, Dh] over KV blocks [first_block, end_block) of `row`; returns (max, sum, acc)."""
     block_table_ref, k_pool_ref, v_pool_ref = refs
-    # IEEE for f32 (HIGHEST): these [M, Dh] x [Dh, BS] tiles fit its FMA loops, and 3xTF32's split operands
-    # spill at Dh 256 (`benchmarks/aot_kernels.py`)
-    dots = Dots(q.dtype, interpret, f32_on_gpu=HIGHEST)
 
     def body(j, carry):
         block = block_table_ref[row, j]
@@ -115,7 +112,7 @@ def _attention_kernel(
     v_pool_ref,  # [NB, BS, HKV, Dh]
     # S = 1: o [T + BT, HKV, GP, Dh]; else f32 acc [S, T + BT, HKV, GP, Dh], max and sum [S, T + BT, HKV, GP]
     *out_refs,
-    tokens_per_tile, block_size, num_splits, scale, interpret,
+    tokens_per_tile, block_size, num_splits, scale, dots,
 ):  # fmt: skip
     i_tile, kv_head, i_split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tile_len = tile_lens_ref[i_tile]
@@ -139,7 +136,7 @@ def _attention_kernel(
         refs = (block_table_ref, k_pool_ref, v_pool_ref)
         running_max, running_sum, acc = _attend_blocks(
             q, first_position + token, row, kv_head, first_block, end_block, last_position, refs,
-            block_size=block_size, scale=scale, interpret=interpret,
+            block_size=block_size, scale=scale, dots=dots,
         )  # fmt: skip
         if num_splits == 1:  # every row sees key 0, so its sum is >= 1
             (o_ref,) = out_refs
@@ -205,9 +202,12 @@ def ragged_paged_attention(
     grouped = jnp.pad(grouped, ((0, tokens_per_tile), (0, 0), (0, group_pad - group), (0, 0)))
     table = chunk_table(cu_seqlens, num_tokens, tokens_per_tile)
     out_shape = jax.ShapeDtypeStruct(grouped.shape, q.dtype)
+    # IEEE for f32 (HIGHEST): these [M, Dh] x [Dh, BS] tiles fit its FMA loops, and 3xTF32's split operands
+    # spill at Dh 256 (`benchmarks/aot_kernels.py`)
+    dots = Dots(q.dtype, interpret, f32_on_gpu=HIGHEST)
     kernel = functools.partial(
         _attention_kernel,
-        tokens_per_tile=tokens_per_tile, block_size=block_size, num_splits=num_splits, scale=scale, interpret=interpret,
+        tokens_per_tile=tokens_per_tile, block_size=block_size, num_splits=num_splits, scale=scale, dots=dots,
     )  # fmt: skip
     outs = pl.pallas_call(
         kernel,

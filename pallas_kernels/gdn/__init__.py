@@ -165,7 +165,4 @@ def gdn_materialise(state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ri
 
 
 def _launch(op, launcher, state_pool, *tiles, dtype=None):
-    """`tuning.for_launcher` by the state's dims (and `dtype`, the activations', for a prefill: its defaults
-    depend on it)."""
-    shape_class = tuning.shape_class(dtype, K=state_pool.shape[2], V=state_pool.shape[3])
-    return tuning.for_launcher(op, launcher, shape_class, *tiles)
+    return tuning.for_state_pool(op, launcher, state_pool, ("K", "V"), *tiles, dtype=dtype)

@@ -141,7 +141,4 @@ def ssd_materialise(
 
 
 def _launch(op, launcher, state_pool, *tiles, dtype=None):
-    """`tuning.for_launcher` by the state's dims (and `dtype`, the activations', for a prefill: its defaults
-    depend on it)."""
-    shape_class = tuning.shape_class(dtype, P=state_pool.shape[2], N=state_pool.shape[3])
-    return tuning.for_launcher(op, launcher, shape_class, *tiles)
+    return tuning.for_state_pool(op, launcher, state_pool, ("P", "N"), *tiles, dtype=dtype)
