@@ -1,20 +1,28 @@
-"""Routed experts: each token runs through its top-k experts only, as a grouped matmul over tiles.
+"""Routed experts: each token runs through its top-k experts only.
 
-The `T × k` (token, expert) assignments are sorted by expert and laid out in tiles of `tile` rows, each tile
-holding rows of one expert (an expert's last tile is padded with zero rows). A tile's expert weights are
-gathered and multiplied with its rows; the outputs are weighted and added back to their tokens. Every
-shape is static: at most `(T k + min(E, T k) (tile - 1)) / tile` tiles are used, so the cost grows with
-`T k`, and with the number of experts `E` only through the padding of at most one tile per routed expert.
+The `T × k` (token, expert) assignments are grouped by expert in one of two static layouts:
 
-The tile is chosen per shape from a roofline (`choose_tile`): one-row tiles when decoding a few tokens
-(each assignment reads its expert's weights once, nothing is padded), taller tiles when many tokens share
-an expert (each expert's weights are read once per tile). Tiles are processed in chunks whose gathered
-weights stay within `GATHER_BUDGET_BYTES`; a shape that fits in one chunk has no loop, so XLA's
-`cost_analysis` of it is complete. `dense_experts` is the reference: every expert for every token.
+- **capacity**: `capacity` rows per expert, `[E, capacity, d]`, multiplied with the stacked weights as they
+  are (one batched matmul, no weight copies). It holds a routing only when no expert gets more than
+  `capacity` assignments; a routing that overflows runs the tiled layout instead (a `lax.cond`, so the
+  result is exact for any routing). The capacity is the mean load plus four of its Poisson deviations, so
+  a balanced router overflows rarely; at `capacity == T` no routing can overflow and there is no fallback.
+- **tiles**: tiles of `tile` rows, each holding rows of one expert (an expert's last tile is padded with
+  zero rows); a tile's expert weights are gathered and multiplied with its rows. At most
+  `(T k + min(E, T k) (tile - 1)) / tile` tiles are used, so the cost grows with `T k`, and with `E` only
+  through the padding of at most one tile per routed expert.
+
+`plan_experts` picks the layout and the tile per shape from a roofline with measured constants
+(`MACHINE`): one-row tiles when decoding a few tokens among many experts (each assignment reads its
+expert's weights once), capacity when every expert is busy anyway (its weights are read once, in place).
+Tiles are processed in chunks whose gathered weights stay within `GATHER_BUDGET_BYTES`; a shape that fits
+in one chunk has no loop, so XLA's `cost_analysis` of it is complete. `dense_experts` is the reference:
+every expert for every token.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -23,12 +31,21 @@ import jax.numpy as jnp
 
 GATHER_BUDGET_BYTES = 256 * 2**20  # gathered expert weights per chunk of tiles
 MAX_TILE = 1024
-# Flops per byte at which a tile's matmul stops being bound by reading its weights (the machine balance):
-# H100/H200 run ~989 TFLOP/s of dense bf16 against ~3.4-4.8 TB/s. On XLA:CPU a tile's weights are gathered
-# (copied) and packed again for the batched matmul, so a tile costs as much as ~128 of its rows: measured on
-# 2 cores in bf16 (E 8, top 2, 512 x 256 experts), 1024 tokens take 77 ms a layer in tiles of 8 rows and
-# 8.8 ms in tiles of 128; 512 tokens 40 ms and 6-8 ms.
-MACHINE_BALANCE = {"gpu": 200.0, "cpu": 128.0}
+OVERFLOW_DEVIATIONS = 4  # capacity = mean load + this many sqrt(mean load)
+
+
+class Machine(NamedTuple):
+    """A platform's roofline for expert matmuls."""
+
+    balance: float  # flops per byte of expert weights at which a matmul stops being bound by reading them
+    bf16_min_rows: int  # the fewest rows worth multiplying with a 16-bit expert
+
+
+# H100/H200: ~989 TFLOP/s of dense bf16 against ~3.4-4.8 TB/s. XLA:CPU, 2 cores, bf16, 512 x 256 experts
+# (benchmarks in docs/benchmarks.md): an expert's weights cost about 32 rows of its matmul (~80 us against
+# ~2.5 us a row), gathered or in place; a one-row bf16 matmul becomes a convert of the whole weight to f32
+# (32 one-row tiles took 17 ms, 32 two-row tiles 4.4 ms).
+MACHINE = {"gpu": Machine(balance=200.0, bf16_min_rows=1), "cpu": Machine(balance=32.0, bf16_min_rows=2)}
 
 
 class ExpertWeights(NamedTuple):
@@ -40,9 +57,10 @@ class ExpertWeights(NamedTuple):
 
 
 class Tiling(NamedTuple):
-    tile: int        # rows per tile
-    num_tiles: int   # tiles laid out (a multiple of `chunk`), at least the most a routing can use
-    chunk: int       # tiles per step of the loop over tiles
+    tile: int          # rows per tile
+    num_tiles: int     # tiles laid out (a multiple of `chunk`), at least the most a routing can use
+    chunk: int         # tiles per step of the loop over tiles
+    capacity: int = 0  # rows per expert of the capacity layout, tried first; 0: tiles only
 
 
 def max_tiles(num_assignments: int, num_experts: int, tile: int) -> int:
@@ -50,27 +68,37 @@ def max_tiles(num_assignments: int, num_experts: int, tile: int) -> int:
     return (num_assignments + min(num_experts, num_assignments) * (tile - 1)) // tile
 
 
-def choose_tile(num_assignments: int, num_experts: int, weight_bytes: int, row_flops: int, balance: float) -> int:
-    """The power-of-two tile with the least roofline time: tiles' rows × `row_flops` at `balance` flops per
-    byte against tiles × `weight_bytes` (one expert's weights, read once per tile)."""
-    def time(tile: int) -> float:
-        tiles = max_tiles(num_assignments, num_experts, tile)
-        return max(tiles * tile * row_flops / balance, tiles * weight_bytes)
-
-    candidates = [1 << i for i in range(MAX_TILE.bit_length()) if 1 << i <= max(num_assignments, 1)]
-    return min(candidates, key=lambda tile: (time(tile), tile))
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """Rows per expert that a balanced routing rarely overflows, never more than `num_tokens` (no token picks
+    an expert twice, so `num_tokens` rows hold every routing)."""
+    mean = num_tokens * top_k / num_experts
+    return min(num_tokens, math.ceil(mean + OVERFLOW_DEVIATIONS * math.sqrt(mean)))
 
 
-def plan_tiles(num_assignments: int, weights: ExpertWeights, platform: str, tile: int | None = None) -> Tiling:
-    """The tiling for `num_assignments` rows on `platform` ("cpu", "gpu"); `tile` overrides the choice."""
+def plan_experts(num_tokens: int, top_k: int, weights: ExpertWeights, platform: str, tile: int | None = None,
+                 capacity: int | None = None) -> Tiling:
+    """The layouts for `num_tokens` tokens of `top_k` experts on `platform` ("cpu", "gpu"), costed in rows of a
+    matmul: every tile, and every expert of the capacity layout, costs its rows plus reading its expert's
+    weights. `tile` and `capacity` (0: tiles only) override the choices."""
     num_experts, dim, inter = weights.up.shape
+    machine = MACHINE.get(platform, MACHINE["cpu"])
     matrices = 2 if weights.gate is None else 3
     weight_bytes = matrices * dim * inter * weights.up.dtype.itemsize
-    tile = tile or choose_tile(num_assignments, num_experts, weight_bytes, 2 * matrices * dim * inter,
-                               MACHINE_BALANCE.get(platform, MACHINE_BALANCE["cpu"]))
-    tiles = max(max_tiles(num_assignments, num_experts, tile), 1)
+    weight_rows = weight_bytes * machine.balance / (2 * matrices * dim * inter)  # a row: 2 flops a weight
+    min_rows = machine.bf16_min_rows if weights.up.dtype.itemsize < 4 else 1
+    assignments = num_tokens * top_k
+
+    def tiled_cost(tile: int) -> float:
+        return max_tiles(assignments, num_experts, tile) * (tile + weight_rows)
+
+    candidates = [1 << i for i in range(MAX_TILE.bit_length()) if min_rows <= 1 << i <= max(assignments, min_rows)]
+    tile = tile or min(candidates, key=lambda t: (tiled_cost(t), t))
+    if capacity is None:
+        fits = max(expert_capacity(num_tokens, top_k, num_experts), min_rows)
+        capacity = fits if num_experts * (fits + weight_rows) < tiled_cost(tile) else 0
+    tiles = max(max_tiles(assignments, num_experts, tile), 1)
     chunk = max(1, min(tiles, GATHER_BUDGET_BYTES // weight_bytes))
-    return Tiling(tile, -(-tiles // chunk) * chunk, chunk)
+    return Tiling(tile, -(-tiles // chunk) * chunk, chunk, capacity)
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, params: ExpertWeights,
@@ -78,47 +106,71 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, params:
     """`sum_j weights[t, j] expert_{experts[t, j]}(x[t])` for x `[T, d]`, weights and experts `[T, k]`.
 
     A gated expert is `down(activation(gate(x)) * up(x))`, a plain one `down(activation(up(x)))`. `tiling`
-    defaults to `plan_tiles` for this shape on the default backend."""
+    defaults to `plan_experts` for this shape on the default backend."""
     num_tokens, top_k = experts.shape
-    num_experts, dim = params.up.shape[:2]
-    tiling = tiling or plan_tiles(num_tokens * top_k, params, jax.default_backend())
-    rows, tile_experts = _layout(experts.reshape(-1), num_experts, tiling)
+    tiling = tiling or plan_experts(num_tokens, top_k, params, jax.default_backend())
+    flat = experts.reshape(-1)
     tokens = jnp.arange(num_tokens * top_k) // top_k
-    tiled = jnp.zeros((tiling.num_tiles * tiling.tile, dim), x.dtype).at[rows].set(x[tokens])
-    tiled = tiled.reshape(tiling.num_tiles // tiling.chunk, tiling.chunk, tiling.tile, dim)
-    tile_experts = tile_experts.reshape(-1, tiling.chunk)
-
-    def run_chunk(args: tuple[jax.Array, jax.Array]) -> jax.Array:
-        chunk_rows, chunk_experts = args
-        gathered = lambda stacked: stacked[chunk_experts].astype(x.dtype)  # cast after the gather: k, not E
-        hidden = jnp.einsum("cmd,cdi->cmi", chunk_rows, gathered(params.up))
-        if params.gate is not None:
-            hidden = activation(jnp.einsum("cmd,cdi->cmi", chunk_rows, gathered(params.gate))) * hidden
-        else:
-            hidden = activation(hidden)
-        return jnp.einsum("cmi,cid->cmd", hidden, gathered(params.down))
-
-    if tiled.shape[0] == 1:  # one chunk: no loop, so XLA's cost analysis sees every flop
-        out = run_chunk((tiled[0], tile_experts[0]))[None]
+    sizes, within = _group_positions(flat, params.up.shape[0])
+    mlp = lambda rows, stacked: _expert_mlp(rows, stacked, activation, x.dtype)
+    tiled = lambda: _tiled(x[tokens], flat, sizes, within, params, mlp, tiling)
+    if tiling.capacity == 0:
+        per_assignment = tiled()
+    elif tiling.capacity >= num_tokens:  # holds every routing
+        per_assignment = _by_capacity(x[tokens], flat, within, params, mlp, tiling.capacity)
     else:
-        out = jax.lax.map(run_chunk, (tiled, tile_experts))
-    per_assignment = out.reshape(-1, dim)[rows].astype(jnp.float32) * weights.reshape(-1, 1).astype(jnp.float32)
-    return jnp.zeros((num_tokens, dim), jnp.float32).at[tokens].add(per_assignment).astype(x.dtype)
+        per_assignment = jax.lax.cond(
+            jnp.max(sizes) <= tiling.capacity,
+            lambda: _by_capacity(x[tokens], flat, within, params, mlp, tiling.capacity), tiled)
+    weighted = per_assignment.astype(jnp.float32) * weights.reshape(-1, 1).astype(jnp.float32)
+    return jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[tokens].add(weighted).astype(x.dtype)
 
 
-def _layout(experts: jax.Array, num_experts: int, tiling: Tiling) -> tuple[jax.Array, jax.Array]:
-    """Each assignment's row in the tiled layout (grouped by expert, in assignment order within a group), and
-    each tile's expert (tiles past the last used one repeat an expert; their rows are zero)."""
-    tile = tiling.tile
+def _expert_mlp(rows: jax.Array, stacked: ExpertWeights, activation: Callable, dtype) -> jax.Array:
+    """rows `[G, m, d]` through experts `stacked` `[G, ...]` -> `[G, m, d]`."""
+    weight = lambda w: w.astype(dtype)  # after any gather: k experts' weights cast, not E
+    hidden = jnp.einsum("gmd,gdi->gmi", rows, weight(stacked.up))
+    if stacked.gate is not None:
+        hidden = activation(jnp.einsum("gmd,gdi->gmi", rows, weight(stacked.gate))) * hidden
+    else:
+        hidden = activation(hidden)
+    return jnp.einsum("gmi,gid->gmd", hidden, weight(stacked.down))
+
+
+def _group_positions(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """Assignments per expert `[E]`, and each assignment's position among its expert's (in assignment order)."""
     sizes = jnp.bincount(experts, length=num_experts)
-    group_starts = jnp.cumsum(sizes) - sizes
-    tile_ends = jnp.cumsum(-(-sizes // tile))
-    tile_starts = tile_ends - -(-sizes // tile)
     order = jnp.argsort(experts, stable=True)
     rank = jnp.zeros_like(experts).at[order].set(jnp.arange(experts.shape[0]))  # position in the sorted order
-    rows = tile_starts[experts] * tile + rank - group_starts[experts]
-    tile_experts = jnp.searchsorted(tile_ends, jnp.arange(tiling.num_tiles), side="right")
-    return rows, jnp.minimum(tile_experts, num_experts - 1)
+    return sizes, rank - (jnp.cumsum(sizes) - sizes)[experts]
+
+
+def _by_capacity(rows: jax.Array, experts: jax.Array, within: jax.Array, params: ExpertWeights, mlp: Callable,
+                 capacity: int) -> jax.Array:
+    """Each assignment's expert output through the `[E, capacity, d]` layout (no expert over capacity)."""
+    num_experts, dim = params.up.shape[:2]
+    index = experts * capacity + within
+    grouped = jnp.zeros((num_experts * capacity, dim), rows.dtype).at[index].set(rows)
+    return mlp(grouped.reshape(num_experts, capacity, dim), params).reshape(-1, dim)[index]
+
+
+def _tiled(rows: jax.Array, experts: jax.Array, sizes: jax.Array, within: jax.Array, params: ExpertWeights,
+           mlp: Callable, tiling: Tiling) -> jax.Array:
+    """Each assignment's expert output through one-expert tiles, their weights gathered chunk by chunk."""
+    tile, dim = tiling.tile, rows.shape[1]
+    tile_ends = jnp.cumsum(-(-sizes // tile))
+    index = (tile_ends - -(-sizes // tile))[experts] * tile + within
+    # tiles past the last used one repeat an expert; their rows are zero
+    tile_experts = jnp.minimum(jnp.searchsorted(tile_ends, jnp.arange(tiling.num_tiles), side="right"),
+                               params.up.shape[0] - 1).reshape(-1, tiling.chunk)
+    grouped = jnp.zeros((tiling.num_tiles * tile, dim), rows.dtype).at[index].set(rows)
+    grouped = grouped.reshape(-1, tiling.chunk, tile, dim)
+    run_chunk = lambda args: mlp(args[0], jax.tree.map(lambda w: w[args[1]], params))
+    if grouped.shape[0] == 1:  # one chunk: no loop, so XLA's cost analysis sees every flop
+        out = run_chunk((grouped[0], tile_experts[0]))[None]
+    else:
+        out = jax.lax.map(run_chunk, (grouped, tile_experts))
+    return out.reshape(-1, dim)[index]
 
 
 def dense_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, params: ExpertWeights,
