@@ -8,6 +8,7 @@ import sys
 import time
 
 from jaxhybrid.llm import LLM
+from jaxhybrid.malloc import preload_tcmalloc
 from jaxhybrid.sample.params import SamplingParams
 
 
@@ -35,4 +36,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    preload_tcmalloc()
     sys.exit(main())

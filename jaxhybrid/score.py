@@ -30,6 +30,7 @@ from jaxhybrid.engine.outputs import RequestOutput
 from jaxhybrid.engine.requests import Prompt
 from jaxhybrid.engine_args import build_llm, make_parser, non_default, parse_args
 from jaxhybrid.llm import LLM
+from jaxhybrid.malloc import preload_tcmalloc
 from jaxhybrid.sample.params import MAX_SEED, SamplingParams
 from jaxhybrid.scoring import PromptScores, read_scores, scoring_requests
 from jaxhybrid.serve import errors, render, responses
@@ -283,4 +284,5 @@ def main(argv: list[str] | None = None) -> JobSummary:
 
 
 if __name__ == "__main__":
+    preload_tcmalloc()
     main()

@@ -15,6 +15,7 @@ import signal
 
 from jaxhybrid import engine_args
 from jaxhybrid.engine_args import build_llm, make_parser, non_default
+from jaxhybrid.malloc import preload_tcmalloc
 
 log = logging.getLogger("jaxhybrid.serve")
 
@@ -105,4 +106,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    preload_tcmalloc()
     main()
