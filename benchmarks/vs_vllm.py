@@ -15,14 +15,19 @@ Jobs, each a warm-up on other prompts and then REPEATS timed repeats on fresh pr
 vLLM runs twice: with its default binding (on 2 cores it computes on one and reserves the other) and with
 `VLLM_CPU_OMP_THREADS_BIND=0-1` (both, as jaxhybrid). The offline jobs alternate A B A B in one run: vLLM
 default, jaxhybrid, vLLM on both cores, jaxhybrid (round 0 and round 1 use different prompts, so neither
-engine's prefix cache carries over); the servers then run one after the other on the same requests.
+engine's prefix cache carries over); the servers then run one after the other on the same requests. Both sides
+run with tcmalloc preloaded when it is installed: vLLM's recommended setup, and jaxhybrid's programs' own
+(`jaxhybrid/malloc.py`; this script re-executes itself with it).
 
 The ratio is jaxhybrid / vLLM at equal cores (both), and jaxhybrid / vLLM's faster setting. Targets at equal
 cores: gen_b16, gen_b64 and serving >= 1.0, gen_b1 >= 0.7, score_n64 >= 3. Greedy agreement (the agreeing
 prefix, as a fraction) and the largest prompt-logprob difference are reported, not gated: bf16 rounding on a
 random MoE flips router near-ties, and HF bf16 differs from HF fp32 just as much (vllm_cpu_peer.md §4).
 
-Prints a table, writes benchmarks/results/vs_vllm.json and vs_vllm.png.
+Last, `gemm_floor.py` times the model's GEMMs alone in XLA:CPU and in vLLM's torch (oneDNN) at the steps' shapes:
+how much of the gap is the GEMM library's.
+
+Prints tables, writes benchmarks/results/vs_vllm.json, vs_vllm.png and gemm_floor.json.
 """
 
 from __future__ import annotations
@@ -38,11 +43,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import gemm_floor
 import numpy as np
 import peer_work as peer
 import serve_load
 from common import figure, write_results  # benchmarks/ is sys.path[0]
 from tqdm import tqdm
+
+from jaxhybrid.malloc import preload_tcmalloc
 
 HERE = Path(__file__).resolve().parent
 REPEATS, ROUNDS = 2, 2
@@ -178,15 +186,19 @@ def main() -> None:
         rows, meta = offline(args, directory, vocab, tmp)
         if not args.skip_serve:
             rows += serving(args, directory, tmp)
+        floor = gemm_floor.run(directory, args.vllm_python)  # its torch is vLLM's
     for row in rows:
         row["ratio_equal_cores"] = row["jaxhybrid"] / row["vllm_both"]
         row["ratio_vs_best"] = row["jaxhybrid"] / max(row["vllm_both"], row["vllm_default"])
         row["target"] = TARGETS.get(row["job"])
-    meta |= {"parameters": params, "repeats": REPEATS,
+    meta |= {"parameters": params, "repeats": REPEATS, "jaxhybrid_ld_preload": os.environ.get("LD_PRELOAD", ""),
+             "vllm_ld_preload": vllm_env(args.vllm_python, "auto").get("LD_PRELOAD", ""),
              "vllm_version": subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"],
                                             capture_output=True, text=True).stdout.strip()}
     report(rows, meta)
     plot(rows, write_results("vs_vllm", rows, meta).with_suffix(".png"))
+    gemm_floor.report(floor)
+    write_results("gemm_floor", floor, {"torch_python": args.vllm_python})
 
 
 def report(rows: list[dict], meta: dict) -> None:
@@ -219,4 +231,5 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 if __name__ == "__main__":
+    preload_tcmalloc()  # vLLM gets tcmalloc too (vllm_env): both sides on the same allocator
     main()

@@ -1,0 +1,144 @@
+"""The model's GEMMs alone: XLA:CPU (what jaxhybrid's step runs) against torch's oneDNN (what vLLM's CPU build
+runs), at the shapes of decode steps (batch 1, 16, 64) and of a 1024-token prefill step.
+
+Every weight a step multiplies with is a GEMM: the Dense kernels `[T, in] x [in, out]`, the expert stacks in the
+layout `plan_experts` picks for T tokens (capacity: `[E, C, in] x [E, in, out]`; tiles: `[tiles, tile, in]`), and
+the LM head at the step's logits rows. Each GEMM runs CHAIN times with distinct operands in one call (XLA: one
+jit; torch: a loop), so neither side's dispatch is counted, and the step's total is the sum over its GEMMs.
+torch runs in the Python given by `--torch-python` (vLLM's venv; never a dependency of this project), with as
+many threads as this machine has cores. `vs_vllm.py` runs this in the same run as the engines.
+
+Prints a table, writes benchmarks/results/gemm_floor.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHAIN, REPEATS = 8, 20
+STEPS = {"decode_b1": (2, 2), "decode_b16": (16, 16), "decode_b64": (64, 64), "prefill_1024": (1024, 16)}
+
+
+def model_gemms(directory: Path, tokens: int, logits_rows: int) -> list[dict]:
+    """One step's GEMMs over `tokens` tokens of the checkpoint at `directory`: [{name, count, batch, m, k, n}]."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxhybrid.models.experts import ExpertWeights, plan_experts
+    from jaxhybrid.models.hf_config import load_config
+    from jaxhybrid.models.model import abstract_params
+
+    config = load_config(directory)
+    gemms: dict[tuple, dict] = {}
+
+    def add(name: str, batch: int, m: int, k: int, n: int) -> None:
+        key = (name, batch, m, k, n)
+        gemms.setdefault(key, dict(name=name, count=0, batch=batch, m=m, k=k, n=n))["count"] += 1
+
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params(config, jnp.bfloat16)):
+        names = [str(getattr(p, "key", p)) for p in path]
+        if names[-1] == "kernel" or names[-1] == "router":
+            add("lm_head" if names[0] == "lm_head" else names[-2] if names[-1] == "kernel" else "router",
+                0, logits_rows if names[0] == "lm_head" else tokens, *leaf.shape)
+        elif names[-1] in ("up_proj", "gate_proj", "down_proj") and leaf.ndim == 3:
+            stacked = ExpertWeights(*(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for _ in range(3)))
+            plan = plan_experts(tokens, config.moe.top_k, stacked, "cpu")
+            groups, rows = (leaf.shape[0], plan.capacity) if plan.capacity else (plan.num_tiles, plan.tile)
+            add(f"experts.{names[-1]}", groups, rows, *leaf.shape[1:])
+    return list(gemms.values())
+
+
+def time_xla(gemm: dict) -> float:
+    """Seconds per GEMM in XLA:CPU, bf16."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    batch = (gemm["batch"],) if gemm["batch"] else ()
+    keys = jax.random.split(jax.random.key(0), 2 * CHAIN)  # separate arrays: slicing one stack would copy
+    xs = [jax.random.normal(key, (*batch, gemm["m"], gemm["k"]), jnp.bfloat16) for key in keys[:CHAIN]]
+    ws = [jax.random.normal(key, (*batch, gemm["k"], gemm["n"]), jnp.bfloat16) for key in keys[CHAIN:]]
+    chain = jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws, strict=True)])
+    jax.block_until_ready(chain(xs, ws))
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        jax.block_until_ready(chain(xs, ws))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) / CHAIN
+
+
+def time_torch(gemms: list[dict]) -> list[float]:
+    """Seconds per GEMM in torch (run in the torch Python): `torch.matmul`, bf16, as many threads as cores."""
+    import torch
+
+    torch.set_num_threads(os.cpu_count())
+    seconds = []
+    for gemm in gemms:
+        batch = (gemm["batch"],) if gemm["batch"] else ()
+        xs = [torch.randn(*batch, gemm["m"], gemm["k"], dtype=torch.bfloat16) for _ in range(CHAIN)]
+        ws = [torch.randn(*batch, gemm["k"], gemm["n"], dtype=torch.bfloat16) for _ in range(CHAIN)]
+        chain = lambda xs=xs, ws=ws: [torch.matmul(x, w) for x, w in zip(xs, ws, strict=True)]
+        chain()
+        times = []
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            chain()
+            times.append(time.perf_counter() - start)
+        seconds.append(sorted(times)[len(times) // 2] / CHAIN)
+    return seconds
+
+
+def run(directory: Path, torch_python: str) -> list[dict]:
+    """A row per step: its GEMMs' milliseconds in XLA and in torch, and the ratio."""
+    rows = []
+    for step, (tokens, logits_rows) in STEPS.items():
+        gemms = model_gemms(directory, tokens, logits_rows)
+        with tempfile.TemporaryDirectory() as tmp:
+            spec = Path(tmp) / "gemms.json"
+            spec.write_text(json.dumps(gemms))
+            torch_s = json.loads(subprocess.run([torch_python, __file__, "torch", str(spec)], check=True,
+                                                capture_output=True, text=True).stdout)
+        xla_s = [time_xla(g) for g in gemms]
+        for gemm, x, t in zip(gemms, xla_s, torch_s, strict=True):
+            gemm |= {"xla_us": x * 1e6, "torch_us": t * 1e6}
+        xla_ms = sum(g["count"] * g["xla_us"] for g in gemms) / 1e3
+        torch_ms = sum(g["count"] * g["torch_us"] for g in gemms) / 1e3
+        rows.append(dict(step=step, tokens=tokens, xla_ms=xla_ms, torch_ms=torch_ms, xla_over_torch=xla_ms / torch_ms,
+                         gemms=gemms))
+    return rows
+
+
+def report(rows: list[dict]) -> None:
+    print(f"{'step':14s} {'XLA:CPU ms':>10s} {'torch ms':>9s} {'ratio':>6s}   slowest GEMMs in XLA against torch")
+    for row in rows:
+        worst = sorted(row["gemms"], key=lambda g: g["count"] * (g["torch_us"] - g["xla_us"]))[:2]
+        names = ", ".join(f"{g['name']} {g['m']}x{g['k']}x{g['n']} {g['xla_us']:.0f}/{g['torch_us']:.0f} us"
+                          for g in worst)
+        print(f"{row['step']:14s} {row['xla_ms']:10.2f} {row['torch_ms']:9.2f} {row['xla_over_torch']:6.2f}   {names}")
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["torch"]:  # the torch side, in the torch Python
+        print(json.dumps(time_torch(json.loads(Path(sys.argv[2]).read_text()))))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--torch-python", required=True, help="a Python with torch (vLLM's venv)")
+    parser.add_argument("--checkpoint", required=True, help="the checkpoint whose GEMMs to time")
+    args = parser.parse_args()
+    from common import write_results  # benchmarks/ is sys.path[0]
+
+    rows = run(Path(args.checkpoint), args.torch_python)
+    report(rows)
+    write_results("gemm_floor", rows, {"torch_python": args.torch_python})
+
+
+if __name__ == "__main__":
+    main()
