@@ -4,7 +4,8 @@ runs), at the shapes of decode steps (batch 1, 16, 64) and of a 1024-token prefi
 Every weight a step multiplies with is a GEMM: the Dense kernels `[T, in] x [in, out]`, the expert stacks in the
 layout `plan_experts` picks for T tokens (capacity: `[E, C, in] x [E, in, out]`; tiles: `[tiles, tile, in]`), and
 the LM head at the step's logits rows. Each GEMM runs CHAIN times with distinct operands in one call (XLA: one
-jit; torch: a loop), so neither side's dispatch is counted, and the step's total is the sum over its GEMMs.
+jit; torch: a loop), so neither side's dispatch is counted; the fastest of REPEATS calls counts (other work on a
+shared VM only slows a call), and the step's total is the sum over its GEMMs.
 torch runs in the Python given by `--torch-python` (vLLM's venv; never a dependency of this project), with as
 many threads as this machine has cores. `vs_vllm.py` runs this in the same run as the engines.
 
@@ -59,20 +60,13 @@ def time_xla(gemm: dict) -> float:
     """Seconds per GEMM in XLA:CPU, bf16."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     batch = (gemm["batch"],) if gemm["batch"] else ()
     keys = jax.random.split(jax.random.key(0), 2 * CHAIN)  # separate arrays: slicing one stack would copy
     xs = [jax.random.normal(key, (*batch, gemm["m"], gemm["k"]), jnp.bfloat16) for key in keys[:CHAIN]]
     ws = [jax.random.normal(key, (*batch, gemm["k"], gemm["n"]), jnp.bfloat16) for key in keys[CHAIN:]]
     chain = jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws, strict=True)])
-    jax.block_until_ready(chain(xs, ws))
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        jax.block_until_ready(chain(xs, ws))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) / CHAIN
+    return fastest(lambda: jax.block_until_ready(chain(xs, ws))) / CHAIN
 
 
 def time_torch(gemms: list[dict]) -> list[float]:
@@ -85,15 +79,19 @@ def time_torch(gemms: list[dict]) -> list[float]:
         batch = (gemm["batch"],) if gemm["batch"] else ()
         xs = [torch.randn(*batch, gemm["m"], gemm["k"], dtype=torch.bfloat16) for _ in range(CHAIN)]
         ws = [torch.randn(*batch, gemm["k"], gemm["n"], dtype=torch.bfloat16) for _ in range(CHAIN)]
-        chain = lambda xs=xs, ws=ws: [torch.matmul(x, w) for x, w in zip(xs, ws, strict=True)]
-        chain()
-        times = []
-        for _ in range(REPEATS):
-            start = time.perf_counter()
-            chain()
-            times.append(time.perf_counter() - start)
-        seconds.append(sorted(times)[len(times) // 2] / CHAIN)
+        seconds.append(fastest(lambda xs=xs, ws=ws: [torch.matmul(x, w) for x, w in zip(xs, ws, strict=True)]) / CHAIN)
     return seconds
+
+
+def fastest(call) -> float:
+    """Seconds of the fastest of REPEATS calls, after one to warm up (and compile)."""
+    call()
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def run(directory: Path, torch_python: str) -> list[dict]:

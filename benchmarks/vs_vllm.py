@@ -24,7 +24,7 @@ cores: gen_b16, gen_b64 and serving >= 1.0, gen_b1 >= 0.7, score_n64 >= 3. Greed
 prefix, as a fraction) and the largest prompt-logprob difference are reported, not gated: bf16 rounding on a
 random MoE flips router near-ties, and HF bf16 differs from HF fp32 just as much (vllm_cpu_peer.md §4).
 
-Last, `gemm_floor.py` times the model's GEMMs alone in XLA:CPU and in vLLM's torch (oneDNN) at the steps' shapes:
+First, `gemm_floor.py` times the model's GEMMs alone in XLA:CPU and in vLLM's torch (oneDNN) at the steps' shapes:
 how much of the gap is the GEMM library's.
 
 Prints tables, writes benchmarks/results/vs_vllm.json, vs_vllm.png and gemm_floor.json.
@@ -183,10 +183,10 @@ def main() -> None:
         params = int(subprocess.run([args.vllm_python, str(HERE / "hf_peer.py"), "write", str(directory), "moe"],
                                     check=True, capture_output=True, text=True).stdout.split()[-1])
         vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
+        floor = gemm_floor.run(directory, args.vllm_python)  # first, on a quiet machine; its torch is vLLM's
         rows, meta = offline(args, directory, vocab, tmp)
         if not args.skip_serve:
             rows += serving(args, directory, tmp)
-        floor = gemm_floor.run(directory, args.vllm_python)  # its torch is vLLM's
     for row in rows:
         row["ratio_equal_cores"] = row["jaxhybrid"] / row["vllm_both"]
         row["ratio_vs_best"] = row["jaxhybrid"] / max(row["vllm_both"], row["vllm_default"])

@@ -13,8 +13,9 @@ The `T × k` (token, expert) assignments are grouped by expert in one of two sta
   through the padding of at most one tile per routed expert.
 
 `plan_experts` picks the layout and the tile per shape from a roofline with measured constants
-(`MACHINE`): one-row tiles when decoding a few tokens among many experts (each assignment reads its
-expert's weights once), capacity when every expert is busy anyway (its weights are read once, in place).
+(`MACHINE`): the smallest tiles when decoding a few tokens among many experts (each assignment reads its
+expert's weights once; one row, two for 16-bit weights on CPU), capacity when every expert is busy anyway
+(its weights are read once, in place).
 Tiles are processed in chunks whose gathered weights stay within `GATHER_BUDGET_BYTES`; a shape that fits
 in one chunk has no loop, so XLA's `cost_analysis` of it is complete. `dense_experts` is the reference:
 every expert for every token.
