@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from jaxhybrid.models.experts import (
     ExpertWeights,
-    Tiling,
     dense_experts,
     expert_capacity,
     max_tiles,
