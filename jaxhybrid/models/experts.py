@@ -129,7 +129,7 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, params:
 
 def _expert_mlp(rows: jax.Array, stacked: ExpertWeights, activation: Callable, dtype) -> jax.Array:
     """rows `[G, m, d]` through experts `stacked` `[G, ...]` -> `[G, m, d]`."""
-    weight = lambda w: w.astype(dtype)  # after any gather: k experts' weights cast, not E
+    weight = lambda w: w.astype(dtype)  # a no-op in the serving dtype; tiles cast their k gathered experts, not E
     hidden = jnp.einsum("gmd,gdi->gmi", rows, weight(stacked.up))
     if stacked.gate is not None:
         hidden = activation(jnp.einsum("gmd,gdi->gmi", rows, weight(stacked.gate))) * hidden
