@@ -27,16 +27,14 @@ CHAIN, REPEATS = 8, 20
 STEPS = {"decode_b1": (2, 2), "decode_b16": (16, 16), "decode_b64": (64, 64), "prefill_1024": (1024, 16)}
 
 
-def model_gemms(directory: Path, tokens: int, logits_rows: int) -> list[dict]:
-    """One step's GEMMs over `tokens` tokens of the checkpoint at `directory`: [{name, count, batch, m, k, n}]."""
+def model_gemms(config, tokens: int, logits_rows: int) -> list[dict]:
+    """One step's GEMMs over `tokens` tokens of a model of `config`: [{name, count, batch, m, k, n}]."""
     import jax
     import jax.numpy as jnp
 
     from jaxhybrid.models.experts import ExpertWeights, plan_experts
-    from jaxhybrid.models.hf_config import load_config
     from jaxhybrid.models.model import abstract_params
 
-    config = load_config(directory)
     gemms: dict[tuple, dict] = {}
 
     def add(name: str, batch: int, m: int, k: int, n: int) -> None:
@@ -45,12 +43,11 @@ def model_gemms(directory: Path, tokens: int, logits_rows: int) -> list[dict]:
 
     for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params(config, jnp.bfloat16)):
         names = [str(getattr(p, "key", p)) for p in path]
-        if names[-1] == "kernel" or names[-1] == "router":
-            add("lm_head" if names[0] == "lm_head" else names[-2] if names[-1] == "kernel" else "router",
-                0, logits_rows if names[0] == "lm_head" else tokens, *leaf.shape)
+        if names[-1] in ("kernel", "router"):  # a Dense layer (named by its module) or the router
+            name = names[-2] if names[-1] == "kernel" else "router"
+            add(name, 0, logits_rows if name == "lm_head" else tokens, *leaf.shape)
         elif names[-1] in ("up_proj", "gate_proj", "down_proj") and leaf.ndim == 3:
-            stacked = ExpertWeights(*(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for _ in range(3)))
-            plan = plan_experts(tokens, config.moe.top_k, stacked, "cpu")
+            plan = plan_experts(tokens, config.moe.top_k, ExpertWeights(leaf, leaf, leaf), "cpu")
             groups, rows = (leaf.shape[0], plan.capacity) if plan.capacity else (plan.num_tiles, plan.tile)
             add(f"experts.{names[-1]}", groups, rows, *leaf.shape[1:])
     return list(gemms.values())
@@ -96,21 +93,24 @@ def fastest(call) -> float:
 
 def run(directory: Path, torch_python: str) -> list[dict]:
     """A row per step: its GEMMs' milliseconds in XLA and in torch, and the ratio."""
+    from jaxhybrid.models.hf_config import load_config
+
+    config = load_config(directory)
+    steps = {step: model_gemms(config, *shape) for step, shape in STEPS.items()}
+    every = [gemm for gemms in steps.values() for gemm in gemms]
+    with tempfile.TemporaryDirectory() as tmp:  # one torch process for every step's GEMMs
+        spec = Path(tmp) / "gemms.json"
+        spec.write_text(json.dumps(every))
+        torch_s = json.loads(subprocess.run([torch_python, __file__, "torch", str(spec)], check=True,
+                                            capture_output=True, text=True).stdout)
+    for gemm, t in zip(every, torch_s, strict=True):
+        gemm |= {"xla_us": time_xla(gemm) * 1e6, "torch_us": t * 1e6}
     rows = []
-    for step, (tokens, logits_rows) in STEPS.items():
-        gemms = model_gemms(directory, tokens, logits_rows)
-        with tempfile.TemporaryDirectory() as tmp:
-            spec = Path(tmp) / "gemms.json"
-            spec.write_text(json.dumps(gemms))
-            torch_s = json.loads(subprocess.run([torch_python, __file__, "torch", str(spec)], check=True,
-                                                capture_output=True, text=True).stdout)
-        xla_s = [time_xla(g) for g in gemms]
-        for gemm, x, t in zip(gemms, xla_s, torch_s, strict=True):
-            gemm |= {"xla_us": x * 1e6, "torch_us": t * 1e6}
+    for step, gemms in steps.items():
         xla_ms = sum(g["count"] * g["xla_us"] for g in gemms) / 1e3
         torch_ms = sum(g["count"] * g["torch_us"] for g in gemms) / 1e3
-        rows.append(dict(step=step, tokens=tokens, xla_ms=xla_ms, torch_ms=torch_ms, xla_over_torch=xla_ms / torch_ms,
-                         gemms=gemms))
+        rows.append(dict(step=step, tokens=STEPS[step][0], xla_ms=xla_ms, torch_ms=torch_ms,
+                         xla_over_torch=xla_ms / torch_ms, gemms=gemms))
     return rows
 
 

@@ -112,17 +112,17 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, params:
     tiling = tiling or plan_experts(num_tokens, top_k, params, jax.default_backend())
     flat = experts.reshape(-1)
     tokens = jnp.arange(num_tokens * top_k) // top_k
+    rows = x[tokens]  # one per assignment
     sizes, within = _group_positions(flat, params.up.shape[0])
-    mlp = lambda rows, stacked: _expert_mlp(rows, stacked, activation, x.dtype)
-    tiled = lambda: _tiled(x[tokens], flat, sizes, within, params, mlp, tiling)
+    mlp = lambda grouped, stacked: _expert_mlp(grouped, stacked, activation, x.dtype)
+    tiled = lambda: _tiled(rows, flat, sizes, within, params, mlp, tiling)
+    by_capacity = lambda: _by_capacity(rows, flat, within, params, mlp, tiling.capacity)
     if tiling.capacity == 0:
         per_assignment = tiled()
     elif tiling.capacity >= num_tokens:  # holds every routing
-        per_assignment = _by_capacity(x[tokens], flat, within, params, mlp, tiling.capacity)
+        per_assignment = by_capacity()
     else:
-        per_assignment = jax.lax.cond(
-            jnp.max(sizes) <= tiling.capacity,
-            lambda: _by_capacity(x[tokens], flat, within, params, mlp, tiling.capacity), tiled)
+        per_assignment = jax.lax.cond(jnp.max(sizes) <= tiling.capacity, by_capacity, tiled)
     weighted = per_assignment.astype(jnp.float32) * weights.reshape(-1, 1).astype(jnp.float32)
     return jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[tokens].add(weighted).astype(x.dtype)
 
