@@ -2,6 +2,7 @@
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -88,6 +89,21 @@ def folded_entries(ring_entries: int, num_tokens: int, num_rows: int) -> int:
     (`scheduler.replay.ring_rows`; a bucket of T tokens over R rows: 1 + K = ceil(T / R)). Decoding's one-entry
     dummy rings fold none."""
     return max(ring_entries - -(-num_tokens // num_rows), 0) // 2
+
+
+def fold_ring(advance: Callable, state: jax.Array, rings: tuple[jax.Array, ...], ring_start: jax.Array,
+              count: jax.Array, max_count: int) -> jax.Array:
+    """One row's state advanced by its ring entries (ring_start + j) % E, j < count <= max_count: `advance(state,
+    *entry)` with entry j of each [X, E, ...] ring page, its result dropped past `count`.
+
+    Unrolled to the static bound: under vmap a loop to each row's own count becomes a while loop that copies the
+    batch's states every trip, 1.5-3x slower on XLA:CPU at decode sizes (`docs/benchmarks.md`)."""
+    width = rings[0].shape[1]
+    for j in range(max_count):
+        index = (ring_start + j) % width
+        advanced = advance(state, *(jnp.take(ring, index, axis=1) for ring in rings))
+        state = jnp.where(j < count, advanced, state)
+    return state
 
 
 def check_rows(cu_seqlens: jax.Array, per_row: jax.Array, name: str) -> None:

@@ -22,6 +22,13 @@ def ring_rows(ring_size: int, num_spec_tokens: int) -> int:
     return ring_size + 1 + num_spec_tokens
 
 
+def max_committed(num_ring_rows: int, num_spec_tokens: int) -> int:
+    """The most entries a row has committed when a step starts, for a ring of `ring_rows(W, k)` rows: a step
+    that does not flush leaves at most W, one that flushes its 1 + k newest at most. The reference ops fold
+    this many entries, masked, as their static bound."""
+    return max(num_ring_rows - 1 - num_spec_tokens, 1 + num_spec_tokens)
+
+
 def flush_flags(committed: np.ndarray, query_len: int, ring_size: int) -> np.ndarray:
     """[R] bool: the verify step folds the committed entries into S0 before appending."""
     return committed + query_len > ring_size

@@ -80,5 +80,6 @@ def _core(cfg: GDNConfig, ops: ModelOps, g: jax.Array, beta: jax.Array, out_shap
         prefill=lambda mixed, cu, state, slots, has_initial: ops.gdn_prefill(
             *heads(mixed), cu, state, slots, has_initial, backend=backend),
         verify=ring_verify(gdn_verify, gdn_verify_snapshots, heads, backend),
-        materialise=lambda state, rings, *copies: gdn_materialise(state, *rings, *copies, backend=backend),
+        materialise=lambda state, rings, *copies, max_committed: gdn_materialise(
+            state, *rings, *copies, max_committed=max_committed, backend=backend),
         out=out_shape)

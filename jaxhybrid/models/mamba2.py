@@ -86,5 +86,6 @@ def _core(cfg: Mamba2Config, ops: ModelOps, dt: jax.Array, a: jax.Array, d: jax.
         prefill=lambda mixed, cu, state, slots, has_initial: ssd_prefill(
             *inputs(mixed), cu, state, slots, has_initial, chunk_size=cfg.chunk_size, backend=backend),
         verify=ring_verify(ssd_verify, ssd_verify_snapshots, inputs, backend),
-        materialise=lambda state, rings, *copies: ssd_materialise(state, *rings, a, *copies, backend=backend),
+        materialise=lambda state, rings, *copies, max_committed: ssd_materialise(
+            state, *rings, a, *copies, max_committed=max_committed, backend=backend),
         out=out_shape)

@@ -8,6 +8,7 @@ pages, so running that order layer by layer equals running it over all layers at
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -20,6 +21,7 @@ from pallas_kernels.common import snapshot_materialise
 from pallas_kernels.conv1d import conv1d_materialise, conv1d_prefill, conv1d_replay
 from pallas_kernels.grouped_prefill import grouped_prefill
 from scheduler.plan import RowKind
+from scheduler.replay import max_committed
 
 
 class MixerCore(NamedTuple):
@@ -27,10 +29,10 @@ class MixerCore(NamedTuple):
 
     # (conv_out [T, D], cu_seqlens, state_pool, slots, has_initial) -> (out [T, ...], state_pool)
     prefill: Callable
-    # (conv_out, cu_seqlens, state_pool, rings, slots, ring_start, committed, flush, max_query_len)
-    #   -> (out, state_pool, rings); max_query_len (static) bounds every row's tokens
+    # (conv_out, cu_seqlens, state_pool, rings, slots, ring_start, committed, flush, max_query_len, max_committed)
+    #   -> (out, state_pool, rings); the static bounds of every row's tokens and committed entries
     verify: Callable
-    # (state_pool, rings, src, dst, ring_start, count) -> state_pool; snapshots need no family op
+    # (state_pool, rings, src, dst, ring_start, count, *, max_committed) -> state_pool; snapshots need no family op
     materialise: Callable
     out: jax.ShapeDtypeStruct  # the outputs' [T, ...] shape and dtype
 
@@ -39,8 +41,8 @@ def ring_verify(replay_op: Callable, snapshot_op: Callable, inputs: Callable, ba
     """`MixerCore.verify` of a family's op pair: `replay_op` on ReplaySSM rings, `snapshot_op` on the snapshot
     baseline's whole states; `inputs(conv_out)` gives the op's per-token arguments."""
 
-    def verify(mixed, cu, state, rings, slots, ring_start, committed, flush, max_query_len):
-        op = snapshot_op if has_snapshots(rings) else replay_op
+    def verify(mixed, cu, state, rings, slots, ring_start, committed, flush, max_query_len, max_committed):
+        op = snapshot_op if has_snapshots(rings) else functools.partial(replay_op, max_committed=max_committed)
         out, state, *rings = op(*inputs(mixed), cu, state, *rings, slots, ring_start, committed, flush,
                                 max_query_len=max_query_len, backend=backend)
         return out, state, tuple(rings)
@@ -76,10 +78,15 @@ def recurrent_layer(conv_in: jax.Array, conv: Conv, core: MixerCore, plan: Devic
     return out, copy_pages(pool, plan.publish_src, plan.publish_dst, plan.num_publishes)
 
 
+def _max_committed(plan: DevicePlan, pool: RecurrentPool) -> int:
+    """The fold's static bound, from the ring's rows and the plan's draft width."""
+    return max_committed(pool.rings[0].shape[2], plan.draft_token_ids.shape[1])
+
+
 def _materialise(core: MixerCore, plan: DevicePlan, pool: RecurrentPool) -> RecurrentPool:
     def one(pool: RecurrentPool, *entry) -> RecurrentPool:
         state = (snapshot_materialise(pool.state, *pool.rings, *entry) if has_snapshots(pool.rings)
-                 else core.materialise(pool.state, pool.rings, *entry))
+                 else core.materialise(pool.state, pool.rings, *entry, max_committed=_max_committed(plan, pool)))
         return pool._replace(state=state, window=conv1d_materialise(pool.window, pool.conv_ring, *entry))
 
     return for_each_entry(plan.num_materializations, one, pool, plan.materialize_src, plan.materialize_dst,
@@ -95,7 +102,7 @@ def _decode_rows(conv_in, conv: Conv, core: MixerCore, plan: DevicePlan, decode,
                                                 slots, *trackers, backend=conv.backend)
     # a decode or verify row has 1 + K tokens at most (K = the plan's static draft width)
     out, state, rings = core.verify(conv_out, cu, pool.state, pool.rings, slots, *trackers,
-                                    1 + plan.draft_token_ids.shape[1])
+                                    1 + plan.draft_token_ids.shape[1], _max_committed(plan, pool))
     return out, RecurrentPool(window, state, rings, conv_ring)
 
 

@@ -91,7 +91,7 @@ def gdn_decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, *, scale=None, u
 
 def gdn_verify(
     q, k, v, g, beta, cu_seqlens, state_pool, ring_k, ring_u, ring_g, slots, ring_start, committed, flush,
-    *, scale=None, use_qk_l2norm=True, max_query_len=None, backend=None,
+    *, scale=None, use_qk_l2norm=True, max_query_len=None, max_committed=None, backend=None,
 ):  # fmt: skip
     """ReplaySSM verify/decode: each row has T_r = 1 + k tokens (1 for plain decode), T_r <= E.
 
@@ -108,6 +108,9 @@ def gdn_verify(
       ring_start, committed: [R] i32 trackers of each row's slot.  flush: [R] bool.
       max_query_len: static bound on every T_r (1 + k); the reference steps through this many tokens per
         row (None: the ring's width, which always holds). The Pallas kernel stops at each row's own T_r.
+      max_committed: static bound on every `committed`; the reference folds this many entries per row, masked
+        (None: the ring's width). The engine's is `scheduler.replay.max_committed`. The Pallas kernel stops at
+        each row's own count.
       backend: "reference", "pallas" or "interpret"; None: pallas on GPU, reference on CPU.
 
     Returns:
@@ -116,7 +119,8 @@ def gdn_verify(
     args = (q, k, v, g, beta, cu_seqlens, state_pool, ring_k, ring_u, ring_g, slots, ring_start, committed, flush)
     backend = resolve_backend(backend)
     if backend == "reference":
-        return reference.gdn_verify(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, max_query_len=max_query_len)
+        return reference.gdn_verify(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, max_query_len=max_query_len,
+                                    max_committed=max_committed)
     launch = _launch("gdn_verify", pallas.gdn_verify, state_pool, "block_v")
     return pallas.gdn_verify(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=backend == "interpret",
                              **launch)
@@ -147,19 +151,21 @@ def gdn_verify_snapshots(
                                        interpret=backend == "interpret", **launch)
 
 
-def gdn_materialise(state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ring_start, num_entries, *, backend=None):
+def gdn_materialise(state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ring_start, num_entries, *,
+                    max_committed=None, backend=None):
     """state_pool[dst] = S0 of src advanced by its first num_entries ring entries; src and rings untouched.
 
     Args:
       state_pool: [S, HV, K, V] f32, donated.  ring_k, ring_u, ring_g: the rings (module docstring).
       src_slots, dst_slots: [M] i32 (dst 0 = skip; no dst may also be a src).
       ring_start, num_entries: [M] i32 of the src slot.
+      max_committed: static bound on every num_entries, as in `gdn_verify`.
       backend: "reference", "pallas" or "interpret"; None: pallas on GPU, reference on CPU.
     """
     args = (state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ring_start, num_entries)
     backend = resolve_backend(backend)
     if backend == "reference":
-        return reference.gdn_materialise(*args)
+        return reference.gdn_materialise(*args, max_committed=max_committed)
     launch = _launch("gdn_materialise", pallas.gdn_materialise, state_pool, "block_v")
     return pallas.gdn_materialise(*args, interpret=backend == "interpret", **launch)
 

@@ -16,6 +16,7 @@ from pallas_kernels.common import (
     checkpoint_counts,
     chunk_table,
     dense_to_rows,
+    fold_ring,
     gather_chunks,
     gather_slots,
     repeat_heads,
@@ -44,9 +45,9 @@ def normalise_qk(q, k, scale, use_qk_l2norm):
     return q * scale, k
 
 
-# The barriers pin the state update to separately rounded mul, mul, add: XLA may otherwise contract
-# them into FMAs differently in different programs, and ReplaySSM with W = 1 must reproduce plain
-# decoding bit for bit.
+# The barriers pin the state update (and the read-out's two terms) to separately rounded mul, mul, add: XLA
+# may otherwise contract them into FMAs differently in different programs, and ReplaySSM with W = 1 must
+# reproduce plain decoding bit for bit.
 _pin = jax.lax.optimization_barrier
 
 
@@ -64,12 +65,14 @@ def recurrent_step(state, q, k, v, g, beta):
     """One token for all value heads (§1.3 (g)): decay, read, delta, write, read-out.
 
     state [HV, K, V]; q, k [HV, K]; v [HV, V]; g, beta [HV]. Returns (state, o [HV, V], delta [HV, V]).
+    Both reads use the state before the token: with S' = e^g S + k delta^T, the memory is e^g S^T k and the
+    read-out S'^T q = e^g S^T q + (k . q) delta. So a row's last state is only computed when it is kept.
     """
-    state = decay(state, g)  # decay before the read
-    memory = jnp.einsum("hkv,hk->hv", state, k, precision=HIGHEST)
-    delta = beta[:, None] * (v - memory)
-    state = write(state, k, delta)
-    return state, jnp.einsum("hkv,hk->hv", state, q, precision=HIGHEST), delta
+    decay_g = _pin(jnp.exp(g))[:, None]
+    reads = jnp.einsum("hkv,hck->hcv", state, jnp.stack([k, q], axis=1), precision=HIGHEST)
+    delta = beta[:, None] * (v - _pin(decay_g * reads[:, 0]))
+    k_dot_q = jnp.einsum("hk,hk->h", k, q, precision=HIGHEST)[:, None]
+    return write(decay(state, g), k, delta), _pin(decay_g * reads[:, 1]) + _pin(k_dot_q * delta), delta
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm"))
@@ -244,20 +247,21 @@ def _decode_row(state, q, k, v, g, beta, length, keep_states=False):
     return o, delta, final, states
 
 
-def _fold_ring(state, ring_k, ring_u, ring_g, ring_start, count):
-    """Advance state by ring entries (ring_start + j) % E, j < count, with the recurrence's own ops.
+def _fold_ring(state, ring_k, ring_u, ring_g, ring_start, count, max_count):
+    """Advance state by ring entries (ring_start + j) % E, j < count <= max_count, with the recurrence's own ops.
 
     state [HV, K, V]; ring_k [H, E, K]; ring_u [HV, E, V]; ring_g [HV, E].
     """
-    width, num_heads = ring_g.shape[1], ring_g.shape[0]
 
-    def fold(j, s):
-        i = (ring_start + j) % width
-        k = repeat_heads(ring_k[:, i], num_heads, 0)
-        return write(decay(s, ring_g[:, i]), k, ring_u[:, i])
+    def advance(s, k, u, g):
+        return write(decay(s, g), repeat_heads(k, s.shape[0], 0), u)
 
-    # `count` steps, not E: under vmap the loop runs to the rows' largest count, each row stopping at its own
-    return jax.lax.fori_loop(0, count, fold, state)
+    return fold_ring(advance, state, (ring_k, ring_u, ring_g), ring_start, count, max_count)
+
+
+def _fold_rows(ring_width: int, max_committed: int | None):
+    """`_fold_ring` over rows, to at most `max_committed` entries (None: the ring's width)."""
+    return jax.vmap(functools.partial(_fold_ring, max_count=max_committed or ring_width))
 
 
 def _dense_inputs(q, k, v, g, beta, cu_seqlens, width, num_heads, scale, use_qk_l2norm):
@@ -281,12 +285,12 @@ def gdn_decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, *, scale=None, u
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "use_qk_l2norm", "max_query_len"),
+    static_argnames=("scale", "use_qk_l2norm", "max_query_len", "max_committed"),
     donate_argnames=("state_pool", "ring_k", "ring_u", "ring_g"),
 )
 def gdn_verify(
     q, k, v, g, beta, cu_seqlens, state_pool, ring_k, ring_u, ring_g, slots, ring_start, committed, flush,
-    *, scale=None, use_qk_l2norm=True, max_query_len=None,
+    *, scale=None, use_qk_l2norm=True, max_query_len=None, max_committed=None,
 ):  # fmt: skip
     """ReplaySSM verify/decode; see `pallas_kernels.gdn.gdn_verify` for the contract."""
     check_rows(cu_seqlens, slots, "slots")
@@ -295,7 +299,7 @@ def gdn_verify(
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     rk, ru, rg = ring_k[slots], ring_u[slots], ring_g[slots]
     state0 = state_pool[slots].astype(jnp.float32)
-    checkpoint = jax.vmap(_fold_ring)(state0, rk, ru, rg, ring_start, committed)
+    checkpoint = _fold_rows(ring_g.shape[2], max_committed)(state0, rk, ru, rg, ring_start, committed)
     o, delta, _, _ = jax.vmap(_decode_row)(checkpoint, qd, kd, vd, gd, bd, lengths)
     # Only a flush writes the state: S0 <- S0 advanced by the committed entries.
     state_pool = scatter_slots(state_pool, jnp.where(flush, slots, 0), checkpoint)
@@ -323,11 +327,12 @@ def gdn_verify_snapshots(
     return dense_to_rows(o, cu_seqlens, q.shape[0]).astype(v.dtype), state_pool, snapshots
 
 
-@functools.partial(jax.jit, donate_argnames="state_pool")
-def gdn_materialise(state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ring_start, num_entries):
+@functools.partial(jax.jit, static_argnames="max_committed", donate_argnames="state_pool")
+def gdn_materialise(state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ring_start, num_entries, *,
+                    max_committed=None):
     """state_pool[dst] = state_pool[src] advanced by its first `num_entries` ring entries; see __init__."""
     state = state_pool[src_slots].astype(jnp.float32)
-    state = jax.vmap(_fold_ring)(
+    state = _fold_rows(ring_g.shape[2], max_committed)(
         state, ring_k[src_slots], ring_u[src_slots], ring_g[src_slots], ring_start, num_entries
     )
     return scatter_slots(state_pool, dst_slots, state)

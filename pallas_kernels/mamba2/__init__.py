@@ -75,7 +75,7 @@ def ssd_decode(x, dt, A, B, C, D, cu_seqlens, state_pool, slots, *, backend=None
 
 def ssd_verify(
     x, dt, A, B, C, D, cu_seqlens, state_pool, ring_x, ring_dt, ring_B, slots, ring_start, committed, flush,
-    *, max_query_len=None, backend=None,
+    *, max_query_len=None, max_committed=None, backend=None,
 ):  # fmt: skip
     """ReplaySSM verify/decode: each row has T_r = 1 + k tokens (1 for plain decode), T_r <= E.
 
@@ -89,7 +89,7 @@ def ssd_verify(
       x, dt, A, B, C, D, cu_seqlens, slots: as in `ssd_prefill`.
       state_pool, ring_x, ring_dt, ring_B: the slot page (module docstring), donated, updated in place.
       ring_start, committed: [R] i32 trackers of each row's slot.  flush: [R] bool.
-      max_query_len: static bound on every T_r, as in `gdn_verify`.
+      max_query_len, max_committed: static bounds on every T_r and every committed, as in `gdn_verify`.
 
     Returns:
       y: [T, NH, P] in x.dtype, state_pool, ring_x, ring_dt, ring_B.
@@ -97,7 +97,7 @@ def ssd_verify(
     args = (x, dt, A, B, C, D, cu_seqlens, state_pool, ring_x, ring_dt, ring_B, slots, ring_start, committed, flush)
     backend = resolve_backend(backend)
     if backend == "reference":
-        return reference.ssd_verify(*args, max_query_len=max_query_len)
+        return reference.ssd_verify(*args, max_query_len=max_query_len, max_committed=max_committed)
     launch = _launch("ssd_verify", pallas.ssd_verify, state_pool, "block_p")
     return pallas.ssd_verify(*args, interpret=backend == "interpret", **launch)
 
@@ -124,18 +124,20 @@ def ssd_verify_snapshots(
 
 
 def ssd_materialise(
-    state_pool, ring_x, ring_dt, ring_B, A, src_slots, dst_slots, ring_start, num_entries, *, backend=None
+    state_pool, ring_x, ring_dt, ring_B, A, src_slots, dst_slots, ring_start, num_entries, *, max_committed=None,
+    backend=None,
 ):
     """state_pool[dst] = S0 of src advanced by its first num_entries ring entries; src and rings untouched.
 
     Args:
       state_pool: [S, NH, P, N] f32, donated.  ring_x, ring_dt, ring_B: the rings.  A: [NH] f32.
       src_slots, dst_slots: [M] i32 (dst 0 = skip).  ring_start, num_entries: [M] i32 of the src slot.
+      max_committed: static bound on every num_entries, as in `gdn_verify`.
     """
     args = (state_pool, ring_x, ring_dt, ring_B, A, src_slots, dst_slots, ring_start, num_entries)
     backend = resolve_backend(backend)
     if backend == "reference":
-        return reference.ssd_materialise(*args)
+        return reference.ssd_materialise(*args, max_committed=max_committed)
     launch = _launch("ssd_materialise", pallas.ssd_materialise, state_pool, "block_p")
     return pallas.ssd_materialise(*args, interpret=backend == "interpret", **launch)
 

@@ -16,6 +16,7 @@ from pallas_kernels.common import (
     checkpoint_counts,
     chunk_table,
     dense_to_rows,
+    fold_ring,
     gather_chunks,
     gather_slots,
     repeat_heads,
@@ -29,9 +30,9 @@ from pallas_kernels.common import (
     zero_padding,
 )
 
-# The barriers pin the state update to separately rounded mul, mul, add: XLA may otherwise contract
-# them into FMAs differently in different programs, and ReplaySSM with W = 1 must reproduce plain
-# decoding bit for bit.
+# The barriers pin the state update (and the read-out's terms) to separately rounded mul, mul, add: XLA may
+# otherwise contract them into FMAs differently in different programs, and ReplaySSM with W = 1 must
+# reproduce plain decoding bit for bit.
 _pin = jax.lax.optimization_barrier
 
 
@@ -42,9 +43,15 @@ def advance(state, x, dt, a, b):
 
 
 def recurrent_step(state, x, dt, a, b, c, d):
-    """One token for all heads; b, c [NH, N] (groups expanded). Returns (state, y [NH, P])."""
-    state = advance(state, x, dt, a, b)
-    return state, jnp.einsum("hps,hs->hp", state, c, precision=HIGHEST) + d[:, None] * x
+    """One token for all heads; b, c [NH, N] (groups expanded). Returns (state, y [NH, P]).
+
+    The read-out uses the state before the token: h' c = e^{dt a} h c + (dt x)(b . c). So a row's last state is
+    only computed when it is kept.
+    """
+    read = jnp.einsum("hps,hs->hp", state, c, precision=HIGHEST)
+    b_dot_c = jnp.einsum("hs,hs->h", b, c, precision=HIGHEST)[:, None]
+    y = _pin(_pin(jnp.exp(dt * a))[:, None] * read) + _pin(dt[:, None] * x * b_dot_c)
+    return advance(state, x, dt, a, b), y + _pin(d[:, None] * x)
 
 
 def _f32(*xs):
@@ -190,20 +197,21 @@ def _decode_row(state, x, dt, a, b, c, d, length, keep_states=False):
     return y, final, states
 
 
-def _fold_ring(state, ring_x, ring_dt, ring_b, a, ring_start, count):
-    """Advance state by ring entries (ring_start + j) % E, j < count, with the recurrence's own ops.
+def _fold_ring(state, ring_x, ring_dt, ring_b, a, ring_start, count, max_count):
+    """Advance state by ring entries (ring_start + j) % E, j < count <= max_count, with the recurrence's own ops.
 
     state [NH, P, N]; ring_x [NH, E, P]; ring_dt [NH, E]; ring_b [G, E, N].
     """
-    num_heads, width = ring_dt.shape
 
-    def fold(j, s):
-        i = (ring_start + j) % width
-        b = repeat_heads(ring_b[:, i], num_heads, 0)
-        return advance(s, ring_x[:, i], ring_dt[:, i], a, b)
+    def fold(s, x, dt, b):
+        return advance(s, x, dt, a, repeat_heads(b, s.shape[0], 0))
 
-    # `count` steps, not E: under vmap the loop runs to the rows' largest count, each row stopping at its own
-    return jax.lax.fori_loop(0, count, fold, state)
+    return fold_ring(fold, state, (ring_x, ring_dt, ring_b), ring_start, count, max_count)
+
+
+def _fold_rows(ring_width: int, max_committed: int | None):
+    """`_fold_ring` over rows sharing A, to at most `max_committed` entries (None: the ring's width)."""
+    return jax.vmap(functools.partial(_fold_ring, max_count=max_committed or ring_width), (0, 0, 0, 0, None, 0, 0))
 
 
 def _dense_inputs(x, dt, B, C, cu_seqlens, width, num_heads):
@@ -225,10 +233,10 @@ def ssd_decode(x, dt, A, B, C, D, cu_seqlens, state_pool, slots):
     return dense_to_rows(y, cu_seqlens, x.shape[0]).astype(x.dtype), scatter_slots(state_pool, slots, state)
 
 
-@functools.partial(jax.jit, static_argnames="max_query_len",
+@functools.partial(jax.jit, static_argnames=("max_query_len", "max_committed"),
                    donate_argnames=("state_pool", "ring_x", "ring_dt", "ring_B"))
 def ssd_verify(x, dt, A, B, C, D, cu_seqlens, state_pool, ring_x, ring_dt, ring_B, slots, ring_start, committed, flush,
-               *, max_query_len=None):
+               *, max_query_len=None, max_committed=None):
     """ReplaySSM verify/decode; see `pallas_kernels.mamba2.ssd_verify` for the contract."""
     check_rows(cu_seqlens, slots, "slots")
     width, num_heads = max_query_len or ring_dt.shape[2], state_pool.shape[1]
@@ -236,7 +244,7 @@ def ssd_verify(x, dt, A, B, C, D, cu_seqlens, state_pool, ring_x, ring_dt, ring_
     a, d = _f32(A, D)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     rx, rdt, rb = ring_x[slots], ring_dt[slots], ring_B[slots]
-    fold = jax.vmap(_fold_ring, (0, 0, 0, 0, None, 0, 0))
+    fold = _fold_rows(ring_dt.shape[2], max_committed)
     checkpoint = fold(state_pool[slots].astype(jnp.float32), rx, rdt, rb, a, ring_start, committed)
     y, _, _ = jax.vmap(_decode_row, (0, 0, 0, None, 0, 0, None, 0))(checkpoint, xd, dtd, a, bd, cd, d, lengths)
     # Only a flush writes the state: S0 <- S0 advanced by the committed entries.
@@ -261,10 +269,11 @@ def ssd_verify_snapshots(x, dt, A, B, C, D, cu_seqlens, state_pool, snapshots, s
     return dense_to_rows(y, cu_seqlens, x.shape[0]).astype(x.dtype), state_pool, snapshots
 
 
-@functools.partial(jax.jit, donate_argnames="state_pool")
-def ssd_materialise(state_pool, ring_x, ring_dt, ring_B, A, src_slots, dst_slots, ring_start, num_entries):
+@functools.partial(jax.jit, static_argnames="max_committed", donate_argnames="state_pool")
+def ssd_materialise(state_pool, ring_x, ring_dt, ring_B, A, src_slots, dst_slots, ring_start, num_entries, *,
+                    max_committed=None):
     """state_pool[dst] = state_pool[src] advanced by its first `num_entries` ring entries; see __init__."""
-    fold = jax.vmap(_fold_ring, (0, 0, 0, 0, None, 0, 0))
+    fold = _fold_rows(ring_dt.shape[2], max_committed)
     state = state_pool[src_slots].astype(jnp.float32)
     rings = (ring_x[src_slots], ring_dt[src_slots], ring_B[src_slots])
     state = fold(state, *rings, A.astype(jnp.float32), ring_start, num_entries)

@@ -4,7 +4,8 @@ Returns a list of human-readable violations (empty when the state is consistent)
 counts equal the live block-table references, free counts match, no block twice in one table, one
 distinct RUNNING slot per running row, the hash maps are inverse and point at slots of a caching
 kind, PENDING slots and UNREADY claims exist only while a step is in flight, PRODUCING claims are
-held by running requests, and the queues partition the live requests.
+held by running requests, the queues partition the live requests, and no row or materialisation
+counts more committed ring entries than the reference ops fold (`replay.max_committed`).
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from __future__ import annotations
 import numpy as np
 
 from scheduler.checkpoints import CheckpointStatus
+from scheduler.replay import max_committed, ring_rows
 from scheduler.slots import NULL_SLOT, SlotKind
 from scheduler.state import SchedulerState
 
 
 def check_invariants(state: SchedulerState) -> list[str]:
-    return _blocks(state) + _slots(state) + _claims(state) + _queues(state)
+    return _blocks(state) + _slots(state) + _claims(state) + _queues(state) + _rings(state)
 
 
 def _live_rows(state: SchedulerState) -> list[int]:
@@ -64,6 +66,16 @@ def _slots(state: SchedulerState) -> list[str]:
     if state.in_flight is None and np.any(kinds == SlotKind.PENDING):
         errors.append("PENDING slots with no step in flight")
     return errors
+
+
+def _rings(state: SchedulerState) -> list[str]:
+    cfg = state.config
+    bound = max_committed(ring_rows(cfg.ring_size, cfg.num_spec_tokens), cfg.num_spec_tokens)
+    committed = [int(state.rows.committed[row]) for row in _live_rows(state)]
+    committed += [m.count for m in state.materializations]
+    if max(committed, default=0) > bound:
+        return [f"committed ring entries {committed} pass the fold's bound {bound}"]
+    return []
 
 
 def _claims(state: SchedulerState) -> list[str]:

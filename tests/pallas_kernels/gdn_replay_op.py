@@ -44,11 +44,13 @@ class GdnReplay(replay_sim.ReplayOp):
 
     def verify(self, packed, cu, pools, slots, ring_start, committed, flush):
         o, *pools = gdn_verify(*packed, cu, *pools, slots, ring_start, committed, flush,
-                             max_query_len=self.max_query_len, backend=self.backend)
+                             max_query_len=self.max_query_len, max_committed=self.max_committed,
+                             backend=self.backend)
         return o, pools
 
     def decode(self, packed, cu, state_pool, slots):
         return gdn_decode(*packed, cu, state_pool, slots, backend=self.backend)
 
     def materialise(self, pools, src, dst, ring_start, num_entries):
-        return gdn_materialise(*pools, src, dst, ring_start, num_entries, backend=self.backend)
+        return gdn_materialise(*pools, src, dst, ring_start, num_entries,
+                               max_committed=self.max_committed, backend=self.backend)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from hypothesis import strategies as st
 
+from scheduler.replay import max_committed, ring_rows
 from tests.tolerances import Float32
 
 NUM_ROWS, STREAM, NUM_TOKENS = 3, 64, 32
@@ -22,8 +23,9 @@ class ReplayOp:
     ring_start, num_entries) -> state_pool`.
     """
 
-    def __init__(self, backend="reference", max_query_len=None):
-        self.backend, self.max_query_len = backend, max_query_len  # verify's static bound on a row's tokens
+    def __init__(self, backend="reference", max_query_len=None, max_committed=None):
+        # verify's static bounds on a row's tokens and on its committed entries (materialise's too)
+        self.backend, self.max_query_len, self.max_committed = backend, max_query_len, max_committed
 
 
 @dataclass
@@ -50,8 +52,10 @@ def _pack(rows_tokens, num_tokens):
     return packed, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
-def run_steps(op, rows, pools, width, max_drafts, num_steps, rng, garbage_rng, num_tokens):
+def run_steps(op, rows, pools, width, max_drafts, num_steps, rng, garbage_rng, num_tokens, window=None):
     """Run `num_steps` verify calls over all rows (plus one zero-length padding row); returns pools.
+
+    A row flushes when its committed entries and new tokens pass `window` (W; None: the ring's `width`, E).
 
     `op.verify(packed, cu, pools, slots, ring_start, committed, flush) -> (out, pools)`; `op.tokens(rng,
     n)` makes rejected drafts from `garbage_rng`. Each row verifies 1 + k tokens and accepts a random
@@ -69,7 +73,7 @@ def run_steps(op, rows, pools, width, max_drafts, num_steps, rng, garbage_rng, n
         packed, cu = _pack(batch + [op.tokens(garbage_rng, 0)], num_tokens)
         lengths = np.diff(cu)[:-1]
         trackers = np.array([[r.slot, r.ring_start, r.committed] for r in rows] + [[0, 0, 0]], np.int32).T
-        flush = np.append(trackers[2, :-1] + lengths > width, False)
+        flush = np.append(trackers[2, :-1] + lengths > (width if window is None else window), False)
         out, pools = op.verify(packed, cu, pools, *trackers, flush)
         for i, row in enumerate(rows):
             n = accepted[i]
@@ -83,20 +87,20 @@ def run_steps(op, rows, pools, width, max_drafts, num_steps, rng, garbage_rng, n
     return pools
 
 
-def simulate(op, width, max_drafts, seed, garbage_seed, steps):
+def simulate(op, width, max_drafts, seed, garbage_seed, steps, window=None):
     """`run_steps` over NUM_ROWS rows in random running slots; returns (rows, final pools, initial pools)."""
     rng = np.random.default_rng(seed)
     pools = op.make_pools(width, rng)
     initial = [p.copy() for p in pools]
     slots = rng.permutation(np.arange(1, op.num_slots))  # random running slots; the ones left over get materialisations
     rows = [Row(slot=int(s), stream=op.tokens(rng, STREAM)) for s in slots[:NUM_ROWS]]
-    pools = run_steps(op, rows, pools, width, max_drafts, steps, rng, np.random.default_rng(garbage_seed), NUM_TOKENS)
+    pools = run_steps(op, rows, pools, width, max_drafts, steps, rng, np.random.default_rng(garbage_seed), NUM_TOKENS,
+                      window)
     return rows, [np.asarray(p) for p in pools], initial
 
 
-def check_verify_matches_recurrent_decoding(op, max_drafts, seed, data):
-    width = 4
-    rows, pools, initial = simulate(op, width, max_drafts, seed, seed + 1, steps=3 * width + 2)
+def check_verify_matches_recurrent_decoding(op, max_drafts, seed, data, width=4, window=None):
+    rows, pools, initial = simulate(op, width, max_drafts, seed, seed + 1, steps=3 * width + 2, window=window)
     for row in rows:
         out_ref, _ = op.oracle(row.stream, initial[0][row.slot], STREAM)
         for position, out in row.outputs:
@@ -115,6 +119,14 @@ def check_verify_matches_recurrent_decoding(op, max_drafts, seed, data):
     np.testing.assert_array_equal(np.delete(out, free, axis=0), np.delete(pools[0], free, axis=0))
     for pool in pools:
         assert not pool[0].any()  # null slot never written
+
+
+def check_the_engines_static_bounds_change_nothing(make_op, window, max_drafts, seed, data):
+    """The engine's ring (E = W + 1 + K rows, a flush at committed + T > W) with the static bounds the model
+    passes, max_query_len = 1 + K and `scheduler.replay.max_committed`: no row needs a step or a fold past them."""
+    width = ring_rows(window, max_drafts)
+    op = make_op(max_query_len=1 + max_drafts, max_committed=max_committed(width, max_drafts))
+    check_verify_matches_recurrent_decoding(op, max_drafts, seed, data, width=width, window=window)
 
 
 def check_ring_wraps_and_rejected_entries_do_not_matter(op):

@@ -52,7 +52,8 @@ class SsdReplay(replay_sim.ReplayOp):
     def verify(self, packed, cu, pools, slots, ring_start, committed, flush):
         x, dt, b, c = packed
         y, *pools = ssd_verify(x, dt, A, b, c, D, cu, *pools, slots, ring_start, committed, flush,
-                             max_query_len=self.max_query_len, backend=self.backend)
+                             max_query_len=self.max_query_len, max_committed=self.max_committed,
+                             backend=self.backend)
         return y, pools
 
     def decode(self, packed, cu, state_pool, slots):
@@ -60,4 +61,5 @@ class SsdReplay(replay_sim.ReplayOp):
         return ssd_decode(x, dt, A, b, c, D, cu, state_pool, slots, backend=self.backend)
 
     def materialise(self, pools, src, dst, ring_start, num_entries):
-        return ssd_materialise(*pools, A, src, dst, ring_start, num_entries, backend=self.backend)
+        return ssd_materialise(*pools, A, src, dst, ring_start, num_entries,
+                               max_committed=self.max_committed, backend=self.backend)

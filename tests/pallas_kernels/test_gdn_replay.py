@@ -12,12 +12,10 @@ def test_verify_matches_recurrent_decoding(max_drafts, seed, data):
     replay_sim.check_verify_matches_recurrent_decoding(GdnReplay(), max_drafts, seed, data)
 
 
-@settings(max_examples=4, deadline=None)
-@given(max_drafts=st.integers(0, 3), seed=st.integers(0, 2**16), data=st.data())
-def test_a_tight_query_bound_changes_nothing(max_drafts, seed, data):
-    """The model passes max_query_len = 1 + K (a row's most tokens) so the reference steps no further."""
-    op = GdnReplay(max_query_len=1 + max_drafts)
-    replay_sim.check_verify_matches_recurrent_decoding(op, max_drafts, seed, data)
+@settings(max_examples=6, deadline=None)
+@given(window=st.integers(1, 4), max_drafts=st.integers(0, 3), seed=st.integers(0, 2**16), data=st.data())
+def test_the_engines_static_bounds_change_nothing(window, max_drafts, seed, data):
+    replay_sim.check_the_engines_static_bounds_change_nothing(GdnReplay, window, max_drafts, seed, data)
 
 
 def test_ring_wraps_and_rejected_entries_do_not_matter():

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from scheduler.replay import commit, crossed_boundary, flush_flags, materialize_count, ring_rows
+from scheduler.replay import commit, crossed_boundary, flush_flags, materialize_count, max_committed, ring_rows
 from scheduler.sim.invariants import check_drained
 from scheduler.slots import SlotKind
 from tests.scheduler.helpers import Driver, make_config, request
@@ -32,6 +34,22 @@ def test_f3_flush_folds_committed_entries_and_moves_the_origin():
 
 def test_ring_rows_fit_a_flushing_verify_step():
     assert ring_rows(16, 0) == 17 and ring_rows(16, 3) == 20
+
+
+@settings(max_examples=50, deadline=None)
+@given(window=st.integers(1, 8), k=st.integers(0, 4), accepted=st.lists(st.integers(0, 4), min_size=1, max_size=30))
+def test_committed_entries_never_pass_the_folds_bound(window, k, accepted):
+    rows = ring_rows(window, k)
+    bound, start, committed, most = max_committed(rows, k), 0, 0, 0
+    for drafts_accepted in accepted:
+        most = max(most, committed)
+        flush = flush_flags(np.array([committed]), 1 + k, window)
+        new_start, new_committed = commit(np.array([start]), np.array([committed]), flush,
+                                          np.array([1 + min(drafts_accepted, k)]), rows)
+        start, committed = int(new_start[0]), int(new_committed[0])
+    assert max(most, committed) <= bound
+    if all(a >= k for a in accepted) and len(accepted) > window:  # every draft accepted: the bound is reached
+        assert max(most, committed) == bound
 
 
 def test_w1_flushes_every_step_after_the_first():
