@@ -106,6 +106,26 @@ def fold_ring(advance: Callable, state: jax.Array, rings: tuple[jax.Array, ...],
     return state
 
 
+# A block of rows' states that stays in a core's cache (L2 is 1 MiB on the EPYC we measure) between the ops of
+# `in_row_blocks`.
+ROW_BLOCK_BYTES = 2**20
+
+
+def in_row_blocks(fn: Callable, pool: Any, per_row: tuple[jax.Array, ...], row_bytes: int) -> tuple[Any, Any]:
+    """(pool, outs) <- fn(pool, *block) over blocks of the [R, ...] `per_row` arrays, in a loop carrying the pool
+    (updated in place) and stacking the blocks' outputs back to [R, ...].
+
+    Whole-batch ops over the states read and write every state from memory once per op; a block of about
+    `ROW_BLOCK_BYTES` of states (`row_bytes` each) stays in cache from its gather through its scatter. On XLA:CPU
+    this took a batch-64 decode step of the vs_vllm model from 42-44 to 33-36 ms.
+    """
+    rows = per_row[0].shape[0]
+    block = math.gcd(rows, max(1, ROW_BLOCK_BYTES // row_bytes))
+    blocks = [x.reshape(rows // block, block, *x.shape[1:]) for x in per_row]
+    pool, outs = jax.lax.scan(lambda pool, xs: fn(pool, *xs), pool, blocks)
+    return pool, jax.tree.map(lambda y: y.reshape(rows, *y.shape[2:]), outs)
+
+
 def check_rows(cu_seqlens: jax.Array, per_row: jax.Array, name: str) -> None:
     """Raise unless `per_row` has one entry per row of `cu_seqlens: [R+1]`."""
     if per_row.shape[0] != cu_seqlens.shape[0] - 1:

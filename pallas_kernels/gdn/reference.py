@@ -19,6 +19,7 @@ from pallas_kernels.common import (
     fold_ring,
     gather_chunks,
     gather_slots,
+    in_row_blocks,
     repeat_heads,
     rows_to_dense,
     scatter_chunks,
@@ -45,9 +46,10 @@ def normalise_qk(q, k, scale, use_qk_l2norm):
     return q * scale, k
 
 
-# The barriers pin the state update (and the read-out's two terms) to separately rounded mul, mul, add: XLA
-# may otherwise contract them into FMAs differently in different programs, and ReplaySSM with W = 1 must
-# reproduce plain decoding bit for bit.
+# The barriers pin the state update (and the read-out's terms) to separately rounded mul, mul, add: XLA may
+# otherwise contract them into FMAs differently in different programs, and ReplaySSM with W = 1 must
+# reproduce plain decoding bit for bit. The reads are sums of products, not dots, for the same reason:
+# XLA:CPU's dots round differently with the batch's size, and `in_row_blocks` makes blocks of other sizes.
 _pin = jax.lax.optimization_barrier
 
 
@@ -69,9 +71,9 @@ def recurrent_step(state, q, k, v, g, beta):
     read-out S'^T q = e^g S^T q + (k . q) delta. So a row's last state is only computed when it is kept.
     """
     decay_g = _pin(jnp.exp(g))[:, None]
-    reads = jnp.einsum("hkv,hck->hcv", state, jnp.stack([k, q], axis=1), precision=HIGHEST)
+    reads = jnp.sum(state[:, None] * jnp.stack([k, q], axis=1)[..., None], axis=2)
     delta = beta[:, None] * (v - _pin(decay_g * reads[:, 0]))
-    k_dot_q = jnp.einsum("hk,hk->h", k, q, precision=HIGHEST)[:, None]
+    k_dot_q = jnp.sum(k * q, axis=-1, keepdims=True)
     return write(decay(state, g), k, delta), _pin(decay_g * reads[:, 1]) + _pin(k_dot_q * delta), delta
 
 
@@ -278,9 +280,15 @@ def gdn_decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, *, scale=None, u
     check_rows(cu_seqlens, slots, "slots")
     qd, kd, _, vd, gd, bd = _dense_inputs(q, k, v, g, beta, cu_seqlens, 1, state_pool.shape[1], scale, use_qk_l2norm)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    # The same pinned ops as a ReplaySSM fold (`decay`, `write`), so W = 1 replay is bit-identical.
-    o, _, state, _ = jax.vmap(_decode_row)(state_pool[slots].astype(jnp.float32), qd, kd, vd, gd, bd, lengths)
-    return dense_to_rows(o, cu_seqlens, q.shape[0]).astype(v.dtype), scatter_slots(state_pool, slots, state)
+
+    def rows(pool, slots, *tokens):
+        o, _, state, _ = jax.vmap(_decode_row)(pool[slots].astype(jnp.float32), *tokens)
+        return scatter_slots(pool, slots, state), o
+
+    # The same pinned ops as a ReplaySSM fold (`decay`, `write`), in the same blocks of rows, so W = 1 replay is
+    # bit-identical.
+    state_pool, o = in_row_blocks(rows, state_pool, (slots, qd, kd, vd, gd, bd, lengths), state_pool[0].nbytes)
+    return dense_to_rows(o, cu_seqlens, q.shape[0]).astype(v.dtype), state_pool
 
 
 @functools.partial(
@@ -297,12 +305,17 @@ def gdn_verify(
     width, num_heads = max_query_len or ring_g.shape[2], state_pool.shape[1]
     qd, kd, k_heads, vd, gd, bd = _dense_inputs(q, k, v, g, beta, cu_seqlens, width, num_heads, scale, use_qk_l2norm)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    rk, ru, rg = ring_k[slots], ring_u[slots], ring_g[slots]
-    state0 = state_pool[slots].astype(jnp.float32)
-    checkpoint = _fold_rows(ring_g.shape[2], max_committed)(state0, rk, ru, rg, ring_start, committed)
-    o, delta, _, _ = jax.vmap(_decode_row)(checkpoint, qd, kd, vd, gd, bd, lengths)
-    # Only a flush writes the state: S0 <- S0 advanced by the committed entries.
-    state_pool = scatter_slots(state_pool, jnp.where(flush, slots, 0), checkpoint)
+    fold = _fold_rows(ring_g.shape[2], max_committed)
+
+    def rows(pool, slots, ring_start, committed, flush, *tokens):
+        checkpoint = fold(pool[slots].astype(jnp.float32), ring_k[slots], ring_u[slots], ring_g[slots], ring_start,
+                          committed)
+        o, delta, _, _ = jax.vmap(_decode_row)(checkpoint, *tokens)
+        # Only a flush writes the state: S0 <- S0 advanced by the committed entries.
+        return scatter_slots(pool, jnp.where(flush, slots, 0), checkpoint), (o, delta)
+
+    per_row = (slots, ring_start, committed, flush, qd, kd, vd, gd, bd, lengths)
+    state_pool, (o, delta) = in_row_blocks(rows, state_pool, per_row, state_pool[0].nbytes)
     rings = append_dense_rows((ring_k, ring_u, ring_g), (k_heads, delta, gd), slots, ring_start, committed, lengths)
     return dense_to_rows(o, cu_seqlens, q.shape[0]).astype(v.dtype), state_pool, *rings
 

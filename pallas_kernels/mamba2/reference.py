@@ -19,6 +19,7 @@ from pallas_kernels.common import (
     fold_ring,
     gather_chunks,
     gather_slots,
+    in_row_blocks,
     repeat_heads,
     rows_to_dense,
     scatter_chunks,
@@ -32,7 +33,8 @@ from pallas_kernels.common import (
 
 # The barriers pin the state update (and the read-out's terms) to separately rounded mul, mul, add: XLA may
 # otherwise contract them into FMAs differently in different programs, and ReplaySSM with W = 1 must
-# reproduce plain decoding bit for bit.
+# reproduce plain decoding bit for bit. The reads are sums of products, not dots, for the same reason:
+# XLA:CPU's dots round differently with the batch's size, and `in_row_blocks` makes blocks of other sizes.
 _pin = jax.lax.optimization_barrier
 
 
@@ -48,8 +50,8 @@ def recurrent_step(state, x, dt, a, b, c, d):
     The read-out uses the state before the token: h' c = e^{dt a} h c + (dt x)(b . c). So a row's last state is
     only computed when it is kept.
     """
-    read = jnp.einsum("hps,hs->hp", state, c, precision=HIGHEST)
-    b_dot_c = jnp.einsum("hs,hs->h", b, c, precision=HIGHEST)[:, None]
+    read = jnp.sum(state * c[:, None, :], axis=-1)
+    b_dot_c = jnp.sum(b * c, axis=-1, keepdims=True)
     y = _pin(_pin(jnp.exp(dt * a))[:, None] * read) + _pin(dt[:, None] * x * b_dot_c)
     return advance(state, x, dt, a, b), y + _pin(d[:, None] * x)
 
@@ -227,10 +229,16 @@ def ssd_decode(x, dt, A, B, C, D, cu_seqlens, state_pool, slots):
     xd, dtd, bd, cd, _ = _dense_inputs(x, dt, B, C, cu_seqlens, 1, state_pool.shape[1])
     a, d = _f32(A, D)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    # The same pinned ops as a ReplaySSM fold (`advance`), so W = 1 replay is bit-identical.
     decode = jax.vmap(_decode_row, (0, 0, 0, None, 0, 0, None, 0))
-    y, state, _ = decode(state_pool[slots].astype(jnp.float32), xd, dtd, a, bd, cd, d, lengths)
-    return dense_to_rows(y, cu_seqlens, x.shape[0]).astype(x.dtype), scatter_slots(state_pool, slots, state)
+
+    def rows(pool, slots, x, dt, b, c, length):
+        y, state, _ = decode(pool[slots].astype(jnp.float32), x, dt, a, b, c, d, length)
+        return scatter_slots(pool, slots, state), y
+
+    # The same pinned ops as a ReplaySSM fold (`advance`), in the same blocks of rows, so W = 1 replay is
+    # bit-identical.
+    state_pool, y = in_row_blocks(rows, state_pool, (slots, xd, dtd, bd, cd, lengths), state_pool[0].nbytes)
+    return dense_to_rows(y, cu_seqlens, x.shape[0]).astype(x.dtype), state_pool
 
 
 @functools.partial(jax.jit, static_argnames=("max_query_len", "max_committed"),
@@ -243,12 +251,18 @@ def ssd_verify(x, dt, A, B, C, D, cu_seqlens, state_pool, ring_x, ring_dt, ring_
     xd, dtd, bd, cd, b_groups = _dense_inputs(x, dt, B, C, cu_seqlens, width, num_heads)
     a, d = _f32(A, D)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    rx, rdt, rb = ring_x[slots], ring_dt[slots], ring_B[slots]
     fold = _fold_rows(ring_dt.shape[2], max_committed)
-    checkpoint = fold(state_pool[slots].astype(jnp.float32), rx, rdt, rb, a, ring_start, committed)
-    y, _, _ = jax.vmap(_decode_row, (0, 0, 0, None, 0, 0, None, 0))(checkpoint, xd, dtd, a, bd, cd, d, lengths)
-    # Only a flush writes the state: S0 <- S0 advanced by the committed entries.
-    state_pool = scatter_slots(state_pool, jnp.where(flush, slots, 0), checkpoint)
+    decode = jax.vmap(_decode_row, (0, 0, 0, None, 0, 0, None, 0))
+
+    def rows(pool, slots, ring_start, committed, flush, x, dt, b, c, length):
+        checkpoint = fold(pool[slots].astype(jnp.float32), ring_x[slots], ring_dt[slots], ring_B[slots], a, ring_start,
+                          committed)
+        y, _, _ = decode(checkpoint, x, dt, a, b, c, d, length)
+        # Only a flush writes the state: S0 <- S0 advanced by the committed entries.
+        return scatter_slots(pool, jnp.where(flush, slots, 0), checkpoint), y
+
+    per_row = (slots, ring_start, committed, flush, xd, dtd, bd, cd, lengths)
+    state_pool, y = in_row_blocks(rows, state_pool, per_row, state_pool[0].nbytes)
     rings = append_dense_rows((ring_x, ring_dt, ring_B), (xd, dtd, b_groups), slots, ring_start, committed, lengths)
     return dense_to_rows(y, cu_seqlens, x.shape[0]).astype(x.dtype), state_pool, *rings
 
