@@ -156,12 +156,12 @@ def speculative_tokens(speculative_config: dict | None) -> int:
     return k
 
 
-# What the programs start with differently from `LLM`. A server compiles every bucket before it listens, so it
-# takes fewer, coarser buckets (`LLM` compiles only the buckets it meets, and finer ones pad less), and it is
-# restarted often, so it keeps compiled steps on disk (`LLM` leaves its process's JAX cache settings alone).
+# What the programs start with differently from `LLM`. A server compiles every bucket before it listens (`LLM`
+# compiles only the buckets it meets), and it is restarted often, so it keeps compiled steps on disk (`LLM` leaves
+# its process's JAX cache settings alone). Its ladders are as fine as `LLM`'s: a batch of 16 decode rows in a
+# 32-token bucket took 20.5 ms a step against 14.9 in a 16-token one.
 CLI_DEFAULTS = {
     "precompile": True,
-    "bucket_growth": 4,
     "compilation_cache_dir": str(Path.home() / ".cache" / "jaxhybrid" / "xla"),
 }
 FIELDS = {field.name: field for field in dataclasses.fields(EngineArgs)}

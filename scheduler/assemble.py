@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from scheduler.buckets import pick_bucket
+from scheduler.buckets import pick_bucket, step_buckets
 from scheduler.config import SchedulerConfig
 from scheduler.journal import frozen
 from scheduler.plan import BatchPlan, RowKind
@@ -64,7 +64,9 @@ def assemble(cfg: SchedulerConfig, step_id: int, decode: DecodeBatch, prefills: 
     prefills = sorted(prefills, key=lambda p: p.phase)  # stable
     n, q = len(decode.rows), 1 + cfg.num_spec_tokens
     row_ids = np.concatenate([decode.rows, [p.row for p in prefills]]).astype(np.int64)  # owned, not a view
-    rows_b = pick_bucket(cfg.row_buckets, max(len(row_ids), *map(len, copies)))
+    num_tokens = n * q + sum(len(p.token_ids) for p in prefills)
+    num_logits = n * q + sum(p.num_logits for p in prefills)
+    tokens_b, rows_b, logits_b = step_buckets(cfg, num_tokens, max(len(row_ids), *map(len, copies)), num_logits)
     ints = np.zeros((len(_ROW_FIELDS) + len(_COPY_FIELDS), rows_b), np.int32)
     ints[:2, :n] = q
     ints[2:6, :n] = decode.cols[_FROM_COLUMNS]
@@ -74,16 +76,16 @@ def assemble(cfg: SchedulerConfig, step_id: int, decode: DecodeBatch, prefills: 
     _fill_copies(ints[len(_ROW_FIELDS):], copies)
     cu_seqlens = np.zeros(rows_b + 1, np.int32)
     ints[0].cumsum(out=cu_seqlens[1:])
-    tokens = _token_fields(cfg, decode, prefills, row_ids, cu_seqlens, block_table)
+    tokens = _token_fields(cfg, decode, prefills, row_ids, cu_seqlens, block_table, tokens_b)
     table = _block_table(cfg, row_ids, block_table, num_blocks, rows_b)
     fields = dict(zip(_ROW_FIELDS + _COPY_FIELDS, frozen(ints), strict=True))  # views of a frozen buffer
     data = np.zeros((rows_b, row_data.shape[1]), np.uint8)
     data[:len(row_ids)] = row_data[row_ids]
-    return BatchPlan(step_id=step_id, num_rows=len(row_ids), num_tokens=int(cu_seqlens[len(row_ids)]),
+    return BatchPlan(step_id=step_id, num_rows=len(row_ids), num_tokens=num_tokens,
                      request_ids=tuple(decode.request_ids) + tuple(p.request_id for p in prefills),
                      row_ids=frozen(row_ids), cu_seqlens=frozen(cu_seqlens), block_table=frozen(table),
                      row_data=frozen(data), **_row_flags(cfg, decode, prefills, rows_b), **tokens,
-                     **_logits_fields(cfg, ints[1], cu_seqlens), **_draft_fields(cfg, decode, prefills, rows_b),
+                     **_logits_fields(ints[1], cu_seqlens, logits_b), **_draft_fields(cfg, decode, prefills, rows_b),
                      **fields,
                      **{f"num_{name}": len(c) for name, c in zip(
                          ("hit_copies", "pair_copies", "publishes", "materializations"), copies, strict=True)})
@@ -129,10 +131,10 @@ def _fill_copies(fields: np.ndarray, copies: Copies) -> None:
 
 
 def _token_fields(cfg: SchedulerConfig, decode: DecodeBatch, prefills: list[PrefillRow], row_ids: np.ndarray,
-                  cu_seqlens: np.ndarray, block_table: np.ndarray) -> dict:
+                  cu_seqlens: np.ndarray, block_table: np.ndarray, bucket: int) -> dict:
     n, q, size = len(decode.rows), 1 + cfg.num_spec_tokens, cfg.block_size
     num_tokens = int(cu_seqlens[len(row_ids)])
-    buffer = np.zeros((3, pick_bucket(cfg.token_buckets, num_tokens)), np.int32)
+    buffer = np.zeros((3, bucket), np.int32)
     token_ids, positions, slot_mapping = buffer[:, :n * q].reshape(3, n, q)  # the decode rows' tokens
     token_ids[:, 0] = decode.cols[LAST_TOKEN]
     token_ids[:, 1:] = decode.drafts
@@ -157,14 +159,14 @@ def _kv_write_slots(block_table: np.ndarray, rows: np.ndarray, positions: np.nda
     return block_table.take(rows * block_table.shape[1] + block) * size + offset
 
 
-def _logits_fields(cfg: SchedulerConfig, num_logits: np.ndarray, cu_seqlens: np.ndarray) -> dict:
+def _logits_fields(num_logits: np.ndarray, cu_seqlens: np.ndarray, bucket: int) -> dict:
     """Row r asks for the logits of its last num_logits[r] tokens: entries cu_logits[r]..cu_logits[r+1]
     of the flat, bucket-padded `logits_indices` (packed token indices)."""
     cu_logits = np.zeros(len(num_logits) + 1, np.int32)
     num_logits.cumsum(out=cu_logits[1:])
     total = int(cu_logits[-1])
     owner = np.repeat(np.arange(len(num_logits), dtype=np.int32) + 1, num_logits)  # row r + 1 of each logit
-    indices = np.zeros(pick_bucket(cfg.logits_buckets, total), np.int32)
+    indices = np.zeros(bucket, np.int32)
     indices[:total] = cu_seqlens[owner] - cu_logits[owner] + np.arange(total, dtype=np.int32)
     return dict(logits_indices=frozen(indices), cu_logits=frozen(cu_logits))
 

@@ -3,24 +3,18 @@
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
 import numpy as np
 
 from scheduler import BatchPlan, SchedulerConfig
+from scheduler.buckets import bucket_shapes
 
 
 def plan_shapes(config: SchedulerConfig) -> list[tuple[int, int, int, int]]:
-    """Every (T, R, B, L) bucket a plan can have: the ladders' product, with no logits bucket beyond the
-    first that holds T logits (a step has at most one logit per token)."""
-    shapes = []
-    for tokens in config.token_buckets:
-        logits = [b for b in config.logits_buckets if b < tokens]
-        logits += [b for b in config.logits_buckets if b >= tokens][:1]
-        shapes += [(tokens, *rest) for rest in itertools.product(config.row_buckets, config.block_table_buckets,
-                                                                   logits)]
-    return shapes
+    """Every (T, R, B, L) bucket a plan can have: `scheduler.buckets.bucket_shapes` with each block-table width."""
+    return [(tokens, rows, width, logits) for tokens, rows, logits in bucket_shapes(config)
+            for width in config.block_table_buckets]
 
 
 def memory_maps() -> tuple[int, int] | None:

@@ -48,8 +48,19 @@ def test_committed_entries_never_pass_the_folds_bound(window, k, accepted):
                                           np.array([1 + min(drafts_accepted, k)]), rows)
         start, committed = int(new_start[0]), int(new_committed[0])
     assert max(most, committed) <= bound
-    if all(a >= k for a in accepted) and len(accepted) > window:  # every draft accepted: the bound is reached
-        assert max(most, committed) == bound
+
+
+@pytest.mark.parametrize("window, k", [(4, 0), (1, 3)])
+def test_the_folds_bound_is_reached(window, k):
+    """W single tokens without a flush, or one flush that accepts every draft."""
+    start, committed, most = 0, 0, 0
+    for _ in range(window + 1):
+        flush = flush_flags(np.array([committed]), 1 + k, window)
+        new_start, new_committed = commit(np.array([start]), np.array([committed]), flush, np.array([1 + k]),
+                                          ring_rows(window, k))
+        start, committed = int(new_start[0]), int(new_committed[0])
+        most = max(most, committed)
+    assert most == max_committed(ring_rows(window, k), k)
 
 
 def test_w1_flushes_every_step_after_the_first():
