@@ -117,7 +117,7 @@ def in_row_blocks(fn: Callable, pool: Any, per_row: tuple[jax.Array, ...], row_b
 
     Whole-batch ops over the states read and write every state from memory once per op; a block of about
     `ROW_BLOCK_BYTES` of states (`row_bytes` each) stays in cache from its gather through its scatter. On XLA:CPU
-    this took a batch-64 decode step of the vs_vllm model from 42-44 to 33-36 ms.
+    this took a batch-64 decode step of the vs_vllm model from 42-44 to 32-36 ms.
     """
     rows = per_row[0].shape[0]
     block = math.gcd(rows, max(1, ROW_BLOCK_BYTES // row_bytes))
