@@ -76,7 +76,7 @@ def assemble(cfg: SchedulerConfig, step_id: int, decode: DecodeBatch, prefills: 
     _fill_copies(ints[len(_ROW_FIELDS):], copies)
     cu_seqlens = np.zeros(rows_b + 1, np.int32)
     ints[0].cumsum(out=cu_seqlens[1:])
-    tokens = _token_fields(cfg, decode, prefills, row_ids, cu_seqlens, block_table, tokens_b)
+    tokens = _token_fields(cfg, decode, prefills, row_ids, cu_seqlens, block_table, num_tokens, tokens_b)
     table = _block_table(cfg, row_ids, block_table, num_blocks, rows_b)
     fields = dict(zip(_ROW_FIELDS + _COPY_FIELDS, frozen(ints), strict=True))  # views of a frozen buffer
     data = np.zeros((rows_b, row_data.shape[1]), np.uint8)
@@ -131,9 +131,8 @@ def _fill_copies(fields: np.ndarray, copies: Copies) -> None:
 
 
 def _token_fields(cfg: SchedulerConfig, decode: DecodeBatch, prefills: list[PrefillRow], row_ids: np.ndarray,
-                  cu_seqlens: np.ndarray, block_table: np.ndarray, bucket: int) -> dict:
+                  cu_seqlens: np.ndarray, block_table: np.ndarray, num_tokens: int, bucket: int) -> dict:
     n, q, size = len(decode.rows), 1 + cfg.num_spec_tokens, cfg.block_size
-    num_tokens = int(cu_seqlens[len(row_ids)])
     buffer = np.zeros((3, bucket), np.int32)
     token_ids, positions, slot_mapping = buffer[:, :n * q].reshape(3, n, q)  # the decode rows' tokens
     token_ids[:, 0] = decode.cols[LAST_TOKEN]
