@@ -262,6 +262,35 @@ def checkpoint_counts(table: ChunkTable, checkpoint_lens: jax.Array, num_rows: i
     return jnp.where((count >= 1) & (count <= table.lengths), count, 0)
 
 
+def carry_chunks(chunk: Callable, table: ChunkTable, initial_state: jax.Array, out: jax.ShapeDtypeStruct,
+                 checkpoint_counts: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Each row's state carried through its chunks in order: `chunk(n, state, count)` -> (chunk n's output, the
+    state after it, the state after its first `count` tokens or None), where `state` is the state before chunk n
+    (the row's initial state at its first chunk) and `count` is chunk n's entry of `checkpoint_counts` (None
+    without checkpoints).
+
+    Only the rows' own chunks run, in a loop as long as they are: the table's padding chunks (at its end, about
+    one per row of the bucket) are skipped, which a scan over the whole table would compute.
+    Returns (outputs [NC, ...] (zeros for padding chunks), final states [R, ...], checkpoint states [R, ...] or
+    None, a row's initial state where it has no checkpoint)."""
+    num_rows = initial_state.shape[0]
+
+    def step(n, carry):
+        state, final, checkpoint, outs = carry
+        row = table.rows[n]
+        state = jnp.where(table.first[n], initial_state[jnp.minimum(row, num_rows - 1)], state)
+        count = None if checkpoint_counts is None else checkpoint_counts[n]
+        output, state, at = chunk(n, state, count)
+        if count is not None:
+            checkpoint = checkpoint.at[jnp.where(count > 0, row, num_rows)].set(at, mode="drop")
+        return state, final.at[row].set(state, mode="drop"), checkpoint, outs.at[n].set(output)
+
+    checkpoint = None if checkpoint_counts is None else initial_state
+    carry = (initial_state[0], initial_state, checkpoint, jnp.zeros(out.shape, out.dtype))
+    _, final, checkpoint, outs = jax.lax.fori_loop(0, jnp.sum(table.rows < num_rows), step, carry)
+    return outs, final, checkpoint
+
+
 def store_prefill_states(pool, cu_seqlens, slots, final, checkpoint_lens, checkpoint_slots, checkpoint):
     """Scatter each row's final state to its slot and, when asked, its checkpoint state to its checkpoint slot."""
     pool = scatter_slots(pool, slots, final)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from pallas_kernels.common import (
     HIGHEST,
     append_dense_rows,
+    carry_chunks,
     check_rows,
     checkpoint_counts,
     chunk_table,
@@ -165,7 +166,6 @@ def _state_at(state, k, v_new, cum, count):
 
 def _chunked(qn, kn, v, g, beta, cu_seqlens, initial_state, chunk_size, checkpoint_lens):
     """Chunked core over f32 [T, HV, ...] inputs; returns (o [T, HV, V] f32, final, checkpoint or None)."""
-    num_rows = initial_state.shape[0]
     table = chunk_table(cu_seqlens, qn.shape[0], chunk_size)
 
     def chunks(x):  # [T, HV, ...] -> [NC, HV, C, ...]
@@ -174,30 +174,23 @@ def _chunked(qn, kn, v, g, beta, cu_seqlens, initial_state, chunk_size, checkpoi
     qc, kc, vc, gc, bc = chunks(qn), chunks(kn), chunks(v), chunks(g), chunks(beta)
     cum, gamma = chunk_decays(gc)
     u, w = _wy_transform(kc, vc, bc, cum, gamma)
-    q_decayed = qc * jnp.exp(cum)[..., None]
+    # All that does not need the state, for every chunk at once; the loop is left with three dots a chunk.
+    reads = jnp.concatenate([w, qc * jnp.exp(cum)[..., None]], axis=-2)  # [NC, HV, 2C, K]: W S, then Q e^G S
     qk = jnp.einsum("nhik,nhjk->nhij", qc, kc, precision=HIGHEST) * gamma
-    ckpt_count = jnp.zeros_like(table.rows)
-    if checkpoint_lens is not None:
-        ckpt_count = checkpoint_counts(table, checkpoint_lens, num_rows)
+    total = cum[..., -1]  # padded positions have g = 0: the chunk's total decay
+    writes = jnp.swapaxes(kc * jnp.exp(total[..., None] - cum)[..., None], -1, -2)  # [NC, HV, K, C]
 
-    def step(carry, xs):
-        state, final, ckpt = carry
-        row, first, count, k_n, cum_n, u_n, w_n, qd_n, qk_n = xs
-        state = jnp.where(first, initial_state[jnp.minimum(row, num_rows - 1)], state)
-        v_new = u_n - jnp.einsum("hck,hkv->hcv", w_n, state, precision=HIGHEST)
-        o = jnp.einsum("hck,hkv->hcv", qd_n, state, precision=HIGHEST)
-        o = o + jnp.einsum("hij,hjv->hiv", qk_n, v_new, precision=HIGHEST)
-        if checkpoint_lens is not None:
-            at = _state_at(state, k_n, v_new, cum_n, count)
-            ckpt = ckpt.at[jnp.where(count > 0, row, num_rows)].set(at, mode="drop")
-        # Padded positions have g = 0, so the last entry of G is the chunk's total decay.
-        state = _state_at(state, k_n, v_new, cum_n, cum_n.shape[-1])
-        return (state, final.at[row].set(state, mode="drop"), ckpt), o
+    def chunk(n, state, count):
+        read = jnp.einsum("hck,hkv->hcv", reads[n], state, precision=HIGHEST)
+        v_new = u[n] - read[:, :chunk_size]
+        o = read[:, chunk_size:] + jnp.einsum("hij,hjv->hiv", qk[n], v_new, precision=HIGHEST)
+        after = decay(state, total[n]) + jnp.einsum("hkc,hcv->hkv", writes[n], v_new, precision=HIGHEST)
+        return o, after, None if count is None else _state_at(state, kc[n], v_new, cum[n], count)
 
-    xs = (table.rows, table.first, ckpt_count, kc, cum, u, w, q_decayed, qk)
-    ckpt0 = initial_state if checkpoint_lens is not None else None  # checkpoint_lens == 0 -> start state
-    (_, final, ckpt), o = jax.lax.scan(step, (initial_state[0], initial_state, ckpt0), xs)
-    return scatter_chunks(jnp.moveaxis(o, 1, 2), table), final, ckpt
+    counts = None if checkpoint_lens is None else checkpoint_counts(table, checkpoint_lens, initial_state.shape[0])
+    o, final, checkpoint = carry_chunks(chunk, table, initial_state, jax.ShapeDtypeStruct(u.shape, jnp.float32),
+                                        counts)
+    return scatter_chunks(jnp.moveaxis(o, 1, 2), table), final, checkpoint
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "chunk_size"))

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from pallas_kernels.common import (
     HIGHEST,
     append_dense_rows,
+    carry_chunks,
     check_rows,
     checkpoint_counts,
     chunk_table,
@@ -119,7 +120,6 @@ def _y_diag(xdt, b, c, cum):
 
 def _chunked(x, dt, a, b, c, cu_seqlens, initial_state, chunk_size, checkpoint_lens):
     """Chunked core over f32 inputs (b, c groups expanded); returns (y without D x, final, checkpoint)."""
-    num_rows = initial_state.shape[0]
     table = chunk_table(cu_seqlens, x.shape[0], chunk_size)
 
     def chunks(v):  # [T, NH, ...] -> [NC, NH, C, ...]
@@ -130,26 +130,20 @@ def _chunked(x, dt, a, b, c, cu_seqlens, initial_state, chunk_size, checkpoint_l
     cum = jnp.cumsum(dtc * a[:, None], axis=-1)
     y_diag = _y_diag(xdt, bc, cc, cum)
     c_decayed = cc * jnp.exp(cum)[..., None]
-    ckpt_count = jnp.zeros_like(table.rows)
-    if checkpoint_lens is not None:
-        ckpt_count = checkpoint_counts(table, checkpoint_lens, num_rows)
+    # All that does not need the state, for every chunk at once; the loop is left with two dots a chunk.
+    total = cum[..., -1]  # padded positions have dt = 0: the chunk's total decay
+    writes = jnp.swapaxes(xdt * jnp.exp(total[..., None] - cum)[..., None], -1, -2)  # [NC, NH, P, C]
 
-    def step(carry, xs):
-        state, final, ckpt = carry
-        row, first, count, cd_n, cum_n, xdt_n, b_n = xs
-        state = jnp.where(first, initial_state[jnp.minimum(row, num_rows - 1)], state)
-        y_off = jnp.einsum("hps,hcs->hcp", state, cd_n, precision=HIGHEST)
-        if checkpoint_lens is not None:
-            at = _state_at(state, xdt_n, b_n, cum_n, count)
-            ckpt = ckpt.at[jnp.where(count > 0, row, num_rows)].set(at, mode="drop")
-        # Padded positions have dt = 0, so the last cumsum entry is the chunk's total decay.
-        state = _state_at(state, xdt_n, b_n, cum_n, cum_n.shape[-1])
-        return (state, final.at[row].set(state, mode="drop"), ckpt), y_off
+    def chunk(n, state, count):
+        y_off = jnp.einsum("hps,hcs->hcp", state, c_decayed[n], precision=HIGHEST)
+        after = jnp.exp(total[n])[:, None, None] * state + jnp.einsum("hpc,hcs->hps", writes[n], bc[n],
+                                                                         precision=HIGHEST)
+        return y_off, after, None if count is None else _state_at(state, xdt[n], bc[n], cum[n], count)
 
-    xs = (table.rows, table.first, ckpt_count, c_decayed, cum, xdt, bc)
-    ckpt0 = initial_state if checkpoint_lens is not None else None  # checkpoint_lens == 0 -> start state
-    (_, final, ckpt), y_off = jax.lax.scan(step, (initial_state[0], initial_state, ckpt0), xs)
-    return scatter_chunks(jnp.moveaxis(y_diag + y_off, 1, 2), table), final, ckpt
+    counts = None if checkpoint_lens is None else checkpoint_counts(table, checkpoint_lens, initial_state.shape[0])
+    y_off, final, checkpoint = carry_chunks(chunk, table, initial_state,
+                                            jax.ShapeDtypeStruct(y_diag.shape, jnp.float32), counts)
+    return scatter_chunks(jnp.moveaxis(y_diag + y_off, 1, 2), table), final, checkpoint
 
 
 def _expand_groups(B, C, num_heads):
