@@ -53,7 +53,8 @@ def scoring_requests(llm: LLM, prompt: str | list[int], candidates: list, top_lo
     unit = llm.config.hash_unit
     # the checkpoint stays before the prompt's last token: that token's logits score every first token
     checkpoint = (len(context) - 1) // unit * unit if reuse else 0
-    params = SamplingParams(max_tokens=0, prompt_logprobs=top_logprobs or 0)
+    # greedy: no token is drawn (max_tokens 0), so the step need not prepare a draw
+    params = SamplingParams(max_tokens=0, temperature=0, prompt_logprobs=top_logprobs or 0)
     requests = []
     for i, candidate in enumerate(candidates):
         tokens = context + _tokens(llm, candidate, f"candidates[{i}]")

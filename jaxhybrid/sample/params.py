@@ -126,9 +126,10 @@ class SamplingParams:
 
     def row_data(self, seed: int, prompt_len: int) -> bytes:
         """The device's per-row record; `seed` is this request's own (drawn by the engine when None)."""
+        asked = [n for n in (self.logprobs, self.prompt_logprobs) if n is not None]
+        top = max((n if n >= 0 else 2**30 for n in asked), default=-1)  # -1 asks for the whole vocabulary
         return pack_row(self.temperature, self.top_p, max(self.top_k, 0), self.min_p, self.repetition_penalty,
-                        self.presence_penalty, self.frequency_penalty, seed,
-                        self.logprobs is not None or self.prompt_logprobs is not None, prompt_len, self.min_tokens)
+                        self.presence_penalty, self.frequency_penalty, seed, 1 + top, prompt_len, self.min_tokens)
 
     def has_constraints(self) -> bool:
         """Whether the device applies constraint entries for this request (`sampling.Constraint`)."""

@@ -62,7 +62,9 @@ def sample_rows(logits: jax.Array, plan: DevicePlan, rows: SamplingRows, history
     entry = jnp.clip(first[:, None] + jnp.arange(1 + k), 0, logits.shape[0] - 1)  # [R, 1+K]
     predicted = plan.positions[plan.logits_indices[entry]] + 1  # position of the token each logit draws
     real = plan.row_kind != RowKind.PADDING
-    rows = rows._replace(repetition_penalty=jnp.where(real, rows.repetition_penalty, 1.0))  # padding: zero records
+    # padding rows hold zero records: no penalty, and no top-p filter (which would sort every row's vocabulary)
+    rows = rows._replace(repetition_penalty=jnp.where(real, rows.repetition_penalty, 1.0),
+                         top_p=jnp.where(real, rows.top_p, 1.0))
     target = logits[entry]
     target = jax.lax.cond(jnp.any(constraints[..., 0] != Constraint.NONE),
                           lambda: _constrained(target, rows, history, plan.state_slots, predicted, constraints),

@@ -28,7 +28,7 @@ ROW_DTYPE = np.dtype([
     ("frequency_penalty", "<f4"),   # 0: off (output tokens)
     ("seed", "<u4"),                # the low 32 bits of the request's 64-bit seed
     ("seed_high", "<u4"),           # ... and the high 32 bits
-    ("logprobs", "<i4"),            # 1: the step reports this row's logprobs
+    ("logprobs", "<i4"),            # logprobs reported: 0 none, 1 the tokens' own, n + 1 also the top n
     ("prompt_len", "<i4"),          # positions before it hold the prompt (penalties)
     ("min_tokens", "<i4"),          # CONSTRAINT_MIN_TOKENS entries are banned before this many outputs
 ])
@@ -85,10 +85,10 @@ class SamplingRows(NamedTuple):
 
 def pack_row(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
              repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-             seed: int = 0, logprobs: bool = False, prompt_len: int = 0, min_tokens: int = 0) -> bytes:
-    """One request's settings as `Request.row_data` bytes."""
+             seed: int = 0, logprobs: int = 0, prompt_len: int = 0, min_tokens: int = 0) -> bytes:
+    """One request's settings as `Request.row_data` bytes; `logprobs` as the record's field says."""
     record = np.array([(temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty,
-                        seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, int(logprobs), prompt_len, min_tokens)],
+                        seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, logprobs, prompt_len, min_tokens)],
                       ROW_DTYPE)
     return record.tobytes()
 
@@ -206,10 +206,14 @@ class Logprobs(NamedTuple):
     sampled_rank: jax.Array  # [N] i32 the chosen token's rank in the whole vocabulary (ties share the last)
 
 
-def logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> Logprobs:
-    """Logprobs of the model's raw distribution (before penalties and temperature, as vLLM reports)."""
+def logprobs(logits: jax.Array, tokens: jax.Array, num_top: int, with_top: jax.Array | bool = True) -> Logprobs:
+    """Logprobs of the model's raw distribution (before penalties and temperature, as vLLM reports); the top
+    `num_top` only where `with_top` (else zeros): a scorer's thousand prompt positions skip a top-k over the
+    vocabulary that nobody reads."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    top, top_ids = jax.lax.top_k(logp, num_top)
+    shape = (logp.shape[0], num_top)
+    top, top_ids = jax.lax.cond(with_top, lambda: tuple(jax.lax.top_k(logp, num_top)),
+                                lambda: (jnp.zeros(shape), jnp.zeros(shape, jnp.int32)))
     sampled = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     rank = jnp.sum(logp >= sampled[:, None], axis=-1, dtype=jnp.int32)  # vLLM's: tokens at least as likely
     return Logprobs(sampled, top_ids.astype(jnp.int32), top, rank)

@@ -49,8 +49,9 @@ def run_step(module: HybridLM, param_tree: Any, config: SchedulerConfig, num_log
     logits = module.apply(variables, hidden[plan.logits_indices], method=HybridLM.logits)  # [L, V]
     rows = SamplingRows.from_bytes(plan.row_data)
     sampled, accepted = sample_rows(logits, plan, rows, state.token_history, constraints, config.num_spec_tokens)
-    wanted = jnp.any((rows.logprobs > 0) & (plan.row_kind != RowKind.PADDING))
-    reported = jax.lax.cond(wanted, lambda: _logprobs(logits, plan, sampled, num_logprobs),
+    real = plan.row_kind != RowKind.PADDING
+    wanted, with_top = jnp.any((rows.logprobs > 0) & real), jnp.any((rows.logprobs > 1) & real)
+    reported = jax.lax.cond(wanted, lambda: _logprobs(logits, plan, sampled, num_logprobs, with_top),
                             lambda: _no_logprobs(logits.shape[0], num_logprobs))
     drafts = jnp.zeros((plan.row_kind.shape[0], 0), jnp.int32)
     if config.num_spec_tokens:
@@ -110,10 +111,10 @@ def _write_tokens(history: jax.Array, plan: DevicePlan, rows: jax.Array) -> jax.
     return history.at[jnp.where(keep, slot, history.shape[0]), plan.positions].set(plan.token_ids, mode="drop")
 
 
-def _logprobs(logits: jax.Array, plan: DevicePlan, sampled: jax.Array, num_top: int) -> Logprobs:
+def _logprobs(logits: jax.Array, plan: DevicePlan, sampled: jax.Array, num_top: int, with_top: jax.Array) -> Logprobs:
     """Each logit entry's token is the one after its packed token: emitted where the row samples, the next
     prompt token elsewhere."""
-    return logprobs(logits, next_tokens(plan, sampled)[plan.logits_indices], num_top)
+    return logprobs(logits, next_tokens(plan, sampled)[plan.logits_indices], num_top, with_top)
 
 
 def _no_logprobs(num_entries: int, num_top: int) -> Logprobs:

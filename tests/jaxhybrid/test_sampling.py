@@ -7,6 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxhybrid.sample.params import SamplingParams
 from jaxhybrid.sample.sampler import (
     ROW_DTYPE,
     SamplingRows,
@@ -106,6 +107,19 @@ def test_logprobs_are_the_raw_distribution_and_its_top_n():
     np.testing.assert_allclose(out.sampled, ref[np.arange(3), [0, 5, 11]], rtol=1e-6)
     np.testing.assert_array_equal(out.top_ids, np.argsort(-ref, axis=-1)[:, :4])
     assert (np.diff(np.asarray(out.top), axis=-1) <= 0).all()
+    without_top = logprobs(logits, tokens, num_top=4, with_top=False)  # no row asked for the top n
+    np.testing.assert_array_equal(without_top.sampled, out.sampled)
+    np.testing.assert_array_equal(without_top.sampled_rank, out.sampled_rank)
+    assert not np.asarray(without_top.top).any() and not np.asarray(without_top.top_ids).any()
+
+
+def test_the_row_record_says_how_many_logprobs_a_request_reports():
+    asked = lambda **kw: int(SamplingRows.from_records(np.frombuffer(SamplingParams(**kw).row_data(0, 0), np.uint8)
+                                                       .reshape(1, -1)).logprobs[0])
+    assert asked() == 0
+    assert asked(prompt_logprobs=0) == 1 and asked(logprobs=0) == 1  # the tokens' own logprobs only
+    assert asked(logprobs=3, prompt_logprobs=1) == 4
+    assert asked(prompt_logprobs=-1) > 1  # the whole vocabulary
 
 
 def test_greedy_verification_accepts_the_agreeing_prefix_then_the_argmax():
