@@ -27,7 +27,7 @@ def engine(directory: Path, dtype: str = "auto", max_num_seqs: int = 64) -> LLM:
     # weight to f32 (2.3x slower), and a wider bucket computes padding
     llm = LLM(directory, dtype=dtype, skip_tokenizer_init=True, num_blocks=4096, num_state_slots=160,
               max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, max_model_len=ANCHOR + CANDIDATE_LEN + 16,
-              mamba_block_size=BLOCK, token_buckets=(2, 16, 128, 1024),
+              mamba_block_size=BLOCK, token_buckets=(2, 16, 64, 128, 512, 1024),
               row_buckets=tuple(r for r in (2, 16, 64) if r <= max_num_seqs))
     llm.engine.precompile(progress=False)
     return llm
