@@ -16,12 +16,24 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def machine() -> dict[str, Any]:
     """The machine and software a run measured: cores and load, and jax's version and backend if it was used."""
-    info = {"machine": platform.machine(), "cores": os.cpu_count(), "load_average": os.getloadavg(),
+    info = {"machine": platform.machine(), **cpu(), "cores": os.cpu_count(), "load_average": os.getloadavg(),
             "python": platform.python_version()}
     if "jax" in sys.modules:  # benchmarks of the pure-Python scheduler never import it
         jax = sys.modules["jax"]
         info |= {"jax": jax.__version__, "backend": jax.default_backend()}
     return info
+
+
+def cpu() -> dict[str, Any]:
+    """The CPU's model and its bf16 matrix instructions: GEMM libraries differ most there (oneDNN takes AMX tiles
+    where it finds them), so a ratio against a torch peer holds for that kind of CPU only."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:  # not Linux
+        return {"cpu": platform.processor()}
+    field = lambda key: next((line.split(":", 1)[1].strip() for line in lines if line.startswith(key)), "")
+    flags = field("flags").split()
+    return {"cpu": field("model name"), "cpu_bf16": [f for f in ("avx512_bf16", "amx_bf16") if f in flags]}
 
 
 def write_results(name: str, results: Any, meta: dict[str, Any], **extra: Any) -> Path:

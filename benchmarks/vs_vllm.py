@@ -92,8 +92,12 @@ def vllm_env(vllm_python: str, binding: str) -> dict[str, str]:
 def run_vllm(vllm_python: str, binding: str, directory: Path, work: dict, tmp: Path) -> dict:
     work_path, out_path = tmp / f"jobs_{binding}.json", tmp / f"vllm_{binding}.json"
     work_path.write_text(json.dumps(work))
-    subprocess.run([vllm_python, str(HERE / "vllm_peer.py"), "run", str(directory), str(work_path), str(out_path)],
-                   check=True, env=vllm_env(vllm_python, binding), cwd=tmp)
+    command = [vllm_python, str(HERE / "vllm_peer.py"), "run", str(directory), str(work_path), str(out_path)]
+    done = subprocess.run(command, env=vllm_env(vllm_python, binding), cwd=tmp)
+    if not out_path.exists():
+        raise subprocess.CalledProcessError(done.returncode, command)
+    if done.returncode:  # vLLM 0.32's teardown at exit aborts at times ("terminate called without an active exception")
+        print(f"vLLM exited with {done.returncode} after writing its results", flush=True)
     return json.loads(out_path.read_text())
 
 
