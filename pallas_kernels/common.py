@@ -91,18 +91,27 @@ def folded_entries(ring_entries: int, num_tokens: int, num_rows: int) -> int:
     return max(ring_entries - -(-num_tokens // num_rows), 0) // 2
 
 
+# `pin` fences each small term of a recurrent update, and the state update as a whole, into expressions that every
+# program computes alike: XLA:CPU contracts mul and add into FMAs, so an expression fused with different neighbours
+# could round differently, and ReplaySSM with W = 1 must reproduce plain decoding bit for bit. The references' reads
+# are sums of products, not dots, for the same reason: XLA:CPU's dots round differently with the batch's size, and
+# `in_row_blocks` makes blocks of other sizes.
+pin = jax.lax.optimization_barrier
+
+
 def fold_ring(advance: Callable, state: jax.Array, rings: tuple[jax.Array, ...], ring_start: jax.Array,
               count: jax.Array, max_count: int) -> jax.Array:
     """One row's state advanced by its ring entries (ring_start + j) % E, j < count <= max_count: `advance(state,
-    *entry)` with entry j of each [X, E, ...] ring page, its result dropped past `count`.
+    *entry)` with entry j of each [X, E, ...] ring page.
 
     Unrolled to the static bound: under vmap a loop to each row's own count becomes a while loop that copies the
-    batch's states every trip, 1.5-3x slower on XLA:CPU at decode sizes (`docs/benchmarks.md`)."""
+    batch's states every trip, 1.5-3x slower on XLA:CPU at decode sizes (`docs/benchmarks.md`). Entries past
+    `count` are zeros, which `advance` must map to the state itself (a decay of e^0 and a write of zero): that
+    costs no select over the state."""
     width = rings[0].shape[1]
     for j in range(max_count):
         index = (ring_start + j) % width
-        advanced = advance(state, *(jnp.take(ring, index, axis=1) for ring in rings))
-        state = jnp.where(j < count, advanced, state)
+        state = advance(state, *(jnp.where(j < count, jnp.take(ring, index, axis=1), 0) for ring in rings))
     return state
 
 

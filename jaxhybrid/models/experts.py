@@ -40,13 +40,17 @@ class Machine(NamedTuple):
 
     balance: float  # flops per byte of expert weights at which a matmul stops being bound by reading them
     bf16_min_rows: int  # the fewest rows worth multiplying with a 16-bit expert
+    f32_result_rows: int  # up to this many rows per expert a 16-bit matmul runs faster with an f32 result, rounded
 
 
 # H100/H200: ~989 TFLOP/s of dense bf16 against ~3.4-4.8 TB/s. XLA:CPU, 2 cores, bf16, 512 x 256 experts
 # (benchmarks in docs/benchmarks.md): an expert's weights cost about 32 rows of its matmul (~80 us against
 # ~2.5 us a row), gathered or in place; a one-row bf16 matmul becomes a convert of the whole weight to f32
-# (32 one-row tiles took 17 ms, 32 two-row tiles 4.4 ms).
-MACHINE = {"gpu": Machine(balance=200.0, bf16_min_rows=1), "cpu": Machine(balance=32.0, bf16_min_rows=2)}
+# (32 one-row tiles took 17 ms, 32 two-row tiles 4.4 ms). A bf16 batched matmul with a bf16 result is slow on
+# XLA:CPU at few rows per expert; asking for f32 and rounding gives the same bits sooner: the whole gated MLP of 8
+# experts 512 x 256 at 4-64 rows each took 500-980 us against 840-1180 (AMX Xeon), but 2969 against 2591 at 320.
+MACHINE = {"gpu": Machine(balance=200.0, bf16_min_rows=1, f32_result_rows=0),
+           "cpu": Machine(balance=32.0, bf16_min_rows=2, f32_result_rows=256)}
 
 
 class ExpertWeights(NamedTuple):
@@ -62,6 +66,7 @@ class Tiling(NamedTuple):
     num_tiles: int     # tiles laid out (a multiple of `chunk`), at least the most a routing can use
     chunk: int         # tiles per step of the loop over tiles
     capacity: int = 0  # rows per expert of the capacity layout, tried first; 0: tiles only
+    f32_result_rows: int = 0  # `Machine.f32_result_rows`
 
 
 def max_tiles(num_assignments: int, num_experts: int, tile: int) -> int:
@@ -99,22 +104,23 @@ def plan_experts(num_tokens: int, top_k: int, weights: ExpertWeights, platform: 
         capacity = fits if num_experts * (fits + weight_rows) < tiled_cost(tile) else 0
     tiles = max(max_tiles(assignments, num_experts, tile), 1)
     chunk = max(1, min(tiles, GATHER_BUDGET_BYTES // weight_bytes))
-    return Tiling(tile, -(-tiles // chunk) * chunk, chunk, capacity)
+    return Tiling(tile, -(-tiles // chunk) * chunk, chunk, capacity, machine.f32_result_rows)
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, params: ExpertWeights,
-                   activation: Callable[[jax.Array], jax.Array], tiling: Tiling | None = None) -> jax.Array:
+                   activation: Callable[[jax.Array], jax.Array], tiling: Tiling | None = None,
+                   platform: str | None = None) -> jax.Array:
     """`sum_j weights[t, j] expert_{experts[t, j]}(x[t])` for x `[T, d]`, weights and experts `[T, k]`.
 
     A gated expert is `down(activation(gate(x)) * up(x))`, a plain one `down(activation(up(x)))`. `tiling`
-    defaults to `plan_experts` for this shape on the default backend."""
+    defaults to `plan_experts` for this shape on `platform` (None: the default backend's)."""
     num_tokens, top_k = experts.shape
-    tiling = tiling or plan_experts(num_tokens, top_k, params, jax.default_backend())
+    tiling = tiling or plan_experts(num_tokens, top_k, params, platform or jax.default_backend())
     flat = experts.reshape(-1)
     tokens = jnp.arange(num_tokens * top_k) // top_k
     rows = x[tokens]  # one per assignment
     sizes, within = _group_positions(flat, params.up.shape[0])
-    mlp = lambda grouped, stacked: _expert_mlp(grouped, stacked, activation, x.dtype)
+    mlp = lambda grouped, stacked: _expert_mlp(grouped, stacked, activation, x.dtype, tiling.f32_result_rows)
     tiled = lambda: _tiled(rows, flat, sizes, within, params, mlp, tiling)
     by_capacity = lambda: _by_capacity(rows, flat, within, params, mlp, tiling.capacity)
     if tiling.capacity == 0:
@@ -127,15 +133,21 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, params:
     return jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[tokens].add(weighted).astype(x.dtype)
 
 
-def _expert_mlp(rows: jax.Array, stacked: ExpertWeights, activation: Callable, dtype) -> jax.Array:
+def _expert_mlp(rows: jax.Array, stacked: ExpertWeights, activation: Callable, dtype,
+                f32_result_rows: int) -> jax.Array:
     """rows `[G, m, d]` through experts `stacked` `[G, ...]` -> `[G, m, d]`."""
-    weight = lambda w: w.astype(dtype)  # a no-op in the serving dtype; tiles cast their k gathered experts, not E
-    hidden = jnp.einsum("gmd,gdi->gmi", rows, weight(stacked.up))
+    result = jnp.float32 if rows.shape[1] <= f32_result_rows else dtype
+
+    def dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        # the weight cast is a no-op in the serving dtype; tiles cast their k gathered experts, not E
+        return jnp.einsum(spec, x, w.astype(dtype), preferred_element_type=result).astype(dtype)
+
+    hidden = dot("gmd,gdi->gmi", rows, stacked.up)
     if stacked.gate is not None:
-        hidden = activation(jnp.einsum("gmd,gdi->gmi", rows, weight(stacked.gate))) * hidden
+        hidden = activation(dot("gmd,gdi->gmi", rows, stacked.gate)) * hidden
     else:
         hidden = activation(hidden)
-    return jnp.einsum("gmi,gid->gmd", hidden, weight(stacked.down))
+    return dot("gmi,gid->gmd", hidden, stacked.down)
 
 
 def _group_positions(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:

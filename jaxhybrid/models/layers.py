@@ -123,6 +123,7 @@ class MoE(nn.Module):
     cfg: MoEConfig
     activation: str
     use_bias: bool = False
+    platform: str | None = None  # whose constants lay out the experts (`plan_experts`); None: the default backend's
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -137,7 +138,7 @@ class MoE(nn.Module):
         routed_in = x if cfg.latent_size is None else nn.Dense(
             cfg.latent_size, use_bias=self.use_bias, dtype=x.dtype, name="fc1_latent_proj")(x)
         routed = routed_experts(routed_in, weights, experts, self._expert_weights(routed_in.shape[-1]),
-                                lambda h: _activation(self.activation, h))
+                                lambda h: _activation(self.activation, h), platform=self.platform)
         if cfg.latent_size is not None:
             routed = nn.Dense(x.shape[-1], use_bias=self.use_bias, dtype=x.dtype, name="fc2_latent_proj")(routed)
         shared = MLP(cfg.shared_intermediate_size, self.activation, self.use_bias, name="shared_expert")(x)
@@ -156,7 +157,7 @@ class MoE(nn.Module):
         return ExpertWeights(up, down, gate)
 
 
-def make_ffn(kind: str, cfg: ModelConfig, name: str) -> nn.Module:
+def make_ffn(kind: str, cfg: ModelConfig, name: str, platform: str | None = None) -> nn.Module:
     if kind == "moe":
-        return MoE(cfg.moe, cfg.mlp_activation, cfg.mlp_bias, name=name)
+        return MoE(cfg.moe, cfg.mlp_activation, cfg.mlp_bias, platform, name=name)
     return MLP(cfg.intermediate_size, cfg.mlp_activation, cfg.mlp_bias, name=name)

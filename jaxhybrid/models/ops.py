@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from jaxhybrid.models import tensor_parallel
 from jaxhybrid.models.tensor_parallel import AXIS, MixerConfig
 from pallas_kernels.attention import ragged_paged_attention
+from pallas_kernels.common import resolve_backend
 from pallas_kernels.gdn import gdn_prefill
 
 
@@ -26,6 +27,11 @@ class ModelOps:
     # tensor parallel: the mixers run on their local heads in shard_map over this mesh's "tp" axis
     # (jaxhybrid.models.tensor_parallel); None: one device, no shard_map
     mesh: Mesh | None = None
+
+    def platform(self) -> str:
+        """The platform the step is compiled for: "gpu" with the Triton kernels (also when compiling for a GPU
+        on a host without one, `benchmarks/aot_step.py`), else the default backend's."""
+        return "gpu" if resolve_backend(self.backend) == "pallas" else jax.default_backend()
 
     def local_heads(self, mixer: MixerConfig) -> tuple[MixerConfig, str | None]:
         """The mixer's config on one device's heads, and the mesh axis its head axes split over (None: not

@@ -21,6 +21,7 @@ from pallas_kernels.common import (
     gather_chunks,
     gather_slots,
     in_row_blocks,
+    pin,
     repeat_heads,
     rows_to_dense,
     scatter_chunks,
@@ -32,17 +33,11 @@ from pallas_kernels.common import (
     zero_padding,
 )
 
-# The barriers pin the state update (and the read-out's terms) to separately rounded mul, mul, add: XLA may
-# otherwise contract them into FMAs differently in different programs, and ReplaySSM with W = 1 must
-# reproduce plain decoding bit for bit. The reads are sums of products, not dots, for the same reason:
-# XLA:CPU's dots round differently with the batch's size, and `in_row_blocks` makes blocks of other sizes.
-_pin = jax.lax.optimization_barrier
-
 
 def advance(state, x, dt, a, b):
-    """h <- exp(dt a) h + (dt x) (x) b. state [NH, P, N]; x [NH, P]; dt, a [NH]; b [NH, N]."""
-    decayed = _pin(_pin(jnp.exp(dt * a))[:, None, None] * state)
-    return _pin(decayed + _pin((dt[:, None] * x)[:, :, None] * b[:, None, :]))
+    """h <- exp(dt a) h + (dt x) (x) b. state [NH, P, N]; x [NH, P]; dt, a [NH]; b [NH, N]. One fused pass over
+    the state, pinned whole (see `pallas_kernels.common.pin`)."""
+    return pin(pin(jnp.exp(dt * a))[:, None, None] * state + pin(dt[:, None] * x)[:, :, None] * b[:, None, :])
 
 
 def recurrent_step(state, x, dt, a, b, c, d):
@@ -53,8 +48,8 @@ def recurrent_step(state, x, dt, a, b, c, d):
     """
     read = jnp.sum(state * c[:, None, :], axis=-1)
     b_dot_c = jnp.sum(b * c, axis=-1, keepdims=True)
-    y = _pin(_pin(jnp.exp(dt * a))[:, None] * read) + _pin(dt[:, None] * x * b_dot_c)
-    return advance(state, x, dt, a, b), y + _pin(d[:, None] * x)
+    y = pin(pin(jnp.exp(dt * a))[:, None] * read) + pin(dt[:, None] * x * b_dot_c)
+    return advance(state, x, dt, a, b), y + pin(d[:, None] * x)
 
 
 def _f32(*xs):

@@ -5,6 +5,9 @@ each shape gets."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +23,10 @@ from jaxhybrid.models.experts import (
     plan_experts,
     routed_experts,
 )
-from tests.tolerances import assert_float32_close
+from jaxhybrid.models.hf_config import load_config
+from jaxhybrid.models.hybrid import DecoderLayer
+from jaxhybrid.models.ops import ModelOps
+from tests.tolerances import assert_bfloat16_close, assert_float32_close
 
 DIM, INTER = 8, 12
 
@@ -113,3 +119,56 @@ def test_busy_experts_take_the_capacity_layout_and_idle_ones_tiles(num_experts):
     tiles_only = _compiled_flops(num_experts, 2, num_tokens=64, capacity=0)
     capacity_rows = num_experts * expert_capacity(64, 2, num_experts)
     assert with_fallback == pytest.approx(max(tiles_only, capacity_rows * 2 * 3 * 64 * 256), rel=0.05)
+
+
+def _bf16_experts(num_experts: int = 8, dim: int = 64, inter: int = 256) -> ExpertWeights:
+    return jax.tree.map(lambda w: w.astype(jnp.bfloat16), _expert_weights(num_experts, True, dim, inter))
+
+
+def _expert_dot_results(lowered_text: str) -> set[str]:
+    """The element types of the batched (expert) matmuls' results in a lowered program."""
+    return set(re.findall(r"dot_general.*-> tensor<\d+x\d+x\d+x(\w+)>", lowered_text))
+
+
+def _dot_results(num_tokens: int, platform: str) -> set[str]:
+    params, top_k = _bf16_experts(), 2
+    routed = lambda x, w, e: routed_experts(x, w, e, params, jax.nn.silu, platform=platform)
+    return _expert_dot_results(jax.jit(routed).lower(
+        jax.ShapeDtypeStruct((num_tokens, 64), jnp.bfloat16), jax.ShapeDtypeStruct((num_tokens, top_k), jnp.float32),
+        jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32)).as_text())
+
+
+def test_cpu_expert_matmuls_of_few_rows_take_f32_results_and_gpu_ones_bf16():
+    """XLA:CPU runs a 16-bit batched matmul of few rows per expert faster when asked for an f32 result, which the
+    layer rounds to bf16 (`MACHINE`); a GPU's matmuls, and a CPU's of many rows, return bf16 themselves."""
+    assert _dot_results(16, "cpu") == {"f32"}  # capacity 12 and its tiled fallback
+    assert _dot_results(16, "gpu") == {"bf16"}
+    # capacity 1,152 rows per expert: bf16; its tiled fallback's tiles of 256: f32
+    assert _dot_results(4096, "cpu") == {"bf16", "f32"}
+    assert _dot_results(4096, "gpu") == {"bf16"}
+
+
+def test_f32_results_rounded_to_bf16_agree_with_bf16_results():
+    """The two result types differ only in where the f32 accumulation is rounded to bf16: each matmul's output
+    is the same bf16 rounding of sums that differ by float32 roundoff, so outputs agree to a few bf16 roundings
+    (up/gate, the activation's product and the down projection)."""
+    params = _bf16_experts()
+    key = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(key[0], (16, 64), jnp.bfloat16)
+    experts = jax.random.randint(key[1], (16, 2), 0, 8)
+    experts = jnp.stack([experts[:, 0], (experts[:, 0] + 1 + experts[:, 1] % 7) % 8], axis=1)  # two distinct
+    weights = jax.random.uniform(key[2], (16, 2), jnp.float32)
+    cpu, gpu = (routed_experts(x, weights, experts, params, jax.nn.silu, platform=p) for p in ("cpu", "gpu"))
+    assert_bfloat16_close(cpu.astype(jnp.float32), gpu.astype(jnp.float32), 4, "f32 against bf16 results")
+
+
+def test_a_model_compiled_for_gpu_lays_out_its_experts_for_gpu():
+    """The deviceless GPU compile (`benchmarks/aot_step.py`) traces on a CPU host: a MoE layer follows the
+    kernels' platform (`ModelOps.platform`), not the host's."""
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "models" / "tiny_qwen3_next.yaml")
+    x = jnp.zeros((16, cfg.hidden_size), jnp.bfloat16)
+    for backend, results in ((None, {"f32"}), ("interpret", {"f32"}), ("pallas", {"bf16"})):
+        layer = DecoderLayer(cfg, ("moe",), ModelOps(backend=backend))
+        params = layer.init(jax.random.key(0), x, None, None)
+        lowered = jax.jit(lambda p, x: layer.apply(p, x, None, None)[0]).lower(params, x)  # noqa: B023
+        assert _expert_dot_results(lowered.as_text()) == results, backend
