@@ -207,11 +207,12 @@ def op_category(op_name: str) -> str:
 
 
 def op_split(step, repeats: int) -> dict[str, float]:
-    """Fractions of the step's traced thunk time by `op_category`."""
+    """Fractions of the step's traced thunk time by `op_category`, each op counted once: a conditional, loop or
+    call's thunk spans the ops inside it, which are traced themselves."""
     names = {}
     for line in step.compiled_text.splitlines():
         match = re.match(r'\s*(?:ROOT )?%(\S+) = .*?op_name="([^"]*)"', line)
-        if match:
+        if match and not re.search(r"\b(conditional|while|call)\(", line):
             names.setdefault(match.group(1), match.group(2))
     with tempfile.TemporaryDirectory() as directory:
         jax.profiler.start_trace(directory, create_perfetto_trace=True)
