@@ -15,7 +15,7 @@ Compilation is excluded (every bucket is compiled before the timed run).
 Prints a table, writes benchmarks/results/decode.json and decode.png.
 
 `--breakdown` instead splits a decode step of a random 40M-parameter Qwen3-Next MoE checkpoint (8 experts top-2,
-head dims 64; written in bf16 through `jaxhybrid.models.export`, or `--checkpoint`) at batch 1 and 16, bf16 and fp32:
+head dims 64; written in bf16 through `jaxhybrid.models.export`, or `--checkpoint`) at each batch, bf16 and fp32:
   engine        serial steps (`async_scheduling=False`) of greedy decoding, split into host scheduling
                 (schedule + update), plan transfer (packing and dispatch), device (the wait for the step) and
                 output processing; and the tokens/s of the default engine (one step ahead);
@@ -268,8 +268,8 @@ class PreparedForward:
 
 
 def breakdown(checkpoint: Path, dtype: str, batch: int, new_tokens: int, repeats: int) -> dict:
-    llm = LLM(str(checkpoint), dtype=dtype, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=256,
-              num_blocks=512, num_state_slots=40, enable_prefix_caching=False)
+    llm = LLM(str(checkpoint), dtype=dtype, max_num_seqs=max(batch, 16), max_num_batched_tokens=256, max_model_len=256,
+              num_blocks=512, num_state_slots=2 * max(batch, 16) + 8, enable_prefix_caching=False)
     rng = np.random.default_rng(0)
     # 16-token prompts: the whole batch prefills in one step and then decodes together
     prompts = [rng.integers(3, llm.model.config.vocab_size, 16).tolist() for _ in range(batch)]
