@@ -68,13 +68,14 @@ def _mix(cfg: GDNConfig, ops: ModelOps, qkvz: jax.Array, ba: jax.Array, conv_wei
 
 
 def _core(cfg: GDNConfig, ops: ModelOps, g: jax.Array, beta: jax.Array, out_shape: jax.ShapeDtypeStruct) -> MixerCore:
-    num_tokens, backend = g.shape[0], ops.backend
+    backend = ops.backend
 
-    def heads(mixed):
+    def heads(mixed):  # mixed: the step's first tokens (all of them, or the decode rows' head)
+        num_tokens = mixed.shape[0]
         q = mixed[:, : cfg.key_dim].reshape(num_tokens, cfg.num_k_heads, cfg.head_k_dim)
         k = mixed[:, cfg.key_dim : 2 * cfg.key_dim].reshape(num_tokens, cfg.num_k_heads, cfg.head_k_dim)
         v = mixed[:, 2 * cfg.key_dim :].reshape(num_tokens, cfg.num_v_heads, cfg.head_v_dim)
-        return q, k, v, g, beta
+        return q, k, v, g[:num_tokens], beta[:num_tokens]
 
     return MixerCore(
         prefill=lambda mixed, cu, state, slots, has_initial: ops.gdn_prefill(

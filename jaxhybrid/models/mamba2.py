@@ -73,14 +73,15 @@ def _mix(cfg: Mamba2Config, ops: ModelOps, proj: jax.Array, conv: tuple[jax.Arra
 
 def _core(cfg: Mamba2Config, ops: ModelOps, dt: jax.Array, a: jax.Array, d: jax.Array,
           out_shape: jax.ShapeDtypeStruct) -> MixerCore:
-    num_tokens, backend = dt.shape[0], ops.backend
+    backend = ops.backend
     inner, groups_width = cfg.intermediate_size, cfg.n_groups * cfg.state_size
 
-    def inputs(mixed):
+    def inputs(mixed):  # mixed: the step's first tokens (all of them, or the decode rows' head)
+        num_tokens = mixed.shape[0]
         xs = mixed[:, :inner].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
         b = mixed[:, inner : inner + groups_width].reshape(num_tokens, cfg.n_groups, cfg.state_size)
         c = mixed[:, inner + groups_width :].reshape(num_tokens, cfg.n_groups, cfg.state_size)
-        return xs, dt, a, b, c, d
+        return xs, dt[:num_tokens], a, b, c, d
 
     return MixerCore(
         prefill=lambda mixed, cu, state, slots, has_initial: ssd_prefill(

@@ -95,14 +95,18 @@ def _materialise(core: MixerCore, plan: DevicePlan, pool: RecurrentPool) -> Recu
 
 def _decode_rows(conv_in, conv: Conv, core: MixerCore, plan: DevicePlan, decode, split,
                  pool: RecurrentPool) -> tuple[jax.Array, RecurrentPool]:
+    # A decode or verify row has 1 + K tokens at most (K = the plan's static draft width) and these rows come
+    # first, so their tokens lie in the bucket's first R (1 + K): a mixed bucket's other tokens are prefill's.
+    max_query_len = 1 + plan.draft_token_ids.shape[1]
+    head = min(conv_in.shape[0], plan.row_kind.shape[0] * max_query_len)
     cu = jnp.minimum(plan.cu_seqlens, split)
     slots = jnp.where(decode, plan.state_slots, 0)
     trackers = (plan.ring_start, plan.ring_committed, plan.flush & decode)
-    conv_out, window, conv_ring = conv1d_replay(conv_in, conv.weight, conv.bias, cu, pool.window, pool.conv_ring,
-                                                slots, *trackers, backend=conv.backend)
-    # a decode or verify row has 1 + K tokens at most (K = the plan's static draft width)
-    out, state, rings = core.verify(conv_out, cu, pool.state, pool.rings, slots, *trackers,
-                                    1 + plan.draft_token_ids.shape[1], _max_committed(plan, pool))
+    conv_out, window, conv_ring = conv1d_replay(conv_in[:head], conv.weight, conv.bias, cu, pool.window,
+                                                pool.conv_ring, slots, *trackers, backend=conv.backend)
+    out, state, rings = core.verify(conv_out, cu, pool.state, pool.rings, slots, *trackers, max_query_len,
+                                    _max_committed(plan, pool))
+    out = jnp.pad(out, ((0, conv_in.shape[0] - head),) + ((0, 0),) * (out.ndim - 1))
     return out, RecurrentPool(window, state, rings, conv_ring)
 
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import (
+    CHUNK_BLOCK,
     HIGHEST,
     append_dense_rows,
     carry_chunks,
@@ -162,30 +163,31 @@ def _state_at(state, k, v_new, cum, count):
 
 def _chunked(qn, kn, v, g, beta, cu_seqlens, initial_state, chunk_size, checkpoint_lens):
     """Chunked core over f32 [T, HV, ...] inputs; returns (o [T, HV, V] f32, final, checkpoint or None)."""
-    table = chunk_table(cu_seqlens, qn.shape[0], chunk_size)
+    table = chunk_table(cu_seqlens, qn.shape[0], chunk_size, multiple_of=CHUNK_BLOCK)
 
-    def chunks(x):  # [T, HV, ...] -> [NC, HV, C, ...]
-        return jnp.moveaxis(gather_chunks(x.astype(jnp.float32), table, chunk_size), 1, 2)
+    def prepare(block):
+        """All that does not need the state, for a block of chunks at once: the loop is left with three dots a chunk."""
+        qc, kc, vc, gc, bc = (jnp.moveaxis(gather_chunks(x.astype(jnp.float32), block, chunk_size), 1, 2)
+                              for x in (qn, kn, v, g, beta))  # [B, HV, C, ...]
+        cum, gamma = chunk_decays(gc)
+        u, w = _wy_transform(kc, vc, bc, cum, gamma)
+        reads = jnp.concatenate([w, qc * jnp.exp(cum)[..., None]], axis=-2)  # [B, HV, 2C, K]: W S, then Q e^G S
+        qk = jnp.einsum("nhik,nhjk->nhij", qc, kc, precision=HIGHEST) * gamma
+        total = cum[..., -1]  # padded positions have g = 0: the chunk's total decay
+        writes = jnp.swapaxes(kc * jnp.exp(total[..., None] - cum)[..., None], -1, -2)  # [B, HV, K, C]
+        return reads, u, qk, total, writes, kc, cum
 
-    qc, kc, vc, gc, bc = chunks(qn), chunks(kn), chunks(v), chunks(g), chunks(beta)
-    cum, gamma = chunk_decays(gc)
-    u, w = _wy_transform(kc, vc, bc, cum, gamma)
-    # All that does not need the state, for every chunk at once; the loop is left with three dots a chunk.
-    reads = jnp.concatenate([w, qc * jnp.exp(cum)[..., None]], axis=-2)  # [NC, HV, 2C, K]: W S, then Q e^G S
-    qk = jnp.einsum("nhik,nhjk->nhij", qc, kc, precision=HIGHEST) * gamma
-    total = cum[..., -1]  # padded positions have g = 0: the chunk's total decay
-    writes = jnp.swapaxes(kc * jnp.exp(total[..., None] - cum)[..., None], -1, -2)  # [NC, HV, K, C]
-
-    def chunk(n, state, count):
-        read = jnp.einsum("hck,hkv->hcv", reads[n], state, precision=HIGHEST)
-        v_new = u[n] - read[:, :chunk_size]
-        o = read[:, chunk_size:] + jnp.einsum("hij,hjv->hiv", qk[n], v_new, precision=HIGHEST)
-        after = decay(state, total[n]) + jnp.einsum("hkc,hcv->hkv", writes[n], v_new, precision=HIGHEST)
-        return o, after, None if count is None else _state_at(state, kc[n], v_new, cum[n], count)
+    def chunk(prepared, state, count):
+        reads, u, qk, total, writes, k, cum = prepared
+        read = jnp.einsum("hck,hkv->hcv", reads, state, precision=HIGHEST)
+        v_new = u - read[:, :chunk_size]
+        o = read[:, chunk_size:] + jnp.einsum("hij,hjv->hiv", qk, v_new, precision=HIGHEST)
+        after = decay(state, total) + jnp.einsum("hkc,hcv->hkv", writes, v_new, precision=HIGHEST)
+        return o, after, None if count is None else _state_at(state, k, v_new, cum, count)
 
     counts = None if checkpoint_lens is None else checkpoint_counts(table, checkpoint_lens, initial_state.shape[0])
-    o, final, checkpoint = carry_chunks(chunk, table, initial_state, jax.ShapeDtypeStruct(u.shape, jnp.float32),
-                                        counts)
+    out = jax.ShapeDtypeStruct((v.shape[1], chunk_size, v.shape[2]), jnp.float32)
+    o, final, checkpoint = carry_chunks(prepare, chunk, table, initial_state, out, counts)
     return scatter_chunks(jnp.moveaxis(o, 1, 2), table), final, checkpoint
 
 

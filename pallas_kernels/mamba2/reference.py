@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import (
+    CHUNK_BLOCK,
     HIGHEST,
     append_dense_rows,
     carry_chunks,
@@ -115,30 +116,27 @@ def _y_diag(xdt, b, c, cum):
 
 def _chunked(x, dt, a, b, c, cu_seqlens, initial_state, chunk_size, checkpoint_lens):
     """Chunked core over f32 inputs (b, c groups expanded); returns (y without D x, final, checkpoint)."""
-    table = chunk_table(cu_seqlens, x.shape[0], chunk_size)
+    table = chunk_table(cu_seqlens, x.shape[0], chunk_size, multiple_of=CHUNK_BLOCK)
 
-    def chunks(v):  # [T, NH, ...] -> [NC, NH, C, ...]
-        return jnp.moveaxis(gather_chunks(v, table, chunk_size), 1, 2)
+    def prepare(block):
+        """All that does not need the state, for a block of chunks at once: the loop is left with two dots a chunk."""
+        xc, dtc, bc, cc = (jnp.moveaxis(gather_chunks(v, block, chunk_size), 1, 2) for v in (x, dt, b, c))
+        xdt = xc * dtc[..., None]
+        cum = jnp.cumsum(dtc * a[:, None], axis=-1)
+        total = cum[..., -1]  # padded positions have dt = 0: the chunk's total decay
+        writes = jnp.swapaxes(xdt * jnp.exp(total[..., None] - cum)[..., None], -1, -2)  # [B, NH, P, C]
+        return _y_diag(xdt, bc, cc, cum), cc * jnp.exp(cum)[..., None], total, writes, xdt, bc, cum
 
-    xc, dtc, bc, cc = chunks(x), chunks(dt), chunks(b), chunks(c)
-    xdt = xc * dtc[..., None]
-    cum = jnp.cumsum(dtc * a[:, None], axis=-1)
-    y_diag = _y_diag(xdt, bc, cc, cum)
-    c_decayed = cc * jnp.exp(cum)[..., None]
-    # All that does not need the state, for every chunk at once; the loop is left with two dots a chunk.
-    total = cum[..., -1]  # padded positions have dt = 0: the chunk's total decay
-    writes = jnp.swapaxes(xdt * jnp.exp(total[..., None] - cum)[..., None], -1, -2)  # [NC, NH, P, C]
-
-    def chunk(n, state, count):
-        y_off = jnp.einsum("hps,hcs->hcp", state, c_decayed[n], precision=HIGHEST)
-        after = jnp.exp(total[n])[:, None, None] * state + jnp.einsum("hpc,hcs->hps", writes[n], bc[n],
-                                                                         precision=HIGHEST)
-        return y_off, after, None if count is None else _state_at(state, xdt[n], bc[n], cum[n], count)
+    def chunk(prepared, state, count):
+        y_diag, c_decayed, total, writes, xdt, b, cum = prepared
+        y_off = jnp.einsum("hps,hcs->hcp", state, c_decayed, precision=HIGHEST)
+        after = jnp.exp(total)[:, None, None] * state + jnp.einsum("hpc,hcs->hps", writes, b, precision=HIGHEST)
+        return y_diag + y_off, after, None if count is None else _state_at(state, xdt, b, cum, count)
 
     counts = None if checkpoint_lens is None else checkpoint_counts(table, checkpoint_lens, initial_state.shape[0])
-    y_off, final, checkpoint = carry_chunks(chunk, table, initial_state,
-                                            jax.ShapeDtypeStruct(y_diag.shape, jnp.float32), counts)
-    return scatter_chunks(jnp.moveaxis(y_diag + y_off, 1, 2), table), final, checkpoint
+    out = jax.ShapeDtypeStruct((x.shape[1], chunk_size, x.shape[2]), jnp.float32)
+    y, final, checkpoint = carry_chunks(prepare, chunk, table, initial_state, out, counts)
+    return scatter_chunks(jnp.moveaxis(y, 1, 2), table), final, checkpoint
 
 
 def _expand_groups(B, C, num_heads):

@@ -11,6 +11,7 @@ from varlen_inputs import (
     row_lengths,
 )
 
+from pallas_kernels.common import CHUNK_BLOCK
 from pallas_kernels.gdn import gdn_chunked, gdn_recurrent
 from tests.tolerances import Float32
 
@@ -53,6 +54,18 @@ def test_chunk64_edge_lengths():
     TOL.check(o, o_ref)
     TOL.check(final, final_ref)
     np.testing.assert_array_equal(np.asarray(final)[[0, 6]], state[[0, 6]])  # empty rows keep their state
+
+
+
+def test_a_row_across_blocks_of_chunks_in_a_mostly_empty_bucket():
+    """`carry_chunks` prepares blocks of `CHUNK_BLOCK` chunks: a row of 9 chunks of 16 crosses from the first block
+    into the second, which holds the other rows' chunks; the table's third block is padding and is skipped."""
+    assert CHUNK_BLOCK == 8  # the lengths below are laid out for blocks of 8
+    lengths = [0, 9 * 16 - 3, 0, 40, 1, 0, 0, 0]
+    tokens, state = _make_inputs(192, 8, seed=3)
+    tol = Float32(depth=lengths[1] + K + 64)
+    inputs = list(tokens.values())
+    check_chunked_matches_recurrent(gdn_recurrent, _chunked16, inputs, state, cu_seqlens(lengths, 8), tol)
 
 
 @settings(max_examples=5, deadline=None)
