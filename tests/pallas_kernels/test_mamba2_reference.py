@@ -4,6 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from varlen_inputs import (
+    check_a_row_across_chunk_blocks,
     check_chunked_matches_recurrent,
     check_packed_equals_per_row_calls,
     check_split_row_carries_state,
@@ -11,7 +12,6 @@ from varlen_inputs import (
     row_lengths,
 )
 
-from pallas_kernels.common import CHUNK_BLOCK
 from pallas_kernels.mamba2 import ssd_chunked, ssd_recurrent
 from tests.tolerances import Float32
 
@@ -61,14 +61,7 @@ def test_chunk128_edge_lengths():
 
 
 def test_a_row_across_blocks_of_chunks_in_a_mostly_empty_bucket():
-    """`carry_chunks` prepares blocks of `CHUNK_BLOCK` chunks: a row of 9 chunks of 16 crosses from the first block
-    into the second, which holds the other rows' chunks; the table's third block is padding and is skipped."""
-    assert CHUNK_BLOCK == 8  # the lengths below are laid out for blocks of 8
-    lengths = [0, 9 * 16 - 3, 0, 40, 1, 0, 0, 0]
-    tokens, state = _make_inputs(192, 8, seed=3)
-    tol = Float32(depth=lengths[1] + N + 64)
-    inputs = list(tokens.values())
-    check_chunked_matches_recurrent(_recurrent, _chunked, inputs, state, cu_seqlens(lengths, 8), tol)
+    check_a_row_across_chunk_blocks(_recurrent, _chunked, _make_inputs, N)
 
 
 @settings(max_examples=5, deadline=None)

@@ -3,6 +3,7 @@
 import numpy as np
 from hypothesis import strategies as st
 
+from pallas_kernels.common import CHUNK_BLOCK
 from tests.tolerances import Float32
 
 
@@ -102,3 +103,14 @@ def check_chunked_matches_recurrent(recurrent, chunked, token_args, states, cu, 
     tol.check(out[: cu[-1]], out_ref[: cu[-1]])
     tol.check(final, final_ref)
     assert np.isfinite(out).all()
+
+
+def check_a_row_across_chunk_blocks(recurrent, chunked16, make_inputs, state_terms: int):
+    """`carry_chunks` prepares blocks of `CHUNK_BLOCK` chunks: a row of 9 chunks of 16 crosses from the first block
+    into the second, which holds the other rows' chunks; the table's third block is padding and is skipped.
+    `make_inputs(num_tokens, num_rows, seed)` -> (token arrays by name, initial states)."""
+    assert CHUNK_BLOCK == 8  # the lengths below are laid out for blocks of 8
+    lengths = [0, 9 * 16 - 3, 0, 40, 1, 0, 0, 0]
+    tokens, states = make_inputs(192, 8, seed=3)
+    tol = Float32(depth=lengths[1] + state_terms + 64)
+    check_chunked_matches_recurrent(recurrent, chunked16, list(tokens.values()), states, cu_seqlens(lengths, 8), tol)
