@@ -50,8 +50,11 @@ def test_a_decode_steps_kernels_are_each_layers_decode_kernels():
     rings = (spec(config.num_state_slots, g.num_k_heads, entries, g.head_k_dim),
              spec(config.num_state_slots, g.num_v_heads, entries, g.head_v_dim),
              spec(config.num_state_slots, g.num_v_heads, entries))
-    qk, v = spec(tokens, g.num_k_heads, g.head_k_dim), spec(tokens, g.num_v_heads, g.head_v_dim)
-    gates = spec(tokens, g.num_v_heads)
+    # decode and verify rows come first with 1 + k tokens at most: their ops see the bucket's first R (1 + k)
+    decode_tokens = min(tokens, rows * (1 + config.num_spec_tokens))
+    assert decode_tokens < tokens  # this bucket has tokens the replay must not see
+    qk, v = spec(decode_tokens, g.num_k_heads, g.head_k_dim), spec(decode_tokens, g.num_v_heads, g.head_v_dim)
+    gates = spec(decode_tokens, g.num_v_heads)
     replay = gdn_cost.replay(qk, qk, v, gates, gates, pool, *rings, rows, write_final=False)
     materialise = gdn_cost.materialise(*rings, pool, 1)
     attention = attention_cost.attention(spec(tokens, heads.num_heads, heads.head_dim),
