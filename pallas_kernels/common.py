@@ -293,11 +293,13 @@ def carry_chunks(prepare: Callable, chunk: Callable, table: ChunkTable, initial_
     state at its first chunk) and `count` is its entry of `checkpoint_counts` (None without checkpoints).
 
     Only blocks that hold some row's chunks run, in a loop as long as they are: a prefill bucket's table is sized
-    for a partial chunk in every row and mostly padding (80 chunks for 1,024 tokens over 64 rows, of which ~20
-    are real when a few long rows prefill), so preparing the whole table at once did 4x the work.
+    for a partial chunk in every row and is largely padding (at chunk 16, 128 slots for the 71 real chunks of a
+    1,024-token step over 64 rows), which preparing the whole table at once also computed.
     The table's length must be a multiple of `CHUNK_BLOCK` (`chunk_table(..., multiple_of=CHUNK_BLOCK)`).
     Returns (outputs [NC, *out.shape] (zeros for padding chunks), final states [R, ...], checkpoint states
     [R, ...] or None, a row's initial state where it has no checkpoint)."""
+    if table.rows.shape[0] % CHUNK_BLOCK:  # a clamped last block would misalign with its chunks
+        raise ValueError(f"chunk table of {table.rows.shape[0]} chunks is not whole blocks of {CHUNK_BLOCK}")
     num_rows = initial_state.shape[0]
     num_real = jnp.sum(table.rows < num_rows)
 
