@@ -30,18 +30,22 @@ def free_port() -> int:
 
 
 @pytest.mark.timeout(2 * WORKER_TIMEOUT + 60)  # the two processes, then (uncached) the one-process run
-def test_two_processes_give_the_single_process_output():
-    env = worker_env(1)
+def test_two_processes_give_the_single_process_output(tmp_path):
     worker, port = "tests.jaxhybrid.distributed.multihost_worker", str(free_port())
-    processes = [subprocess.Popen([sys.executable, "-m", worker, port, str(rank)], env=env, cwd=ROOT, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
+    processes = []
+    for rank in (0, 1):  # files, not pipes: a process blocked on a full pipe would stall the other's collectives
+        with open(tmp_path / f"{rank}.out", "w") as out, open(tmp_path / f"{rank}.err", "w") as err:
+            processes.append(subprocess.Popen([sys.executable, "-m", worker, port, str(rank), str(WORKER_TIMEOUT)],
+                                              env=worker_env(1), cwd=ROOT, stdout=out, stderr=err))
     try:
-        done = [p.communicate(timeout=WORKER_TIMEOUT) for p in processes]
+        for p in processes:  # a hung worker prints its threads' stacks and exits at WORKER_TIMEOUT
+            p.wait(timeout=WORKER_TIMEOUT + 60)
     finally:
         for p in processes:
             p.kill()
-    for p, (_, err) in zip(processes, done, strict=True):
-        assert p.returncode == 0, err[-3000:]
+    done = [((tmp_path / f"{rank}.out").read_text(), (tmp_path / f"{rank}.err").read_text()) for rank in (0, 1)]
+    assert [p.returncode for p in processes] == [0, 0], "\n".join(f"rank {rank}: {err[-3000:]}"
+                                                                  for rank, (_, err) in enumerate(done))
     leader, follower = (json.loads(out.splitlines()[-1]) for out, _ in done)
     assert follower["steps"] == leader["steps"] > 0  # every step ran on both processes
     one = tp_runs("qwen3_next/reference=1")["qwen3_next/reference"]["1"]
