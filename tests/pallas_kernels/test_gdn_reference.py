@@ -56,7 +56,6 @@ def test_chunk64_edge_lengths():
     np.testing.assert_array_equal(np.asarray(final)[[0, 6]], state[[0, 6]])  # empty rows keep their state
 
 
-
 def test_a_row_across_blocks_of_chunks_in_a_mostly_empty_bucket():
     check_a_row_across_chunk_blocks(gdn_recurrent, _chunked16, _make_inputs, K)
 

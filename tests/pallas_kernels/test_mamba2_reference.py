@@ -59,7 +59,6 @@ def test_chunk128_edge_lengths():
     np.testing.assert_array_equal(np.asarray(final)[[0, 6]], state[[0, 6]])  # empty rows keep their state
 
 
-
 def test_a_row_across_blocks_of_chunks_in_a_mostly_empty_bucket():
     check_a_row_across_chunk_blocks(_recurrent, _chunked, _make_inputs, N)
 
