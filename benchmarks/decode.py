@@ -196,7 +196,8 @@ def op_category(op_name: str) -> str:
         return "moe: expert matmuls (routed, shared)" if "dot_general" in path else (
             "moe: expert weight gathers" if path.endswith("gather") else "moe: routing, combine")
     if "HybridLM/L/gdn" in path:
-        return "gdn: state (conv, recurrence)" if ("gdn_verify" in path or "conv1d" in path) else "gdn: projections"
+        recurrent = any(op in path for op in ("gdn_verify", "gdn_prefill", "gdn_decode", "conv1d"))
+        return "gdn: state (conv, recurrence)" if recurrent else "gdn: projections"
     if "HybridLM/L/attention" in path:
         return "attention: projections" if "proj" in path else "attention: kernel"
     if "lm_head" in path:

@@ -5,7 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import HIGHEST, chunk_table, gather_chunks, scatter_chunks
+from pallas_kernels.common import HIGHEST, chunk_table, gather_chunks, max_num_chunks, real_blocks, scatter_chunks
 
 
 def write_kv(k, v, k_pool, v_pool, slot_mapping):
@@ -19,6 +19,7 @@ def write_kv(k, v, k_pool, v_pool, slot_mapping):
 
 KEY_SPAN_BLOCKS = 8  # KV blocks per softmax step: [tile x 8 BS] score matmuls, not [1 x BS] ones per token
 MAX_TILE = 64
+BLOCK_QUERIES = 1024  # query tokens per loop trip; blocks of 512 ran the 64-row prefill 2x slower on XLA:CPU
 
 
 def tokens_per_tile(num_tokens: int, num_rows: int) -> int:
@@ -50,7 +51,9 @@ def ragged_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, block_table, c
     Query token i of row r sits at position context_lens[r] + i and sees cache positions 0..that position
     of row r, read through block_table[r]. One call mixes prefill chunks, decode and verify rows. Softmax
     in fp32. Each row's queries are cut into tiles (`tokens_per_tile`) that read the row's KV together, a
-    span of `KEY_SPAN_BLOCKS` blocks per online-softmax step, like the Pallas kernel's programs.
+    span of `KEY_SPAN_BLOCKS` blocks per online-softmax step, like the Pallas kernel's programs. Tiles run in
+    blocks of `BLOCK_QUERIES` query tokens, only the blocks that hold some row's tiles, each over the spans its
+    own rows reach.
 
     Args:
       q: [T, HQ, Dh] packed queries; tokens at index >= cu_seqlens[-1] are padding.
@@ -70,11 +73,13 @@ def ragged_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, block_table, c
     num_rows, max_blocks = block_table.shape
     block_size, num_kv_heads = k_pool.shape[1:3]
     tile = tokens_per_tile(num_tokens, num_rows)
-    table = chunk_table(cu_seqlens, num_tokens, tile)
+    tiles_per_block = max(1, min(BLOCK_QUERIES // tile, max_num_chunks(num_tokens, num_rows, tile)))
+    table = chunk_table(cu_seqlens, num_tokens, tile, multiple_of=tiles_per_block)
     rows = jnp.minimum(table.rows, num_rows - 1)
     in_tile = jnp.arange(tile)[None, :] < table.lengths[:, None]  # [NC, C]
     positions = (context_lens[rows] + table.offsets)[:, None] + jnp.arange(tile)  # [NC, C]
     last_position = positions[:, 0] + table.lengths - 1  # [NC]: keys past it are never written for the tile
+    reach = jnp.where(table.lengths > 0, last_position + 1, 0)  # [NC]: keys a tile sees
     queries = gather_chunks(q.astype(jnp.float32) * scale, table, tile)
     group = num_q_heads // num_kv_heads
     # [NC, HKV, C * G, Dh]: each (tile, kv head) is one [C * G, Dh] x [Dh, K] matmul
@@ -85,25 +90,35 @@ def ragged_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, block_table, c
     span = span_blocks * block_size
     spans = jnp.pad(block_table, ((0, 0), (0, -max_blocks % span_blocks)))[rows]  # null block past the table
 
-    def step(j, carry):
-        blocks = jax.lax.dynamic_slice_in_dim(spans, j * span_blocks, span_blocks, axis=1)  # [NC, SB]
-        key_positions = j * span + jnp.arange(span)
-        keys = k_pool[blocks].reshape(-1, span, num_kv_heads, head_dim).transpose(0, 2, 1, 3)  # [NC, HKV, K, Dh]
-        scores = jnp.einsum("ngmd,ngkd->ngmk", queries, keys.astype(jnp.float32), precision=HIGHEST)
-        visible = (key_positions <= positions[..., None]) & in_tile[..., None]  # [NC, C, K]
-        scores = jnp.where(visible_rows(visible), scores, -jnp.inf)
-        # Select, not multiply by a zero probability: an unwritten pool position may hold NaN or Inf.
-        written = (key_positions <= last_position[:, None])[:, None, :, None]  # [NC, 1, K, 1]
-        values = v_pool[blocks].reshape(-1, span, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
-        values = jnp.where(written, values.astype(jnp.float32), 0.0)
-        return _online_softmax_step(carry, scores, values)
+    def attend(first, out):
+        """The tiles [first, first + tiles_per_block): an online softmax over the spans the block's rows reach."""
+        cut = lambda x: jax.lax.dynamic_slice_in_dim(x, first, tiles_per_block)
+        block_queries, block_positions, block_in_tile, block_last, block_spans = map(
+            cut, (queries, positions, in_tile, last_position, spans))
 
-    heads = queries.shape[:-1]
-    init = (jnp.full(heads, -jnp.inf), jnp.zeros(heads), jnp.zeros(queries.shape))
-    # only the spans some row reaches: the table is as wide as max_model_len, contexts are mostly shorter
-    reach = jnp.where(table.lengths > 0, last_position + 1, 0)
-    num_spans = jnp.minimum((jnp.max(reach, initial=0) + span - 1) // span, spans.shape[1] // span_blocks)
-    _, total, acc = jax.lax.fori_loop(0, num_spans, step, init)
-    o = acc / jnp.where(total == 0, 1.0, total)[..., None]  # [NC, HKV, C * G, Dh]
-    o = o.reshape(-1, num_kv_heads, tile, group, head_dim).transpose(0, 2, 1, 3, 4)
+        def step(j, carry):
+            blocks = jax.lax.dynamic_slice_in_dim(block_spans, j * span_blocks, span_blocks, axis=1)  # [NB, SB]
+            key_positions = j * span + jnp.arange(span)
+            keys = k_pool[blocks].reshape(-1, span, num_kv_heads, head_dim).transpose(0, 2, 1, 3)  # [NB, HKV, K, Dh]
+            scores = jnp.einsum("ngmd,ngkd->ngmk", block_queries, keys.astype(jnp.float32), precision=HIGHEST)
+            visible = (key_positions <= block_positions[..., None]) & block_in_tile[..., None]  # [NB, C, K]
+            scores = jnp.where(visible_rows(visible), scores, -jnp.inf)
+            # Select, not multiply by a zero probability: an unwritten pool position may hold NaN or Inf.
+            written = (key_positions <= block_last[:, None])[:, None, :, None]  # [NB, 1, K, 1]
+            values = v_pool[blocks].reshape(-1, span, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
+            values = jnp.where(written, values.astype(jnp.float32), 0.0)
+            return _online_softmax_step(carry, scores, values)
+
+        heads = block_queries.shape[:-1]
+        init = (jnp.full(heads, -jnp.inf), jnp.zeros(heads), jnp.zeros(block_queries.shape))
+        # only the spans the block's rows reach: the table is as wide as max_model_len, contexts are mostly shorter
+        num_spans = jnp.minimum((jnp.max(cut(reach)) + span - 1) // span, spans.shape[1] // span_blocks)
+        _, total, acc = jax.lax.fori_loop(0, num_spans, step, init)
+        o = acc / jnp.where(total == 0, 1.0, total)[..., None]
+        return jax.lax.dynamic_update_slice_in_dim(out, o, first, axis=0)
+
+    # Only the blocks that hold tiles: the table has a partial tile's room in every row, mostly padding.
+    o = jax.lax.fori_loop(0, real_blocks(table, num_rows, tiles_per_block),
+                          lambda b, out: attend(b * tiles_per_block, out), jnp.zeros(queries.shape))
+    o = o.reshape(-1, num_kv_heads, tile, group, head_dim).transpose(0, 2, 1, 3, 4)  # [NC, C, HKV, G, Dh]
     return scatter_chunks(o, table).reshape(q.shape).astype(q.dtype), k_pool, v_pool

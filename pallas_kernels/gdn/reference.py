@@ -14,13 +14,13 @@ from pallas_kernels.common import (
     HIGHEST,
     append_dense_rows,
     carry_chunks,
+    carry_rows,
     check_rows,
     checkpoint_counts,
     chunk_table,
     dense_to_rows,
     fold_ring,
     gather_chunks,
-    gather_slots,
     in_row_blocks,
     pin,
     repeat_heads,
@@ -28,7 +28,7 @@ from pallas_kernels.common import (
     scatter_chunks,
     scatter_slots,
     snapshot_at,
-    store_prefill_states,
+    store_checkpoints,
     store_snapshots,
     token_rows,
 )
@@ -161,8 +161,9 @@ def _state_at(state, k, v_new, cum, count):
     return decay(state, cum_p) + jnp.einsum("hck,hcv->hkv", k * weights[..., None], v_new, precision=HIGHEST)
 
 
-def _chunked(qn, kn, v, g, beta, cu_seqlens, initial_state, chunk_size, checkpoint_lens):
-    """Chunked core over f32 [T, HV, ...] inputs; returns (o [T, HV, V] f32, final, checkpoint or None)."""
+def _chunked(qn, kn, v, g, beta, cu_seqlens, pool, slots, has_initial, chunk_size, checkpoint_lens):
+    """Chunked core over f32 [T, HV, ...] inputs on the rows' slots (`carry_chunks`); returns (o [T, HV, V] f32,
+    pool, checkpoint or None)."""
     table = chunk_table(cu_seqlens, qn.shape[0], chunk_size, multiple_of=CHUNK_BLOCK)
 
     def prepare(block):
@@ -185,10 +186,10 @@ def _chunked(qn, kn, v, g, beta, cu_seqlens, initial_state, chunk_size, checkpoi
         after = decay(state, total) + jnp.einsum("hkc,hcv->hkv", writes, v_new, precision=HIGHEST)
         return o, after, None if count is None else _state_at(state, k, v_new, cum, count)
 
-    counts = None if checkpoint_lens is None else checkpoint_counts(table, checkpoint_lens, initial_state.shape[0])
+    counts = None if checkpoint_lens is None else checkpoint_counts(table, checkpoint_lens, slots.shape[0])
     out = jax.ShapeDtypeStruct((v.shape[1], chunk_size, v.shape[2]), jnp.float32)
-    o, final, checkpoint = carry_chunks(prepare, chunk, table, initial_state, out, counts)
-    return scatter_chunks(jnp.moveaxis(o, 1, 2), table), final, checkpoint
+    o, pool, checkpoint = carry_chunks(prepare, chunk, table, pool, slots, has_initial, out, counts)
+    return scatter_chunks(jnp.moveaxis(o, 1, 2), table), pool, checkpoint
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "chunk_size"))
@@ -202,7 +203,8 @@ def gdn_chunked(q, k, v, g, beta, cu_seqlens, initial_state, *, scale=None, use_
     num_heads = initial_state.shape[1]
     qn, kn = normalise_qk(q, k, scale, use_qk_l2norm)
     qn, kn = repeat_heads(qn, num_heads, 1), repeat_heads(kn, num_heads, 1)
-    o, final, _ = _chunked(qn, kn, v, g, beta, cu_seqlens, initial_state.astype(jnp.float32), chunk_size, None)
+    o, final = carry_rows(lambda *pages: _chunked(qn, kn, v, g, beta, cu_seqlens, *pages, chunk_size, None)[:2],
+                          initial_state.astype(jnp.float32))
     return o.astype(v.dtype), final
 
 
@@ -216,9 +218,9 @@ def gdn_prefill(
     num_heads = state_pool.shape[1]
     qn, kn = normalise_qk(q, k, scale, use_qk_l2norm)
     qn, kn = repeat_heads(qn, num_heads, 1), repeat_heads(kn, num_heads, 1)
-    initial = gather_slots(state_pool, slots, has_initial).astype(jnp.float32)
-    o, final, ckpt = _chunked(qn, kn, v, g, beta, cu_seqlens, initial, chunk_size, checkpoint_lens)
-    state_pool = store_prefill_states(state_pool, cu_seqlens, slots, final, checkpoint_lens, checkpoint_slots, ckpt)
+    o, state_pool, ckpt = _chunked(qn, kn, v, g, beta, cu_seqlens, state_pool, slots, has_initial, chunk_size,
+                                   checkpoint_lens)
+    state_pool = store_checkpoints(state_pool, cu_seqlens, slots, checkpoint_lens, checkpoint_slots, ckpt)
     return o.astype(v.dtype), state_pool
 
 

@@ -14,13 +14,13 @@ from pallas_kernels.common import (
     HIGHEST,
     append_dense_rows,
     carry_chunks,
+    carry_rows,
     check_rows,
     checkpoint_counts,
     chunk_table,
     dense_to_rows,
     fold_ring,
     gather_chunks,
-    gather_slots,
     in_row_blocks,
     pin,
     repeat_heads,
@@ -28,7 +28,7 @@ from pallas_kernels.common import (
     scatter_chunks,
     scatter_slots,
     snapshot_at,
-    store_prefill_states,
+    store_checkpoints,
     store_snapshots,
     token_rows,
     zero_padding,
@@ -114,8 +114,9 @@ def _y_diag(xdt, b, c, cum):
     return jnp.einsum("zhij,zhjp->zhip", cb * decay, xdt, precision=HIGHEST)
 
 
-def _chunked(x, dt, a, b, c, cu_seqlens, initial_state, chunk_size, checkpoint_lens):
-    """Chunked core over f32 inputs (b, c groups expanded); returns (y without D x, final, checkpoint)."""
+def _chunked(x, dt, a, b, c, cu_seqlens, pool, slots, has_initial, chunk_size, checkpoint_lens):
+    """Chunked core over f32 inputs (b, c groups expanded) on the rows' slots (`carry_chunks`); returns (y without
+    D x, pool, checkpoint or None)."""
     table = chunk_table(cu_seqlens, x.shape[0], chunk_size, multiple_of=CHUNK_BLOCK)
 
     def prepare(block):
@@ -133,10 +134,10 @@ def _chunked(x, dt, a, b, c, cu_seqlens, initial_state, chunk_size, checkpoint_l
         after = jnp.exp(total)[:, None, None] * state + jnp.einsum("hpc,hcs->hps", writes, b, precision=HIGHEST)
         return y_diag + y_off, after, None if count is None else _state_at(state, xdt, b, cum, count)
 
-    counts = None if checkpoint_lens is None else checkpoint_counts(table, checkpoint_lens, initial_state.shape[0])
+    counts = None if checkpoint_lens is None else checkpoint_counts(table, checkpoint_lens, slots.shape[0])
     out = jax.ShapeDtypeStruct((x.shape[1], chunk_size, x.shape[2]), jnp.float32)
-    y, final, checkpoint = carry_chunks(prepare, chunk, table, initial_state, out, counts)
-    return scatter_chunks(jnp.moveaxis(y, 1, 2), table), final, checkpoint
+    y, pool, checkpoint = carry_chunks(prepare, chunk, table, pool, slots, has_initial, out, counts)
+    return scatter_chunks(jnp.moveaxis(y, 1, 2), table), pool, checkpoint
 
 
 def _expand_groups(B, C, num_heads):
@@ -152,7 +153,8 @@ def ssd_chunked(x, dt, A, B, C, D, cu_seqlens, initial_state, *, chunk_size=128)
     check_rows(cu_seqlens, initial_state, "initial_state")
     b, c = _expand_groups(B, C, initial_state.shape[1])
     xf, dtf, a, d, initial_state = _f32(x, dt, A, D, initial_state)
-    y, final, _ = _chunked(xf, dtf, a, b, c, cu_seqlens, initial_state, chunk_size, None)
+    y, final = carry_rows(lambda *pages: _chunked(xf, dtf, a, b, c, cu_seqlens, *pages, chunk_size, None)[:2],
+                          initial_state)
     return zero_padding(y + d[:, None] * xf, cu_seqlens, x.dtype), final
 
 
@@ -165,9 +167,9 @@ def ssd_prefill(
     check_rows(cu_seqlens, slots, "slots")
     b, c = _expand_groups(B, C, state_pool.shape[1])
     xf, dtf, a, d = _f32(x, dt, A, D)
-    initial = gather_slots(state_pool, slots, has_initial).astype(jnp.float32)
-    y, final, ckpt = _chunked(xf, dtf, a, b, c, cu_seqlens, initial, chunk_size, checkpoint_lens)
-    state_pool = store_prefill_states(state_pool, cu_seqlens, slots, final, checkpoint_lens, checkpoint_slots, ckpt)
+    y, state_pool, ckpt = _chunked(xf, dtf, a, b, c, cu_seqlens, state_pool, slots, has_initial, chunk_size,
+                                   checkpoint_lens)
+    state_pool = store_checkpoints(state_pool, cu_seqlens, slots, checkpoint_lens, checkpoint_slots, ckpt)
     return zero_padding(y + d[:, None] * xf, cu_seqlens, x.dtype), state_pool
 
 

@@ -1,12 +1,16 @@
 """Reference ragged paged attention vs dense NumPy softmax attention over permuted block tables."""
 
+import functools
+
+import jax
 import numpy as np
+import pytest
 from attention_cases import BS, DH, HKV, MB, NUM_ROWS, NUM_TOKENS, SCALE, TOL, make_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from varlen_inputs import cu_seqlens
 
-from pallas_kernels.attention import ragged_paged_attention
+from pallas_kernels.attention import ragged_paged_attention, reference
 
 
 @st.composite
@@ -46,6 +50,21 @@ def test_matches_dense_attention(row_specs, seed):
     np.testing.assert_array_equal(np.asarray(k_pool).reshape(-1, HKV, DH)[real], args["k"][: cu[-1]])
     np.testing.assert_array_equal(np.asarray(v_pool).reshape(-1, HKV, DH)[real], args["v"][: cu[-1]])
     assert np.isfinite(o).all()
+
+
+@settings(max_examples=5, deadline=None)
+@given(row_specs=rows(), seed=st.integers(0, 2**16))
+def test_one_tile_per_block(row_specs, seed):
+    """Blocks of one tile and spans of two KV blocks: each block loops over the spans its own row reaches."""
+    args, dense = make_case(row_specs, seed)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(reference, "BLOCK_QUERIES", 1)
+        patch.setattr(reference, "KEY_SPAN_BLOCKS", 2)
+        o, _, _ = jax.jit(functools.partial(reference.ragged_paged_attention.__wrapped__, scale=SCALE))(**args)
+    cu = args["cu_seqlens"]
+    for r, (keys, values) in enumerate(dense):
+        TOL.check(o[cu[r] : cu[r + 1]], _dense_attention(args["q"][cu[r] : cu[r + 1]], keys, values, len(keys)))
+    np.testing.assert_array_equal(o[cu[-1] :], 0)
 
 
 @settings(max_examples=5, deadline=None)
