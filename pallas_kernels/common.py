@@ -429,19 +429,19 @@ def dense_to_rows(y: jax.Array, cu_seqlens: jax.Array, num_tokens: int) -> jax.A
     return jnp.where(tok.valid.reshape((-1,) + (1,) * (out.ndim - 1)), out, 0)
 
 
-def append_ring(ring: jax.Array, new: jax.Array, ring_start, committed, lengths) -> jax.Array:
+def append_ring(page: jax.Array, new: jax.Array, ring_start, committed, lengths) -> jax.Array:
     """Write new entries i < lengths[r] at ring index (ring_start + committed + i) % E, per row.
 
-    ring: [R, X, E, ...] (ring axis 2); new: [R, X, N <= E, ...] in logical order. Other entries are kept.
-    """
-    width = ring.shape[2]
-    new = jnp.pad(new, [(0, 0), (0, 0), (0, width - new.shape[2])] + [(0, 0)] * (new.ndim - 3))
+    page: [R, X, E, ...] (ring axis 2); new: [R, X, N <= E, ...] in logical order. Other entries are kept. One
+    select per new entry (N is 1 + k): a gather that rotated the new entries into place cost a batch-64 decode
+    step ~1.4 ms on XLA:CPU."""
+    width = page.shape[2]
     logical = (jnp.arange(width)[None, :] - ring_start[:, None] - committed[:, None]) % width  # [R, E]
-    expand = (slice(None), None, slice(None)) + (None,) * (ring.ndim - 3)
-    index = jnp.broadcast_to(logical[expand], new.shape)
-    moved = jnp.take_along_axis(new, index, axis=2)
-    take = (logical < lengths[:, None])[expand]
-    return jnp.where(take, moved, ring)
+    expand = (slice(None), None, slice(None)) + (None,) * (page.ndim - 3)
+    for i in range(new.shape[2]):
+        take = ((logical == i) & (i < lengths[:, None]))[expand]
+        page = jnp.where(take, new[:, :, i : i + 1], page)
+    return page
 
 
 def append_dense_rows(rings, new_entries, slots, ring_start, committed, lengths) -> tuple:
