@@ -317,9 +317,10 @@ def carry_chunks(prepare: Callable, chunk: Callable, table: ChunkTable, pool: ja
         state, pool, checkpoint, outs = carry
         n = first + i
         row = table.rows[n]
-        slot = slots[jnp.minimum(row, num_rows - 1)]
+        index = jnp.minimum(row, num_rows - 1)
+        slot = slots[index]
         # the carried pool: no other row writes this slot, and reading the argument would keep a copy of it alive
-        initial = lambda: jnp.where(has_initial[jnp.minimum(row, num_rows - 1)], pool[slot].astype(jnp.float32), 0.0)
+        initial = lambda: jnp.where(has_initial[index], pool[slot].astype(jnp.float32), 0.0)
         state = jax.lax.cond(table.first[n], initial, lambda: state)
         count = None if checkpoint_counts is None else checkpoint_counts[n]
         output, state, at = chunk(jax.tree.map(lambda x: x[i], prepared), state, count)
