@@ -22,7 +22,7 @@ import yaml
 
 from jaxhybrid.models.config import ModelConfig
 from jaxhybrid.models.tensor_parallel import local_config
-from jaxhybrid.sample.sampler import ROW_DTYPE
+from jaxhybrid.sample.sampler import DEFAULT_CONSTRAINT_WIDTH, ROW_DTYPE
 from jaxhybrid.worker.memory import PoolSizes, size_pools
 from pallas_kernels.common import resolve_backend
 from scheduler import SchedulerConfig
@@ -52,6 +52,9 @@ class EngineArgs:
     max_num_batched_tokens: int = _arg(512, type=int)
     max_model_len: int | None = _arg(None, "default: the model's, at most 4096", type=int)
     max_logprobs: int = _arg(20, type=int)
+    max_sampling_constraints: int = _arg(
+        DEFAULT_CONSTRAINT_WIDTH, "entries a sequence's logit_bias, allowed_token_ids, bad_words and min_tokens bans "
+        "may take; steps are compiled for this many, and a request needing more gets a 400", type=int)
     enable_prefix_caching: bool = _arg(True, "align-mode prefix caching of KV blocks and recurrent states")
     speculative_config: dict | None = _arg(None, 'MTP, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\'',
                                            type=json.loads)

@@ -70,7 +70,8 @@ class LLM:
             cfg, lambda: device_memory_budget(args.gpu_memory_utilization, param_bytes(self.model.params, cfg, mesh)),
             dtype=dtype, step_temporaries=temporaries)
         self.engine = Engine(self.model, self.config, self.tokenizer, seed=args.seed, max_logprobs=args.max_logprobs,
-                             mesh=mesh, async_scheduling=args.async_scheduling)
+                             mesh=mesh, async_scheduling=args.async_scheduling,
+                             max_sampling_constraints=args.max_sampling_constraints)
         self._counter = 0
         if args.precompile:
             start = time.perf_counter()

@@ -37,6 +37,7 @@ from jaxhybrid.engine.stats import EngineLoad, EngineStats
 from jaxhybrid.engine.tokenizer import Tokenizer
 from jaxhybrid.models.model import Model
 from jaxhybrid.sample.params import SamplingParams
+from jaxhybrid.sample.sampler import DEFAULT_CONSTRAINT_WIDTH
 from jaxhybrid.worker.runner import Runner
 from jaxhybrid.worker.step import StepOutput
 from scheduler import BatchPlan, SchedulerConfig
@@ -65,14 +66,16 @@ class Engine:
     """A model, its device pools and the scheduler state, serving requests step by step."""
 
     def __init__(self, model: Model, config: SchedulerConfig, tokenizer: Tokenizer | None = None, *, seed: int = 0,
-                 max_logprobs: int = 20, mesh: Mesh | None = None, async_scheduling: bool = True):
+                 max_logprobs: int = 20, mesh: Mesh | None = None, async_scheduling: bool = True,
+                 max_sampling_constraints: int = DEFAULT_CONSTRAINT_WIDTH):
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.async_scheduling = async_scheduling
-        self.runner = Runner(model, config, max_logprobs=max_logprobs, mesh=mesh)
+        self.runner = Runner(model, config, max_logprobs=max_logprobs, mesh=mesh,
+                             constraint_width=max_sampling_constraints)
         self.max_logprobs = self.runner.num_logprobs
         self.scheduler = scheduler.init_state(config)
         self.stats = EngineStats()
-        self.table = RequestTable(model, config, tokenizer, self.max_logprobs, seed)
+        self.table = RequestTable(model, config, tokenizer, self.max_logprobs, seed, max_sampling_constraints)
         self.output_processor = OutputProcessor(self.table, self.stats)
         self._output_thread = ThreadPoolExecutor(1, thread_name_prefix=OUTPUT_THREAD)
         # one step ahead, oldest first: a step whose outputs the output thread processes, a resolved step

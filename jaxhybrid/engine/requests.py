@@ -20,7 +20,7 @@ from jaxhybrid.engine.outputs import CompletionOutput, PositionLogprobs, Request
 from jaxhybrid.engine.tokenizer import Tokenizer
 from jaxhybrid.models.model import Model
 from jaxhybrid.sample.params import SamplingParams
-from jaxhybrid.sample.sampler import batch_constraints, constraint_entries
+from jaxhybrid.sample.sampler import DEFAULT_CONSTRAINT_WIDTH, batch_constraints, constraint_entries
 from scheduler import BatchPlan, RowKind, SchedulerConfig
 
 
@@ -90,9 +90,9 @@ class RequestTable:
     sequences it ended wait in `ended` until the engine's thread lets the scheduler free them."""
 
     def __init__(self, model: Model, config: SchedulerConfig, tokenizer: Tokenizer | None, max_logprobs: int,
-                 seed: int) -> None:
+                 seed: int, constraint_width: int = DEFAULT_CONSTRAINT_WIDTH) -> None:
         self.model, self.config, self.tokenizer = model, config, tokenizer
-        self.max_logprobs = max_logprobs
+        self.max_logprobs, self.constraint_width = max_logprobs, constraint_width
         self.requests: dict[str, Request] = {}
         self.sequences: dict[str, Sequence] = {}
         self.logprob_sequences: set[str] = set()  # running sequences that report logprobs
@@ -105,7 +105,7 @@ class RequestTable:
         """A request checked against the engine (ValueError naming the problem), with no sequences yet."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        params = self._checked_params(params)
+        params = self.checked_params(params)
         if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
         seed = int(self._seeds.integers(2**63)) if params.seed is None else params.seed
@@ -173,13 +173,23 @@ class RequestTable:
                                  params.row_data(seed, len(prompt.token_ids)))
 
     def constraint_entries(self, params: SamplingParams) -> np.ndarray | None:
-        """The device's constraint entries of a request (`sampling.Constraint`); None without constraints."""
+        """The device's constraint entries of a request (`sampling.Constraint`); None without constraints. More
+        entries than the steps were compiled for is a ValueError naming max_sampling_constraints."""
         if not params.has_constraints():
             return None
+        width = self.constraint_width
+        if len(params.bad_words or ()) > width:  # each word takes an entry at least: refused before tokenizing
+            raise ValueError(f"SamplingParams.bad_words must hold at most max_sampling_constraints={width} words, "
+                             f"got {len(params.bad_words)}")
         eos = () if params.ignore_eos else self.model.config.eos_token_id
-        return constraint_entries(params.logit_bias or {}, params.allowed_token_ids or (),
-                                  self._bad_word_ids(params.bad_words or ()),
-                                  tuple(params.stop_token_ids) + tuple(eos) if params.min_tokens else ())
+        entries = constraint_entries(params.logit_bias or {}, params.allowed_token_ids or (),
+                                     self._bad_word_ids(params.bad_words or ()),
+                                     tuple(params.stop_token_ids) + tuple(eos) if params.min_tokens else ())
+        if len(entries) > width:
+            raise ValueError(f"SamplingParams.{_largest_constraint(params)} must keep the request's logit_bias, "
+                             f"allowed_token_ids, bad_words and min_tokens bans within max_sampling_constraints="
+                             f"{width} entries, got {len(entries)}")
+        return entries
 
     def plan_constraints(self, plan: BatchPlan) -> np.ndarray | None:
         """The plan's rows' constraint entries, [R, E, 4]; None when no row has any."""
@@ -187,12 +197,14 @@ class RequestTable:
         if not any(sequence_id in constraints for sequence_id in plan.request_ids):
             return None
         return batch_constraints([constraints.get(sequence_id) for sequence_id in plan.request_ids],
-                                 plan.row_kind.shape[0])
+                                 plan.row_kind.shape[0], self.constraint_width)
 
-    def _checked_params(self, params: SamplingParams) -> SamplingParams:
-        """`params` checked against this engine, with logprobs counts of -1 resolved to the vocabulary's."""
+    def checked_params(self, params: SamplingParams) -> SamplingParams:
+        """`params` checked against this engine (a ValueError naming the field), with logprobs counts of -1
+        resolved to the vocabulary's and a top_k past the vocabulary off. Reads only the engine's settings:
+        any thread may call it."""
         vocab = self.model.config.vocab_size
-        counts = {}
+        counts = {"top_k": 0 if params.top_k >= vocab else params.top_k}  # keeping every token is no filter
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             counts[name] = vocab if value == -1 else value
@@ -202,8 +214,9 @@ class RequestTable:
         token_lists = {"stop_token_ids": params.stop_token_ids, "logit_bias": list(params.logit_bias or ()),
                        "allowed_token_ids": params.allowed_token_ids or ()}
         for name, tokens in token_lists.items():
-            if any(not 0 <= t < vocab for t in tokens):
-                raise ValueError(f"SamplingParams.{name} must hold token ids in [0, {vocab}), got {list(tokens)}")
+            outside = next((t for t in tokens if not 0 <= t < vocab), None)
+            if outside is not None:
+                raise ValueError(f"SamplingParams.{name} must hold token ids in [0, {vocab}), got {outside}")
         for name in ("stop", "bad_words"):
             if getattr(params, name) and self.tokenizer is None:
                 raise ValueError(f"SamplingParams.{name} needs a tokenizer (this engine runs with "
@@ -223,7 +236,7 @@ class RequestTable:
         vocab = self.model.config.vocab_size
         if any(t >= vocab for word in words for t in word):
             raise ValueError(f"SamplingParams.bad_words must tokenize to ids below the model's vocabulary "
-                             f"size {vocab}, got {list(bad_words)}")
+                             f"size {vocab}")
         return words
 
     def _detokenizer(self, prompt: Prompt, params: SamplingParams) -> IncrementalDetokenizer | None:
@@ -232,3 +245,10 @@ class RequestTable:
         return IncrementalDetokenizer(self.tokenizer, list(prompt.token_ids), params.stop,
                                       include_stop_str_in_output=params.include_stop_str_in_output,
                                       skip_special_tokens=params.skip_special_tokens, min_tokens=params.min_tokens)
+
+
+def _largest_constraint(params: SamplingParams) -> str:
+    """The field that asks for the most constraint entries (the one a 400 names)."""
+    sizes = {"logit_bias": len(params.logit_bias or ()), "allowed_token_ids": len(set(params.allowed_token_ids or ())),
+             "bad_words": len(params.bad_words or ()), "stop_token_ids": len(params.stop_token_ids)}
+    return max(sizes, key=sizes.get)

@@ -24,6 +24,7 @@ class Tokenizer:
         self.eos_token = eos_token
         self.chat_template = chat_template
         self.config = config or {}  # tokenizer_config.json as read
+        self._longest_token: int | None = None
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> Tokenizer:
@@ -45,6 +46,15 @@ class Tokenizer:
 
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def max_text_chars(self, num_tokens: int) -> int:
+        """The most characters a text that encodes to `num_tokens` tokens can hold: the longest token's
+        characters (a byte-level token's string has a character per byte, at least as many as it decodes to),
+        times 3 for a normalizer that composes characters (NFC turns three Hangul jamo into one syllable).
+        A longer text cannot fit, and is refused without spending seconds of CPU on tokenizing it."""
+        if self._longest_token is None:
+            self._longest_token = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return 3 * self._longest_token * num_tokens
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """`text`'s ids; `add_special_tokens` adds what the tokenizer's post-processor adds (a BOS, say)."""

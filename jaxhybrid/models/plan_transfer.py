@@ -30,6 +30,10 @@ class PlanLayout(NamedTuple):
     fields: tuple[tuple[str, int, tuple[int, ...], str], ...]
     size: int
 
+    def num_rows(self) -> int:
+        """R, the row bucket of the plans packed this way."""
+        return next(shape[0] for name, _, shape, _ in self.fields if name == "row_kind")
+
 
 class DevicePlan(NamedTuple):
     """The device fields of a `BatchPlan` under the same names (DESIGN "One vocabulary"), as jax arrays;

@@ -4,7 +4,6 @@ stop strings."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import scheduler
@@ -17,8 +16,18 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """A real number the device's float32 holds (a larger one would arrive as inf)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and abs(value) <= _FLOAT32_MAX
+
+
+def _shown(value, limit: int = 80) -> str:
+    """A value for an error message: its repr, cut short (a request's lists can be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,9 @@ class SamplingParams:
                 object.__setattr__(self, name, tuple(value))
         for problem in self._problems():
             raise ValueError(problem)
+        for name in ("allowed_token_ids", "stop_token_ids"):  # a set of ids: a repeat changes nothing
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(dict.fromkeys(getattr(self, name))))
         if self.logit_bias is not None:  # vLLM clamps the biases
             object.__setattr__(self, "logit_bias", {t: min(100.0, max(-100.0, float(b)))
                                                     for t, b in self.logit_bias.items()})
@@ -81,7 +93,7 @@ class SamplingParams:
             ("n", _is_int(self.n) and self.n >= 1, "an integer >= 1"),
             ("max_tokens", self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0),
              "an integer >= 0 or None"),
-            ("temperature", _is_number(self.temperature) and self.temperature >= 0, "a finite number >= 0"),
+            ("temperature", _is_number(self.temperature) and self.temperature >= 0, "a finite float32 >= 0"),
             ("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", _is_int(self.top_k) and self.top_k >= -1, "an integer >= -1 (0 or -1: off)"),
             ("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
@@ -116,7 +128,7 @@ class SamplingParams:
                                                           or self.truncate_prompt_tokens == -1)),
              "an integer >= 1, -1 (max_model_len) or None"),
         ]
-        return [f"SamplingParams.{name} must be {rule}, got {getattr(self, name)!r}" for name, ok, rule in checks
+        return [f"SamplingParams.{name} must be {rule}, got {_shown(getattr(self, name))}" for name, ok, rule in checks
                 if not ok]
 
     def scheduler_params(self, max_tokens: int, eos_token_id: int | None) -> scheduler.SamplingParams:

@@ -36,9 +36,10 @@ ROW_DTYPE = np.dtype([
 # Constraints on a row's logits (logit_bias, allowed_token_ids, bad_words, min_tokens' bans) travel beside
 # the plan as a padded list of entries per row, [R, E, 4] int32 of (kind, token, value, back), scattered
 # onto the row's logits on device: the transfer grows with the entries, never with the vocabulary. E is
-# one of CONSTRAINT_WIDTHS: every step has at least the first (all padding when no row has any, and then
-# skipped at run time), so the common requests compile nothing beyond the precompiled steps.
-CONSTRAINT_WIDTHS = tuple(8 * 4**i for i in range(12))
+# the engine's one constraint width (`max_sampling_constraints`), so every step is compiled once, at start-up,
+# and a request that needs more entries than E is refused instead of compiling a new step while serving. A
+# step with no constrained row passes all padding, and the jitted sampler skips the entries at run time.
+DEFAULT_CONSTRAINT_WIDTH = 1024
 
 
 class Constraint(enum.IntEnum):
@@ -95,10 +96,11 @@ def pack_row(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p
 
 def constraint_entries(logit_bias: dict[int, float], allowed_token_ids: tuple[int, ...],
                        bad_words: list[tuple[int, ...]], min_tokens_bans: tuple[int, ...]) -> np.ndarray:
-    """One request's constraint entries, [n, 4] int32 (see `Constraint`); bad_words as token ids."""
+    """One request's constraint entries, [n, 4] int32 (see `Constraint`); bad_words as token ids. A token
+    listed twice among the allowed ids or the bans takes one entry."""
     entries = [(Constraint.BIAS, token, bias, 0) for token, bias in logit_bias.items()]
-    entries += [(Constraint.ALLOWED, token, 0.0, 0) for token in allowed_token_ids]
-    entries += [(Constraint.MIN_TOKENS, token, 0.0, 0) for token in min_tokens_bans]
+    entries += [(Constraint.ALLOWED, token, 0.0, 0) for token in dict.fromkeys(allowed_token_ids)]
+    entries += [(Constraint.MIN_TOKENS, token, 0.0, 0) for token in dict.fromkeys(min_tokens_bans)]
     for word in bad_words:
         entries += [(Constraint.PREFIX, token, 0.0, len(word) - 1 - i) for i, token in enumerate(word[:-1])]
         entries.append((Constraint.BAD_WORD, word[-1], 0.0, len(word) - 1))
@@ -108,10 +110,12 @@ def constraint_entries(logit_bias: dict[int, float], allowed_token_ids: tuple[in
     return table
 
 
-def batch_constraints(per_row: list[np.ndarray | None], num_rows: int) -> np.ndarray:
-    """Rows' entries padded to [num_rows, E, 4], E the first of CONSTRAINT_WIDTHS that holds the longest."""
+def batch_constraints(per_row: list[np.ndarray | None], num_rows: int,
+                      width: int = DEFAULT_CONSTRAINT_WIDTH) -> np.ndarray:
+    """Rows' entries padded to [num_rows, width, 4]; a row with more than `width` entries is a ValueError."""
     longest = max((len(entries) for entries in per_row if entries is not None), default=0)
-    width = next((w for w in CONSTRAINT_WIDTHS if w >= longest), longest)
+    if longest > width:
+        raise ValueError(f"a row has {longest} constraint entries, more than the step's width {width}")
     batch = np.zeros((num_rows, width, 4), np.int32)
     for row, entries in enumerate(per_row):
         if entries is not None:

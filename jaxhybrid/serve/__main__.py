@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import signal
+from collections.abc import Callable
 
 from jaxhybrid import engine_args
 from jaxhybrid.engine_args import build_llm, make_parser, non_default
@@ -27,10 +28,18 @@ _SERVER_FLAGS: dict[str, dict] = {
                         "root_path); paths with and without it are served"),
     "--api-key": dict(nargs="+", default=None, help="Bearer keys for /v1/* (env JAXHYBRID_API_KEY)"),
     "--max-num-queued-requests": dict(type=int, default=None,
-                                      help="sequences queued or running before new requests get 429"),
+                                      help="sequences (n counting n) queued or running before new requests get "
+                                      "429 (default: 8 x max_num_seqs)"),
+    "--max-num-queued-tokens": dict(type=int, default=None,
+                                    help="prompt tokens of the sequences queued or running before new requests get "
+                                    "429 (default: 2 x max_num_seqs x max_model_len, two batches of the longest "
+                                    "prompts)"),
+    "--max-request-body-bytes": dict(type=int, default=None,
+                                     help="larger request bodies get 413 before they are parsed (default: 8 MiB)"),
     "--shutdown-timeout": dict(type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests"),
     "--watchdog-timeout": dict(type=float, default=120.0,
-                               help="/health is 503 when requests wait and no step ends for this long"),
+                               help="seconds without a step or an idle wait after which the engine counts as "
+                               "stuck: /health answers 503 and the server exits with status 1"),
     "--uvicorn-log-level": dict(default="warning"),
     "--enable-request-id-headers": dict(action=argparse.BooleanOptionalAction, default=False,
                                         help="echo X-Request-Id (or a fresh id) in every response's headers"),
@@ -60,10 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_server(args: argparse.Namespace):
-    """The LLM, the engine loop and the app, with the start-up report; returns (app, state)."""
+def build_server(args: argparse.Namespace, on_stuck: Callable[[str], None] | None = None):
+    """The LLM, the engine loop and the app, with the start-up report; returns (app, state). `on_stuck` is
+    called once if the engine thread dies or stops coming round its loop."""
     from jaxhybrid.models.weights import DEFAULT_MODEL_DIR
-    from jaxhybrid.serve.app import ServerState, build_app
+    from jaxhybrid.serve.app import DEFAULT_MAX_BODY_BYTES, ServerState, build_app
     from jaxhybrid.serve.engine_loop import EngineLoop
     from jaxhybrid.serve.metrics import ServerMetrics, cache_config_info
     from jaxhybrid.serve.render import content_format
@@ -72,8 +82,13 @@ def build_server(args: argparse.Namespace):
     config = llm.config
     names = tuple(args.served_model_name or [str(args.model or "jaxhybrid-default")])
     metrics = ServerMetrics(names[0], config.max_model_len, config.num_spec_tokens, cache_config_info(config))
-    loop = EngineLoop(llm.engine, metrics, max_queued=args.max_num_queued_requests,
-                      watchdog_timeout=args.watchdog_timeout)
+    # a queue beyond a few batches only adds waiting: clients are better told to retry (or sent elsewhere)
+    max_queued = args.max_num_queued_requests or 8 * config.max_num_seqs
+    max_queued_tokens = args.max_num_queued_tokens or 2 * config.max_num_seqs * config.max_model_len
+    loop = EngineLoop(llm.engine, metrics, max_queued=max_queued, max_queued_tokens=max_queued_tokens,
+                      watchdog_timeout=args.watchdog_timeout, on_stuck=on_stuck)
+    log.info("queue: at most %d sequences and %d prompt tokens; request bodies up to %d bytes", max_queued,
+             max_queued_tokens, args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES)
     state = ServerState(llm, loop, names, str(args.model or DEFAULT_MODEL_DIR), config.max_model_len,
                         prompt_tokens_details=args.enable_prompt_tokens_details,
                         force_include_usage=args.enable_force_include_usage,
@@ -81,8 +96,18 @@ def build_server(args: argparse.Namespace):
     app = build_app(state, tuple(args.api_key or ()), root_path=args.root_path,
                     request_id_headers=args.enable_request_id_headers,
                     tokenizer_info=args.enable_tokenizer_info_endpoint,
-                    server_load_tracking=args.enable_server_load_tracking)
+                    server_load_tracking=args.enable_server_load_tracking,
+                    max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES)
     return app, state
+
+
+def exit_stuck(reason: str) -> None:
+    """The engine is stuck or dead: no request can finish, so the process ends (status 1) for a supervisor
+    to restart it, as vLLM's server does when its engine core dies. A stuck thread cannot be joined, so
+    nothing waits for it."""
+    log.critical("exiting: %s", reason)
+    logging.shutdown()
+    os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     log.info("non-default arguments: %s", non_default(parser(), args))
-    app, state = build_server(args)
+    app, state = build_server(args, on_stuck=exit_stuck)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:  # SIGTERM/SIGINT: refuse new work, drain the rest

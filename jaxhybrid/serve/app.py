@@ -1,9 +1,12 @@
-"""The FastAPI app: parse a request, submit it to the `EngineLoop`, and stream or collect its outputs.
+"""The FastAPI app: parse a request, prepare its prompts off the event loop, submit them to the
+`EngineLoop`, and stream or collect its outputs.
 
-Handlers never touch the engine. Every input problem is a 400 with an OpenAI error body naming the
-field, an unknown model a 404, a full queue a 429 with `Retry-After`, a draining or dead engine a 503
-and a request the engine failed a 500 (in-band, as a last `data:` event, once a stream has started).
-A client that goes away aborts its request: a stream is cancelled by Starlette, a plain request by
+Handlers never touch the engine. Every error has an OpenAI body: an input problem a 400 naming the field, a
+body that is too large a 413, an unknown model or route a 404, a full queue a 429 with `Retry-After`, a
+draining or stuck engine a 503, and a request the engine failed a 500 (in-band, as a last `data:` event,
+once a stream has started). The event loop only parses and routes: rendering chat templates, tokenizing and
+detokenizing run on `ServerState.workers`, so a large prompt never holds up /health or other requests. A
+client that goes away aborts its request: a stream is cancelled by Starlette, a plain request by
 `_unless_disconnected`.
 """
 
@@ -13,19 +16,22 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from jaxhybrid.engine.requests import Prompt
 from jaxhybrid.llm import LLM
 from jaxhybrid.sample.params import SamplingParams
 from jaxhybrid.serve import errors, middleware, render, responses, streaming
 from jaxhybrid.serve.engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestStream
-from jaxhybrid.serve.errors import BadRequest, error_body
+from jaxhybrid.serve.errors import BadRequest, error_response
 from jaxhybrid.serve.protocol import (
     BatchChatCompletionRequest,
     ChatCompletionRequest,
@@ -35,8 +41,8 @@ from jaxhybrid.serve.protocol import (
 )
 
 log = logging.getLogger("jaxhybrid.serve")
-_KINDS = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 500: "InternalServerError",
-          503: "ServiceUnavailableError"}
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # --max-request-body-bytes
+T = TypeVar("T")
 
 
 @dataclass
@@ -50,18 +56,22 @@ class ServerState:
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage
     server_load: int = 0  # generation requests being served (GET /load with --enable-server-load-tracking)
     content_format: str = "string"  # vLLM's --chat-template-content-format, resolved: "string" or "openai"
+    # templating and (de)tokenizing: two threads, so the event loop stays free and a burst of large prompts
+    # queues here instead of taking every core from the engine
+    workers: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="jaxhybrid-prepare"))
 
-
-def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, _KINDS[status], status, param), status_code=status, headers=headers)
+    async def off_loop(self, work: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.workers, work)
 
 
 def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: str = "",
               request_id_headers: bool = False, tokenizer_info: bool = False,
-              server_load_tracking: bool = False) -> FastAPI:
+              server_load_tracking: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The app; vLLM's opt-ins: `root_path` (--root-path) also serves every path under that prefix,
     `request_id_headers` echoes X-Request-Id on every response, `tokenizer_info` serves GET /tokenizer_info,
-    `server_load_tracking` GET /load (the generation requests in flight)."""
+    `server_load_tracking` GET /load (the generation requests in flight); `max_body_bytes` bounds a request's
+    body (--max-request-body-bytes)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop.start()
@@ -69,6 +79,8 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         state.loop.stop()  # after the graceful drain: what is left is aborted
 
     app = FastAPI(title="jaxhybrid", version=_version(), lifespan=lifespan)
+    app.add_middleware(middleware.InternalErrors)
+    app.add_middleware(middleware.BodyGuard, max_bytes=max_body_bytes)
     if api_keys:
         app.add_middleware(middleware.ApiKeyGuard, keys=api_keys)
     if root_path:  # added last, so outermost: the key guard sees the root path too
@@ -84,29 +96,29 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
         if first.get("type") == "json_invalid":
-            return _error(400, f"malformed JSON: {first.get('ctx', {}).get('error', 'cannot parse the body')}", "body")
+            reason = first.get("ctx", {}).get("error", "cannot parse the body")
+            return error_response(400, f"malformed JSON: {reason}", "body")
         location = [str(p) for p in first.get("loc", ()) if p != "body"]
         # pydantic's error type too ("greater_than_equal"), as vLLM's messages carry it
-        return _error(400, f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')} "
+        return error_response(400, f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')} "
                       f"[type={first.get('type', 'invalid')}]", ".".join(location) or "body")
 
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, error: BadRequest) -> JSONResponse:
-        return _error(error.status, str(error), error.param)
+        return error_response(error.status, str(error), error.param)
 
     @app.exception_handler(QueueFull)
     async def _full(request: Request, error: QueueFull) -> JSONResponse:
         state.loop.metrics.rejected.inc()
-        return _error(429, f"the server is busy: {error}; retry later", headers={"Retry-After": "1"})
+        return error_response(429, f"the server is busy: {error}; retry later", headers={"Retry-After": "1"})
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
-        log.exception("%s %s failed", request.method, request.url.path)
-        return _error(500, "Internal server error")
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, error: HTTPException) -> JSONResponse:  # no route, method, ...
+        return error_response(error.status_code, str(error.detail), headers=error.headers)
 
     @app.exception_handler(EngineUnavailable)
     async def _unavailable(request: Request, error: EngineUnavailable) -> JSONResponse:
-        return _error(503, str(error))
+        return error_response(503, str(error))
 
     @app.get("/health")
     async def health() -> Response:
@@ -133,13 +145,18 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         tokenizer = render.require_tokenizer(state.llm, "prompt")
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("send exactly one of prompt and messages", "prompt")
-        text = body.prompt if body.messages is None else render.render_chat(
-            state.llm, body.messages, body.add_generation_prompt, "messages", body.continue_final_message,
-            content_format=state.content_format)
-        add_special_tokens = body.messages is None if body.add_special_tokens is None else body.add_special_tokens
-        ids = tokenizer.encode(text, add_special_tokens)
-        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
-                "token_strs": tokenizer.token_strs(ids) if body.return_token_strs else None}
+
+        def tokenized() -> dict:
+            text = body.prompt if body.messages is None else render.render_chat(
+                state.llm, body.messages, body.add_generation_prompt, "messages", body.continue_final_message,
+                content_format=state.content_format)
+            render.check_text_fits(state.llm, text, "prompt" if body.messages is None else "messages")
+            add_special = body.messages is None if body.add_special_tokens is None else body.add_special_tokens
+            ids = tokenizer.encode(text, add_special)
+            return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+                    "token_strs": tokenizer.token_strs(ids) if body.return_token_strs else None}
+
+        return await state.off_loop(tokenized)
 
     if tokenizer_info:
         @app.get("/tokenizer_info")
@@ -150,17 +167,20 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
     async def detokenize(body: DetokenizeRequest) -> dict:
         _check_model(state, body.model)
         vocab = state.llm.model.config.vocab_size
+        if len(body.tokens) > state.max_model_len:  # open without a key: no more than a context's worth
+            raise BadRequest(f"at most max_model_len={state.max_model_len} token ids, got {len(body.tokens)}",
+                             "tokens")
         if any(not 0 <= t < vocab for t in body.tokens):
             raise BadRequest(f"token ids must be in [0, {vocab})", "tokens")
-        return {"prompt": render.require_tokenizer(state.llm, "tokens").decode(body.tokens)}
+        tokenizer = render.require_tokenizer(state.llm, "tokens")
+        return {"prompt": await state.off_loop(lambda: tokenizer.decode(body.tokens))}
 
     @app.post("/v1/completions")
     @middleware.load_aware(state)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         name = _check_model(state, body.model)
         body.check()
-        params = body.params(state.llm.generation_defaults)
-        prompts = [body.engine_prompt(state.llm, p, params) for p in body.prompts()]
+        params, prompts = await state.off_loop(lambda: _completion_prompts(state, body))
         response_id = responses.response_id("cmpl", request.headers.get("X-Request-Id"), body.request_id)
         streams = await _add_all(state, responses.new_id(response_id), prompts, params, body.cache_salt)
         if body.stream:
@@ -173,12 +193,11 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         name = _check_model(state, body.model)
         body.check()
-        params = body.params(state.llm.generation_defaults)
-        prompt = _chat_prompt(state, body, params)
+        params, prompts = await state.off_loop(lambda: _chat_prompts(state, [body]))
         response_id = responses.response_id("chatcmpl", request.headers.get("X-Request-Id"), body.request_id)
-        streams = await _add_all(state, responses.new_id(response_id), [prompt], params, body.cache_salt)
+        streams = await _add_all(state, responses.new_id(response_id), prompts, params, body.cache_salt)
         if body.stream:
-            return streaming.sse(state, streaming.chat_chunks(state, streams, prompt, body, name, response_id))
+            return streaming.sse(state, streaming.chat_chunks(state, streams, prompts[0], body, name, response_id))
         return await _unless_disconnected(request, state, _chat_response(state, streams, body, name, response_id))
 
     @app.post("/v1/chat/completions/batch")
@@ -188,8 +207,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         name = _check_model(state, body.model)
         body.check()
         conversations = body.conversations()
-        params = conversations[0].params(state.llm.generation_defaults)  # the same fields in each
-        prompts = [_chat_prompt(state, conversation, params) for conversation in conversations]
+        params, prompts = await state.off_loop(lambda: _chat_prompts(state, conversations))
         response_id = responses.response_id("chatcmpl", request.headers.get("X-Request-Id"), body.request_id)
         streams = await _add_all(state, responses.new_id(response_id), prompts, params, body.cache_salt)
         return await _unless_disconnected(request, state, _batch_chat_response(state, streams, conversations, name,
@@ -217,8 +235,39 @@ def _check_model(state: ServerState, model: str | None) -> str:
     return state.model_names[0]
 
 
+def _completion_prompts(state: ServerState, body: CompletionRequest) -> tuple[SamplingParams, list[Prompt]]:
+    """The request's sampling params and its prompts, tokenized (on a worker thread)."""
+    params = _checked(state, body.params(state.llm.generation_defaults), len(body.prompts()), "prompt")
+    return params, [body.engine_prompt(state.llm, p, params) for p in body.prompts()]
+
+
+def _chat_prompts(state: ServerState, conversations: list[ChatCompletionRequest]
+                  ) -> tuple[SamplingParams, list[Prompt]]:
+    """The sampling params (the same fields in each conversation) and each conversation's prompt: its
+    prompt_token_ids, or its messages through the chat template (on a worker thread)."""
+    params = _checked(state, conversations[0].params(state.llm.generation_defaults), len(conversations), "messages")
+    return params, [_chat_prompt(state, body, params) for body in conversations]
+
+
+def _checked(state: ServerState, params: SamplingParams, num_prompts: int, prompts_field: str) -> SamplingParams:
+    """The engine's checks (ids against the vocabulary, constraint entries) and the request's size: n at most
+    a batch, and all its sequences (prompts x n) within the queue's bound. Before the queue's check: a
+    request that can never run is a 400, not a 429 to retry."""
+    batch, queue = state.llm.config.max_num_seqs, state.loop.max_queued
+    if params.n > batch:
+        raise BadRequest(f"n must be at most max_num_seqs={batch} (the samples of one prompt share a batch), got "
+                         f"{params.n}", "n")
+    if queue is not None and num_prompts * params.n > queue:
+        raise BadRequest(f"the request asks for {num_prompts} prompt(s) x n={params.n} sequences, more than the "
+                         f"queue holds (--max-num-queued-requests {queue})", "n" if params.n > 1 else prompts_field)
+    try:
+        state.llm.engine.table.checked_params(params)
+    except ValueError as error:
+        raise errors.as_bad_request(error) from error
+    return params
+
+
 def _chat_prompt(state: ServerState, body: ChatCompletionRequest, params: SamplingParams) -> Prompt:
-    """The body's prompt: its prompt_token_ids, or its messages through the chat template."""
     if body.prompt_token_ids is not None:
         return body.engine_prompt(state.llm, body.prompt_token_ids, params)
     text = render.render_chat(state.llm, body.messages, body.add_generation_prompt, "messages",
@@ -228,7 +277,9 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest, params: Sampli
 
 async def _add_all(state: ServerState, response_id: str, prompts: list[Prompt], params: SamplingParams,
                    cache_salt: str | None) -> list[RequestStream]:
-    """Submit every prompt at once; if one is refused, the others are aborted and its error is raised."""
+    """Submit every prompt at once, if the queue has room for them all; if one is refused, the others are
+    aborted and its error is raised."""
+    state.loop.check_room(len(prompts) * params.n, params.n * sum(len(p.token_ids) for p in prompts))
     added = await asyncio.gather(*[state.loop.add(f"{response_id}-{i}", prompt, params, cache_salt)
                                    for i, prompt in enumerate(prompts)], return_exceptions=True)
     refused = [a for a in added if isinstance(a, BaseException)]
@@ -264,7 +315,7 @@ async def _unless_disconnected(request: Request, state: ServerState, work: Await
     try:
         return JSONResponse(task.result())
     except streaming.EngineFailed:
-        return _error(500, "Internal server error: the engine failed this request")
+        return error_response(500, "Internal server error: the engine failed this request")
 
 
 async def _completion_response(state: ServerState, streams: list[RequestStream], prompts: list[Prompt],

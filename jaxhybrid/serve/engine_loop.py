@@ -31,7 +31,7 @@ log = logging.getLogger("jaxhybrid.serve")
 
 
 class QueueFull(Exception):
-    """More sequences than `max_queued` would be in the engine (a 429)."""
+    """More sequences or prompt tokens than the queue's bounds would be in the engine (a 429)."""
 
 
 class EngineUnavailable(Exception):
@@ -51,13 +51,15 @@ class _Submission:
 class RequestStream:
     """One request's outputs, in order, up to its final one; `close()` before the end aborts it."""
 
-    def __init__(self, owner: EngineLoop, request_id: str, params: SamplingParams):
-        self.request_id, self.params, self._owner, self._num_sequences = request_id, params, owner, params.n
+    def __init__(self, owner: EngineLoop, request_id: str, params: SamplingParams, num_tokens: int):
+        self.request_id, self.params, self._owner = request_id, params, owner
+        self._num_sequences, self._num_tokens = params.n, num_tokens
         self._outputs: asyncio.Queue = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.put = self._outputs.put_nowait  # on the event loop's thread only
         self.done = False
         owner._num_sequences += params.n
+        owner._num_tokens += num_tokens
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -86,29 +88,41 @@ class RequestStream:
     def _release(self) -> None:
         self.done = True
         self._owner._num_sequences -= self._num_sequences
+        self._owner._num_tokens -= self._num_tokens
 
 
 class EngineLoop:
-    """Runs `engine` on a daemon thread; `generate` streams one request's outputs to an asyncio caller."""
+    """Runs `engine` on a daemon thread; `add` streams one request's outputs to an asyncio caller.
+
+    The queue is bounded: at most `max_queued` sequences and `max_queued_tokens` prompt tokens (n counting
+    n times) are in the engine at once; past either a request is refused (429), whatever it asks for. The
+    thread beats once per iteration (a step, or an idle wait): no beat for `watchdog_timeout` seconds means
+    it is stuck, /health answers 503, and `on_stuck` (the server's: exit, so that a supervisor restarts it)
+    is called once with the reason."""
 
     def __init__(self, engine: Engine, metrics: ServerMetrics, *, max_queued: int | None = None,
-                 watchdog_timeout: float = 60.0, idle_poll: float = 0.5):
+                 max_queued_tokens: int | None = None, watchdog_timeout: float = 60.0, idle_poll: float = 0.5,
+                 on_stuck: Callable[[str], None] | None = None):
         self.engine, self.metrics = engine, metrics
-        self.max_queued, self.watchdog_timeout, self._idle_poll = max_queued, watchdog_timeout, idle_poll
+        self.max_queued, self.max_queued_tokens = max_queued, max_queued_tokens
+        self.watchdog_timeout, self._idle_poll, self._on_stuck = watchdog_timeout, idle_poll, on_stuck
         self.draining = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake, self._stop = threading.Event(), threading.Event()
         self._streams: dict[str, RequestStream] = {}
         self._token_times: dict[str, tuple[float, int]] = {}  # request id -> (last token time, tokens so far)
         self._num_sequences = 0  # submitted and not yet ended, n counting n (the event loop's count)
-        self._busy = False
-        self._last_progress = time.monotonic()
+        self._num_tokens = 0  # their prompt tokens, likewise
+        self._heartbeat = time.monotonic()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="jaxhybrid-engine", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="jaxhybrid-watchdog", daemon=True)
 
     def start(self) -> None:
         if not self._thread.is_alive():
+            self._heartbeat = time.monotonic()
             self._thread.start()
+            self._watchdog.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         """End the thread; requests still in the engine are aborted (finish_reason "abort")."""
@@ -122,25 +136,55 @@ class EngineLoop:
                   cache_salt: str | None = None) -> RequestStream:
         """Submit a request; returns its stream once the engine has taken it. Raises ValueError for bad
         input (nothing is queued then), QueueFull, or EngineUnavailable."""
-        if self.draining or self._error is not None:
+        if self.draining or not self.healthy():
             raise EngineUnavailable("the server is shutting down" if self.draining else "the engine has stopped")
-        if self.max_queued is not None and self._num_sequences + params.n > self.max_queued:
-            raise QueueFull(f"{self._num_sequences} sequences are queued or running (max {self.max_queued})")
-        stream = RequestStream(self, request_id, params)
+        self.check_room(params.n, params.n * len(prompt.token_ids))
+        stream = RequestStream(self, request_id, params, params.n * len(prompt.token_ids))
         admitted = concurrent.futures.Future()
         self._submit(("add", _Submission(request_id, prompt, params, cache_salt, admitted, stream)))
         try:
-            await asyncio.wrap_future(admitted)
+            await asyncio.wait_for(asyncio.wrap_future(admitted), self.watchdog_timeout)
+        except TimeoutError as error:
+            stream.close()
+            raise EngineUnavailable("the engine did not take the request in time") from error
         except BaseException:
             stream.close()
             raise
         return stream
 
+    def check_room(self, sequences: int, tokens: int) -> None:
+        """QueueFull unless `sequences` more sequences with `tokens` prompt tokens fit in the queue now."""
+        if self.max_queued is not None and self._num_sequences + sequences > self.max_queued:
+            raise QueueFull(f"{self._num_sequences} sequences are queued or running and this request adds "
+                            f"{sequences} (--max-num-queued-requests {self.max_queued})")
+        if self.max_queued_tokens is not None and self._num_tokens + tokens > self.max_queued_tokens:
+            raise QueueFull(f"{self._num_tokens} prompt tokens are queued or running and this request adds {tokens} "
+                            f"(--max-num-queued-tokens {self.max_queued_tokens})")
+
     def healthy(self) -> bool:
-        """False when the thread died, or requests wait and no step has completed for `watchdog_timeout`."""
-        if self._error is not None or not self._thread.is_alive():
-            return False
-        return not (self._busy and time.monotonic() - self._last_progress > self.watchdog_timeout)
+        """False when the thread died, or has not come round its loop for `watchdog_timeout` seconds."""
+        return self.stuck_reason() is None
+
+    def stuck_reason(self) -> str | None:
+        if self._error is not None or (self._thread.ident is not None and not self._thread.is_alive()):
+            return f"the engine thread died: {self._error!r}"
+        silent = time.monotonic() - self._heartbeat
+        if silent > self.watchdog_timeout:
+            return f"the engine thread has not completed a step or an idle wait for {silent:.0f} s"
+        return None
+
+    def _watch(self) -> None:
+        """Report the engine thread turning stuck or dead (within a quarter of the timeout, at most a second
+        late), and hand it to `on_stuck`, whose call ends the watch."""
+        reported = False
+        while not self._stop.wait(min(1.0, self.watchdog_timeout / 4)):
+            reason = self.stuck_reason()
+            if reason is not None and not reported:
+                log.error("engine unhealthy: %s", reason)
+                if self._on_stuck is not None:
+                    self._on_stuck(reason)
+                    return
+            reported = reason is not None
 
     def _submit(self, item: tuple) -> None:
         self._inbox.put(item)
@@ -151,16 +195,14 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                self._heartbeat = time.monotonic()
                 self._wake.clear()
                 self._drain_inbox()
-                self._busy = self.engine.has_unfinished_requests()
-                if not self._busy:
-                    self._last_progress = time.monotonic()
+                if not self.engine.has_unfinished_requests():
                     self.metrics.observe_engine(self.engine.load(), self.engine.stats)  # aborts free things too
                     self._wake.wait(self._idle_poll)
                     continue
                 outputs = self.engine.step()
-                self._last_progress = time.monotonic()
                 self.metrics.observe_engine(self.engine.load(), self.engine.stats)
                 self._deliver(outputs)
             self._drain_inbox()
@@ -181,9 +223,14 @@ class EngineLoop:
             if kind == "abort":
                 self._abort(item)
                 continue
+            if not item.admitted.set_running_or_notify_cancel():  # its caller gave up waiting (it left)
+                continue
             try:
                 self.engine.add_request(item.request_id, item.prompt, item.params, cache_salt=item.cache_salt)
-            except Exception as error:  # bad input: the caller's 400; nothing was queued
+            except ValueError as error:  # bad input: the caller's 400 (without the engine's id); nothing queued
+                item.admitted.set_exception(ValueError(str(error).replace(f"request {item.request_id!r}: ", "")))
+                continue
+            except Exception as error:
                 item.admitted.set_exception(error)
                 continue
             self._streams[item.request_id] = item.stream

@@ -1,31 +1,157 @@
-"""The server's middleware: request-id headers, the root path, Bearer keys on /v1/*, and vLLM's server load."""
+"""The server's middleware: request bodies checked before anything parses them, request-id headers, the root
+path, Bearer keys on /v1/*, errors nobody handled, and vLLM's server load."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
+import json
+import logging
+import re
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+
+from jaxhybrid.serve.errors import error_response
 
 if TYPE_CHECKING:
     from jaxhybrid.serve.app import ServerState
 
+log = logging.getLogger("jaxhybrid.serve")
 
-class RequestIdHeader:
-    """vLLM's --enable-request-id-headers: every response carries X-Request-Id, the request's own or a fresh
-    one."""
+MAX_JSON_DEPTH = 64  # arrays and objects within each other; no request of the API needs more than a few
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_INLINE_BYTES = 1 << 16  # smaller bodies are checked on the event loop, larger ones on a worker thread
+
+
+class BodyGuard:
+    """Every request body, before FastAPI parses it: at most `max_bytes` (a 413 as soon as the declared
+    length or the bytes received pass it), UTF-8, one JSON value nested at most MAX_JSON_DEPTH deep, with no
+    lone surrogate escape (`\\ud800`) in any string (a 400 each). Tokenizers and logs then never see text
+    that is not Unicode, and a large body is read, not held up, while other requests are served."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(int(declared), scope, receive, send)
+            return
+        body, message = bytearray(), {"more_body": True}
+        while message.get("more_body", False):
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                await self._too_large(len(body), scope, receive, send)
+                return
+        problem = check_json(bytes(body)) if len(body) <= _INLINE_BYTES else await asyncio.to_thread(
+            check_json, bytes(body))
+        if problem is not None:
+            await error_response(400, problem, "body")(scope, receive, send)
+            return
+        await self.app(scope, _replay(bytes(body), receive), send)
+
+    async def _too_large(self, size: int, scope, receive, send) -> None:
+        message = f"the request body has {size} bytes, more than --max-request-body-bytes {self.max_bytes}"
+        await error_response(413, message, "body")(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Callable) -> Callable:
+    """A `receive` that hands the app the body read already, then the client's own messages (a disconnect)."""
+    sent = False
+
+    async def replayed() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+def check_json(body: bytes) -> str | None:
+    """What is wrong with a request body, or None: not UTF-8, not JSON, nested too deep, a lone surrogate."""
+    if not body:
+        return None  # FastAPI answers a missing body itself (the field it needs)
+    try:
+        value = json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        return f"the body is not valid UTF-8 ({error.reason} at byte {error.start})"
+    except RecursionError:
+        return f"the body's JSON is nested more than {MAX_JSON_DEPTH} levels deep"
+    except ValueError as error:
+        return f"malformed JSON: {error}"
+    return _value_problem(value)
+
+
+def _value_problem(value: Any) -> str | None:
+    """A walk over the parsed body without recursion: its depth and its strings (keys too)."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return "the body holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text"
+        elif isinstance(item, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                return f"the body's JSON is nested more than {MAX_JSON_DEPTH} levels deep"
+            children = item.items() if isinstance(item, dict) else ((None, v) for v in item)
+            for key, child in children:
+                if key is not None:
+                    pending.append((key, depth))
+                pending.append((child, depth + 1))
+    return None
+
+
+class _HttpOnly:
+    """An ASGI middleware for HTTP requests (`http`); lifespan and websocket messages pass through."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+        await (self.http if scope["type"] == "http" else self.app)(scope, receive, send)
+
+    async def http(self, scope, receive, send) -> None:
+        raise NotImplementedError
+
+
+class InternalErrors(_HttpOnly):
+    """An exception no handler took: a 500 with an OpenAI body (no traceback for the client) and one log
+    record, instead of Starlette's plain-text 500 that uvicorn logs a second time."""
+
+    async def http(self, scope, receive, send) -> None:
+        started = False
+
+        async def watched(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception:
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            if not started:
+                await error_response(500, "Internal server error")(scope, receive, send)
+
+
+class RequestIdHeader(_HttpOnly):
+    """vLLM's --enable-request-id-headers: every response carries X-Request-Id, the request's own or a fresh
+    one."""
+
+    async def http(self, scope, receive, send) -> None:
         request_id = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
 
         async def send_with_id(message) -> None:
@@ -68,7 +194,8 @@ class ApiKeyGuard:
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             digest = hashlib.sha256(header.removeprefix("Bearer ").encode()).digest()
             if not header.startswith("Bearer ") or not any(secrets.compare_digest(digest, d) for d in self._digests):
-                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                await error_response(401, "Unauthorized: a valid API key is needed (Authorization: Bearer KEY)",
+                                     )(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -164,7 +164,7 @@ _NULLABLE = {"max_tokens", "logprobs", "prompt_logprobs", "seed", "logit_bias", 
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]]  # ids before strings: a long id list validates in one pass
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False

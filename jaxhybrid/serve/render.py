@@ -113,6 +113,14 @@ def prompt_text(llm: LLM, prompt: Prompt) -> str:
     return llm.tokenizer.decode(list(prompt.token_ids), skip_special_tokens=False)
 
 
+def check_text_fits(llm: LLM, text: str, param: str) -> None:
+    """A text too long to encode to max_model_len tokens is a 400 before it is tokenized."""
+    limit = llm.config.max_model_len
+    if llm.tokenizer is not None and len(text) > llm.tokenizer.max_text_chars(limit):
+        raise BadRequest(f"the prompt's {len(text)} characters cannot fit in the model's maximum context length "
+                         f"({limit} tokens)", param)
+
+
 def prompt_for(llm: LLM, prompt: str | list[int] | dict, params: SamplingParams,
                truncation_side: Literal["left", "right"] | None = None, add_special_tokens: bool = False) -> Prompt:
     """Tokenize (adding the tokenizer's special tokens when asked), place the checkpoint marker and truncate
@@ -121,6 +129,8 @@ def prompt_for(llm: LLM, prompt: str | list[int] | dict, params: SamplingParams,
         if any(t < 0 for t in prompt):
             raise BadRequest("prompt token ids must be greater than or equal to 0", "prompt")
         prompt = {"prompt_token_ids": prompt}
+    elif params.truncate_prompt_tokens is None:
+        check_text_fits(llm, prompt, "prompt")
     try:
         parsed = llm.parse_prompt(prompt, params, truncation_side or "left", add_special_tokens)
     except ValueError as error:

@@ -66,15 +66,16 @@ class PlanChannel:
             multihost_utils.broadcast_one_to_all(constraints)
 
     def receive(self, layout_of) -> tuple[Message, PlanLayout | None, np.ndarray | None, np.ndarray | None]:
-        """(message, layout, packed plan, constraints); `layout_of(bucket)` gives a bucket's layout."""
+        """(message, layout, packed plan, constraints or None); `layout_of(bucket)` gives a bucket's layout."""
         header = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(self.HEADER, np.int32)))
         message = Message(int(header[0]))
         if message is not Message.STEP:
             return message, None, None, None
         layout = layout_of(tuple(int(x) for x in header[1:5]))
         buffer = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(layout.size, np.int32)))
-        constraints = np.zeros((int(header[2]), int(header[5]), 4), np.int32)
+        constraints = None  # width 0: no row has any
         if header[5]:
+            constraints = np.zeros((int(header[2]), int(header[5]), 4), np.int32)
             constraints = np.asarray(multihost_utils.broadcast_one_to_all(constraints))
         return message, layout, buffer, constraints
 

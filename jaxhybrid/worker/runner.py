@@ -12,6 +12,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
@@ -21,7 +22,7 @@ from jaxhybrid.models.model import Model
 from jaxhybrid.models.plan_transfer import PlanLayout, pack_plan
 from jaxhybrid.models.pools import DeviceState, init_device_state
 from jaxhybrid.models.tensor_parallel import AXIS, param_shardings, state_shardings, to_tp_layout
-from jaxhybrid.sample.sampler import ROW_DTYPE, Logprobs, batch_constraints
+from jaxhybrid.sample.sampler import DEFAULT_CONSTRAINT_WIDTH, ROW_DTYPE, Logprobs, batch_constraints
 from jaxhybrid.worker.buckets import check_maps_suffice, memory_maps, padding_plan, plan_shapes
 from jaxhybrid.worker.multihost import Message, PlanChannel, is_leader
 from jaxhybrid.worker.step import Carried, StepOutput, run_step
@@ -32,7 +33,8 @@ from scheduler.replay import ring_rows
 class Runner:
     """A model's params and device pools, sized by a `SchedulerConfig`, stepping its plans."""
 
-    def __init__(self, model: Model, config: SchedulerConfig, *, max_logprobs: int = 20, mesh: Mesh | None = None):
+    def __init__(self, model: Model, config: SchedulerConfig, *, max_logprobs: int = 20, mesh: Mesh | None = None,
+                 constraint_width: int = DEFAULT_CONSTRAINT_WIDTH):
         if config.row_data_bytes != ROW_DTYPE.itemsize:
             raise ValueError(f"SchedulerConfig.row_data_bytes must be {ROW_DTYPE.itemsize} (sampling.ROW_DTYPE), "
                              f"got {config.row_data_bytes}")
@@ -43,7 +45,9 @@ class Runner:
         if config.num_spec_tokens and not model.config.mtp_layers:
             raise ValueError(f"num_spec_tokens={config.num_spec_tokens} needs MTP weights (mtp.*), which this "
                              f"{model.config.model_type} checkpoint does not have")
-        self.model, self.config, self.mesh = model, config, mesh
+        if constraint_width < 1:
+            raise ValueError(f"max_sampling_constraints must be >= 1, got {constraint_width}")
+        self.model, self.config, self.mesh, self.constraint_width = model, config, mesh, constraint_width
         vocab = model.config.vocab_size
         self.num_logprobs = vocab if max_logprobs == -1 else min(max_logprobs, vocab)  # vLLM's -1: no cap
         self.params, self.module = model.params, model.module
@@ -63,6 +67,7 @@ class Runner:
         # every dict's keys again on each step (0.1 ms of the host's step on the embedded model)
         self.param_leaves, self._param_tree = jax.tree.flatten(self.params)
         self._fresh_pools()
+        self._no_constraints: dict[int, jax.Array] = {}  # rows -> all padding, on the device once
         step = functools.partial(run_step, self.module, self._param_tree, config, self.num_logprobs)
         self._step = jax.jit(step, static_argnums=3, donate_argnums=(1, 2), **shardings)
 
@@ -117,18 +122,32 @@ class Runner:
         """Start `plan` on the device and the copy of its tokens to the host; returns at once. `constraints`:
         its rows' constraint entries [R, E, 4] (`sampling.batch_constraints`), None for none."""
         buffer, layout = pack_plan(plan)
-        if constraints is None:
-            constraints = batch_constraints([], plan.row_kind.shape[0])
         if self.channel is not None:  # the other processes run the step too: they get the plan first
             if not is_leader():
                 raise RuntimeError("in a multi-host job only process 0 dispatches; the others call follow()")
             bucket = (plan.token_bucket, plan.row_bucket, plan.block_table_bucket, plan.logits_bucket)
             assert layout == self._layout_of(bucket), "a plan's layout must follow from its bucket"
             self.channel.send(Message.STEP, bucket, buffer, constraints)
+        constraints = (self._padding_constraints(plan.row_kind.shape[0]) if constraints is None
+                       else self._placed(constraints))
         self.state, self.carried, out = self._step(self.param_leaves, self.state, self.carried, layout, buffer,
                                                    constraints)
         out.tokens.copy_to_host_async()
         return out
+
+    def _padding_constraints(self, rows: int) -> jax.Array | np.ndarray:
+        """A step's constraint entries when no row has any: all padding, transferred once per row bucket."""
+        if rows not in self._no_constraints:
+            padding = batch_constraints([], rows, self.constraint_width)
+            if self.abstract:
+                return padding
+            self._no_constraints[rows] = self._placed(padding)
+        return self._no_constraints[rows]
+
+    def _placed(self, constraints: np.ndarray) -> jax.Array:
+        """Constraint entries on the device, placed alike with and without a constrained row (uncommitted
+        without a mesh, replicated over it), so that both steps run one executable."""
+        return jnp.asarray(constraints) if self.mesh is None else jax.device_put(constraints, self._replicated())
 
     def fetch(self, out: StepOutput) -> StepResult:
         """The host's StepResult of a dispatched step (waits for it)."""
@@ -147,6 +166,8 @@ class Runner:
             if message is Message.RESET:
                 self._fresh_pools()
                 continue
+            constraints = (self._padding_constraints(layout.num_rows()) if constraints is None
+                           else self._placed(constraints))
             self.state, self.carried, _ = self._step(self.param_leaves, self.state, self.carried, layout, buffer,
                                                      constraints)
             steps += 1
@@ -182,7 +203,7 @@ class Runner:
         """The step of this (T, R, B, L) bucket traced as `precompile` compiles it (an all-padding plan, no
         constraints): its jaxpr (`benchmarks/estimate.py` sums its kernels' cost estimates) and `lower()`."""
         buffer, layout = pack_plan(padding_plan(self.config, *bucket))
-        constraints = batch_constraints([], bucket[1])
+        constraints = batch_constraints([], bucket[1], self.constraint_width)
         return self._step.trace(self.param_leaves, self.state, self.carried, layout,
                                 *_specs((buffer, constraints), self._replicated()))
 

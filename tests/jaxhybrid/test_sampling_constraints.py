@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from jaxhybrid.engine.detokenize import IncrementalDetokenizer
 from jaxhybrid.engine.requests import Prompt
 from jaxhybrid.sample.params import SamplingParams
-from jaxhybrid.sample.sampler import CONSTRAINT_WIDTHS, apply_constraints, batch_constraints, constraint_entries
+from jaxhybrid.sample.sampler import apply_constraints, batch_constraints, constraint_entries
 from tests.jaxhybrid.engine_helpers import default_model, default_tokenizer, engine_for, run_to_completion
 
 PROMPT = "import os\n\n\ndef read_config(path):\n    with open("
@@ -75,14 +75,17 @@ def test_device_constraints_match_the_numpy_reference(rows):
         np.testing.assert_allclose(np.asarray(got[i]), want, rtol=1e-6, atol=1e-5)
 
 
-def test_the_constraint_transfer_is_sparse_and_bucketed():
-    """No entries: the narrowest width, all padding (every step has it, so it compiles nothing new);
-    otherwise the first bucket that holds the longest row's entries, never the vocabulary."""
-    empty = batch_constraints([None, None], 4)
-    assert empty.shape == (4, CONSTRAINT_WIDTHS[0], 4) and not empty.any()
-    nine = constraint_entries({1: 2.0}, tuple(range(8)), [], ())
-    batch = batch_constraints([None, nine], 4)
-    assert batch.shape == (4, min(w for w in CONSTRAINT_WIDTHS if w >= 9), 4) and not batch[0].any()
+def test_the_constraint_transfer_has_one_width():
+    """Every step carries the engine's one width (all padding without entries), so no request's constraints
+    compile a new step; duplicate ids take one entry, and a row over the width is refused, never widened."""
+    empty = batch_constraints([None, None], 4, width=16)
+    assert empty.shape == (4, 16, 4) and not empty.any()
+    nine = constraint_entries({1: 2.0}, tuple(range(8)) * 3, [], (5, 5, 5))
+    assert len(nine) == 10  # 1 bias + 8 distinct allowed ids + 1 distinct ban
+    batch = batch_constraints([None, nine], 4, width=16)
+    assert batch.shape == (4, 16, 4) and not batch[0].any() and batch[1, :10].any() and not batch[1, 10:].any()
+    with pytest.raises(ValueError, match="more than the step's width 8"):
+        batch_constraints([nine], 4, width=8)
 
 
 def _bad_word_ids(words: list[str]) -> list[tuple[int, ...]]:
