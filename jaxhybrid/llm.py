@@ -65,7 +65,8 @@ class LLM:
         mesh = make_mesh(tp) if tp > 1 else None
         # where the device has a memory limit, the largest step's temporaries are measured and kept out of the
         # pools; a CPU has no limit to keep to, and its budget is a fixed size
-        temporaries = (lambda config: step_temporaries(self.model, config, mesh)) if reports_memory() else None
+        width = args.max_sampling_constraints
+        temporaries = (lambda config: step_temporaries(self.model, config, mesh, width)) if reports_memory() else None
         self.config = args.scheduler_config(
             cfg, lambda: device_memory_budget(args.gpu_memory_utilization, param_bytes(self.model.params, cfg, mesh)),
             dtype=dtype, step_temporaries=temporaries)

@@ -177,10 +177,12 @@ class RequestTable:
         entries than the steps were compiled for is a ValueError naming max_sampling_constraints."""
         if not params.has_constraints():
             return None
-        width = self.constraint_width
-        if len(params.bad_words or ()) > width:  # each word takes an entry at least: refused before tokenizing
-            raise ValueError(f"SamplingParams.bad_words must hold at most max_sampling_constraints={width} words, "
-                             f"got {len(params.bad_words)}")
+        width, words = self.constraint_width, params.bad_words or ()
+        chars = sum(map(len, words))
+        # each word takes an entry, and a token's worth of characters more another: refused before tokenizing
+        if len(words) > width or (self.tokenizer is not None and chars > self.tokenizer.max_text_chars(width)):
+            raise ValueError(f"SamplingParams.bad_words must fit in max_sampling_constraints={width} entries, got "
+                             f"{len(words)} words of {chars} characters")
         eos = () if params.ignore_eos else self.model.config.eos_token_id
         entries = constraint_entries(params.logit_bias or {}, params.allowed_token_ids or (),
                                      self._bad_word_ids(params.bad_words or ()),

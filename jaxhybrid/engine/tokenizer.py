@@ -57,11 +57,13 @@ class Tokenizer:
         return 3 * self._longest_token * num_tokens
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """`text`'s ids; `add_special_tokens` adds what the tokenizer's post-processor adds (a BOS, say)."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """`text`'s ids; `add_special_tokens` adds what the tokenizer's post-processor adds (a BOS, say).
+        Through the batch call, which releases the GIL while it works (the single one holds it): a long
+        prompt tokenized on a worker thread leaves the server's event loop running."""
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def encode_prompt(self, text: str, hash_unit: int, add_special_tokens: bool = False) -> ParsedPrompt:
         """A prompt's token ids with the `<|mamba_checkpoint|>` marker stripped and its position recorded

@@ -9,6 +9,7 @@ each phase took: loading, the pools, compiling every bucket.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -103,10 +104,11 @@ def build_server(args: argparse.Namespace, on_stuck: Callable[[str], None] | Non
 
 def exit_stuck(reason: str) -> None:
     """The engine is stuck or dead: no request can finish, so the process ends (status 1) for a supervisor
-    to restart it, as vLLM's server does when its engine core dies. A stuck thread cannot be joined, so
-    nothing waits for it."""
-    log.critical("exiting: %s", reason)
-    logging.shutdown()
+    to restart it, as vLLM's server does when its engine core dies. Every thread's stack goes to stderr
+    first, to show where it stuck. Nothing here takes a lock (the stuck thread may hold logging's) or waits
+    for the stuck thread."""
+    os.write(2, f"jaxhybrid: the engine is unhealthy, exiting: {reason}\n".encode(errors="replace"))
+    faulthandler.dump_traceback(all_threads=True)
     os._exit(1)
 
 

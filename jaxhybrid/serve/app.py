@@ -79,14 +79,14 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         state.loop.stop()  # after the graceful drain: what is left is aborted
 
     app = FastAPI(title="jaxhybrid", version=_version(), lifespan=lifespan)
-    app.add_middleware(middleware.InternalErrors)
     app.add_middleware(middleware.BodyGuard, max_bytes=max_body_bytes)
     if api_keys:
         app.add_middleware(middleware.ApiKeyGuard, keys=api_keys)
-    if root_path:  # added last, so outermost: the key guard sees the root path too
+    if root_path:  # outside the key guard, which then sees the root path too
         app.add_middleware(middleware.RootPath, root_path=root_path)
     if request_id_headers:
         app.add_middleware(middleware.RequestIdHeader)
+    app.add_middleware(middleware.InternalErrors)  # added last, so outermost: it sees every middleware's errors
     if server_load_tracking:
         @app.get("/load")
         async def load() -> dict:
@@ -99,9 +99,10 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
             reason = first.get("ctx", {}).get("error", "cannot parse the body")
             return error_response(400, f"malformed JSON: {reason}", "body")
         location = [str(p) for p in first.get("loc", ()) if p != "body"]
-        # pydantic's error type too ("greater_than_equal"), as vLLM's messages carry it
+        # pydantic's error type too ("greater_than_equal"), as vLLM's messages carry it; the param is the
+        # request's field (the path goes on into the value, and through a union's members by their types)
         return error_response(400, f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')} "
-                      f"[type={first.get('type', 'invalid')}]", ".".join(location) or "body")
+                              f"[type={first.get('type', 'invalid')}]", location[0] if location else "body")
 
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, error: BadRequest) -> JSONResponse:
@@ -261,7 +262,8 @@ def _checked(state: ServerState, params: SamplingParams, num_prompts: int, promp
         raise BadRequest(f"the request asks for {num_prompts} prompt(s) x n={params.n} sequences, more than the "
                          f"queue holds (--max-num-queued-requests {queue})", "n" if params.n > 1 else prompts_field)
     try:
-        state.llm.engine.table.checked_params(params)
+        table = state.llm.engine.table
+        table.constraint_entries(table.checked_params(params))  # bad words tokenized here, not on the engine's thread
     except ValueError as error:
         raise errors.as_bad_request(error) from error
     return params
@@ -279,7 +281,12 @@ async def _add_all(state: ServerState, response_id: str, prompts: list[Prompt], 
                    cache_salt: str | None) -> list[RequestStream]:
     """Submit every prompt at once, if the queue has room for them all; if one is refused, the others are
     aborted and its error is raised."""
-    state.loop.check_room(len(prompts) * params.n, params.n * sum(len(p.token_ids) for p in prompts))
+    tokens = params.n * sum(len(p.token_ids) for p in prompts)
+    bound = state.loop.max_queued_tokens
+    if bound is not None and tokens > bound:  # it could never be queued: not a 429 to retry
+        raise BadRequest(f"the request's prompts take {tokens} tokens (n counting n), more than the queue holds "
+                         f"(--max-num-queued-tokens {bound})", "prompt")
+    state.loop.check_room(len(prompts) * params.n, tokens)
     added = await asyncio.gather(*[state.loop.add(f"{response_id}-{i}", prompt, params, cache_salt)
                                    for i, prompt in enumerate(prompts)], return_exceptions=True)
     refused = [a for a in added if isinstance(a, BaseException)]

@@ -179,11 +179,11 @@ class EngineLoop:
         reported = False
         while not self._stop.wait(min(1.0, self.watchdog_timeout / 4)):
             reason = self.stuck_reason()
+            if reason is not None and self._on_stuck is not None:  # it reports (without logging's locks)
+                self._on_stuck(reason)
+                return
             if reason is not None and not reported:
                 log.error("engine unhealthy: %s", reason)
-                if self._on_stuck is not None:
-                    self._on_stuck(reason)
-                    return
             reported = reason is not None
 
     def _submit(self, item: tuple) -> None:
@@ -227,8 +227,9 @@ class EngineLoop:
                 continue
             try:
                 self.engine.add_request(item.request_id, item.prompt, item.params, cache_salt=item.cache_salt)
-            except ValueError as error:  # bad input: the caller's 400 (without the engine's id); nothing queued
-                item.admitted.set_exception(ValueError(str(error).replace(f"request {item.request_id!r}: ", "")))
+            except ValueError as error:  # bad input: the caller's 400, without the engine's id; nothing queued
+                message = str(error).replace(f"request {item.request_id!r}: ", "")
+                item.admitted.set_exception(ValueError(message.replace(f"request {item.request_id!r}", "the request")))
                 continue
             except Exception as error:
                 item.admitted.set_exception(error)

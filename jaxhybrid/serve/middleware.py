@@ -12,7 +12,7 @@ import re
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi.responses import Response, StreamingResponse
 
@@ -23,16 +23,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("jaxhybrid.serve")
 
-MAX_JSON_DEPTH = 64  # arrays and objects within each other; no request of the API needs more than a few
-_SURROGATE = re.compile("[\ud800-\udfff]")
+# a JSON escape of half a surrogate pair (\ud800-\udfff): only a body holding one can decode to text that is
+# not Unicode, so only such a body is checked further
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _INLINE_BYTES = 1 << 16  # smaller bodies are checked on the event loop, larger ones on a worker thread
 
 
 class BodyGuard:
     """Every request body, before FastAPI parses it: at most `max_bytes` (a 413 as soon as the declared
-    length or the bytes received pass it), UTF-8, one JSON value nested at most MAX_JSON_DEPTH deep, with no
-    lone surrogate escape (`\\ud800`) in any string (a 400 each). Tokenizers and logs then never see text
-    that is not Unicode, and a large body is read, not held up, while other requests are served."""
+    length or the bytes received pass it), UTF-8, one JSON value that Python's parser can nest, with no lone
+    surrogate (`\\ud800`) in any string (a 400 each). Tokenizers and logs then never see text that is not
+    Unicode, and a large body is read, not held up, while other requests are served."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -81,36 +82,22 @@ def _replay(body: bytes, receive: Callable) -> Callable:
 
 
 def check_json(body: bytes) -> str | None:
-    """What is wrong with a request body, or None: not UTF-8, not JSON, nested too deep, a lone surrogate."""
+    """What is wrong with a request body, or None: not UTF-8, not JSON, nested past the parser's recursion
+    limit, a lone surrogate."""
     if not body:
         return None  # FastAPI answers a missing body itself (the field it needs)
     try:
         value = json.loads(body.decode("utf-8"))
+        if _SURROGATE_ESCAPE.search(body):  # pairs decode to one character; half a pair cannot be encoded
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeDecodeError as error:
         return f"the body is not valid UTF-8 ({error.reason} at byte {error.start})"
+    except UnicodeEncodeError:
+        return "the body holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text"
     except RecursionError:
-        return f"the body's JSON is nested more than {MAX_JSON_DEPTH} levels deep"
+        return "the body's JSON is nested too deep"
     except ValueError as error:
         return f"malformed JSON: {error}"
-    return _value_problem(value)
-
-
-def _value_problem(value: Any) -> str | None:
-    """A walk over the parsed body without recursion: its depth and its strings (keys too)."""
-    pending = [(value, 1)]
-    while pending:
-        item, depth = pending.pop()
-        if isinstance(item, str):
-            if _SURROGATE.search(item):
-                return "the body holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text"
-        elif isinstance(item, dict | list):
-            if depth > MAX_JSON_DEPTH:
-                return f"the body's JSON is nested more than {MAX_JSON_DEPTH} levels deep"
-            children = item.items() if isinstance(item, dict) else ((None, v) for v in item)
-            for key, child in children:
-                if key is not None:
-                    pending.append((key, depth))
-                pending.append((child, depth + 1))
     return None
 
 

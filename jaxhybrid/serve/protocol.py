@@ -8,9 +8,9 @@ vLLM's fields we do not implement (`suffix`, `best_of`, tools, structured output
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jaxhybrid.engine.requests import Prompt
 from jaxhybrid.llm import LLM
@@ -19,6 +19,11 @@ from jaxhybrid.serve import render
 from jaxhybrid.serve.errors import BadRequest, as_bad_request
 
 LONG_MIN, LONG_MAX = -2 ** 63, 2 ** 63 - 1  # a request's seed is a signed 64-bit integer (vLLM)
+# The most prompts one request may list (the queue's bound refuses fewer), and messages one conversation may
+# hold: past them validation stops at once, where a body of a million `[]` would hold up the event loop
+MAX_PROMPTS, MAX_MESSAGES = 4096, 16384
+# a request's stop conditions, checked for every token it generates
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 64, 4096, 1024
 
 
 class StreamOptions(BaseModel):
@@ -69,8 +74,9 @@ class _Request(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = Field(None, ge=LONG_MIN, le=LONG_MAX)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]],
+                          Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -172,6 +178,15 @@ class CompletionRequest(_Request):
     best_of: int | None = None
     add_special_tokens: bool = True  # the tokenizer's own special tokens (a BOS, say) around the prompt
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _few_prompts(cls, prompt: Any) -> Any:
+        """A list of more than MAX_PROMPTS entries must be one prompt's token ids: checked before the union's
+        validation, which would report each of a million nested lists on its own."""
+        if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS and not all(type(t) is int for t in prompt):
+            raise ValueError(f"a list of more than {MAX_PROMPTS} prompts; a longer list must be token ids")
+        return prompt
+
     def check(self) -> None:
         super().check()
         if self.suffix:
@@ -195,7 +210,7 @@ class CompletionRequest(_Request):
 
 
 class ChatCompletionRequest(_Request):
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] = Field(max_length=MAX_MESSAGES)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -251,7 +266,7 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
     answered by one choice whose index is its position. No streaming, n = 1, no prompt_logprobs, and no
     prompt_token_ids (one rendered prompt cannot stand for several conversations)."""
 
-    messages: list[list[dict[str, Any]]]
+    messages: list[Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)]] = Field(max_length=MAX_PROMPTS)
 
     def check(self) -> None:
         """The batch's own rules, then each conversation's as /v1/chat/completions checks its body."""

@@ -213,7 +213,8 @@ class Runner:
         return self.trace(bucket).lower()
 
 
-def step_temporaries(model: Model, config: SchedulerConfig, mesh: Mesh | None = None) -> int:
+def step_temporaries(model: Model, config: SchedulerConfig, mesh: Mesh | None = None,
+                     constraint_width: int = DEFAULT_CONSTRAINT_WIDTH) -> int:
     """Bytes of temporaries XLA allocates for `config`'s largest step (its last bucket), compiled for the
     devices `model`'s params are on without allocating anything: abstract params and pools of the fewest
     pages (2 KV blocks, 4 state slots), since no temporary grows with the pools (test_memory.py). The
@@ -221,7 +222,8 @@ def step_temporaries(model: Model, config: SchedulerConfig, mesh: Mesh | None = 
     params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=getattr(p, "sharding", None)),
                           model.params)
     probe = Model(model.config, params, ops=model.module.ops, block_size=model.block_size)
-    compiled = Runner(probe, fewest_pages(config), mesh=mesh).lower(plan_shapes(config)[-1]).compile()
+    compiled = Runner(probe, fewest_pages(config), mesh=mesh, constraint_width=constraint_width).lower(
+        plan_shapes(config)[-1]).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -75,13 +76,14 @@ def openai_error(response: httpx.Response, status: int, param: str | None = None
 
 async def while_health_polled(client: httpx.AsyncClient, probe: Awaitable[httpx.Response]
                               ) -> tuple[httpx.Response, float]:
-    """The probe's response and the slowest /health answer while it ran."""
+    """The probe's response and the event loop's worst stall while it ran: how late /health answered plus a
+    10 ms sleep came back, beyond the sleep (a loop held up anywhere in between shows here)."""
     task, slowest = asyncio.ensure_future(probe), 0.0
     while not task.done():
         start = time.perf_counter()
         assert (await client.get("/health")).status_code == 200
-        slowest = max(slowest, time.perf_counter() - start)
         await asyncio.sleep(0.01)
+        slowest = max(slowest, time.perf_counter() - start - 0.01)
     return await task, slowest
 
 
@@ -117,6 +119,24 @@ def test_a_request_that_can_never_run_is_a_400_not_a_429(serve, extra, param, bo
     serve(body)
 
 
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"stop": ["a"] * 65}, "stop"), ({"stop": ["a" * 4097]}, "stop"), ({"stop_token_ids": list(range(1025))},
+                                                                         "stop_token_ids"),
+    ({"bad_words": ["x" * 200_000]}, "bad_words"), ({"messages": [{"role": "user", "content": "Hi"}] * 16385},
+                                                     "messages"),
+    ({"prompt": [[5]] * 5000}, "prompt"),
+])
+def test_long_lists_are_a_400_before_they_cost_anything(serve, extra, param):
+    async def body(client: httpx.AsyncClient) -> None:
+        path = "/v1/chat/completions" if "messages" in extra else "/v1/completions"
+        response, slowest = await while_health_polled(client, client.post(path, json={**CANARY, **extra},
+                                                                           headers=AUTH))
+        openai_error(response, 400, param)
+        assert slowest < 2 * HEALTH_BOUND
+
+    serve(body)
+
+
 @pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p", "presence_penalty"])
 def test_numbers_past_float32_are_a_400(serve, field):
     async def body(client: httpx.AsyncClient) -> None:
@@ -136,10 +156,24 @@ def test_detokenize_takes_at_most_a_context(serve):
 
 def test_a_50_mb_body_is_refused_while_health_answers(serve):
     async def body(client: httpx.AsyncClient) -> None:
-        huge = client.post("/v1/completions", json={**CANARY, "prompt": "a b " * 12_500_000}, headers=AUTH)
+        content = json.dumps({**CANARY, "prompt": "a b " * 12_500_000})  # encoded before the clock starts
+        huge = client.post("/v1/completions", content=content, headers={**AUTH, "content-type": "application/json"})
         response, slowest = await while_health_polled(client, huge)
         assert "--max-request-body-bytes" in openai_error(response, 413, "body")
         assert slowest < HEALTH_BOUND
+        await canary(client)
+
+    serve(body)
+
+
+def test_a_body_without_a_length_is_cut_off_at_the_bound(serve):
+    async def chunks():
+        for _ in range(50):
+            yield b"x" * (1 << 20)
+
+    async def body(client: httpx.AsyncClient) -> None:
+        response = await client.post("/v1/completions", content=chunks(), headers=AUTH)
+        assert "--max-request-body-bytes" in openai_error(response, 413, "body")
         await canary(client)
 
     serve(body)
@@ -171,21 +205,15 @@ def test_a_million_id_prompt_is_refused_without_holding_up_health(serve):
     serve(body)
 
 
-def test_tokenizing_runs_off_the_event_loop(serve, llm, monkeypatch):
-    """A slow tokenization (here made slow) holds up neither /health nor the engine's other requests."""
-    tokenizer, encode = llm.tokenizer, llm.tokenizer.encode
-
-    def slow(text, *args):
-        if text.startswith("slow"):
-            time.sleep(1.0)
-        return encode(text, *args)
-
-    monkeypatch.setattr(tokenizer, "encode", slow)
-
+def test_tokenizing_runs_off_the_event_loop(serve):
+    """A 3 MB prompt cut to its last 8 tokens is tokenized whole, for seconds, on a worker thread and with
+    the GIL released: the event loop goes on."""
     async def body(client: httpx.AsyncClient) -> None:
-        probe = client.post("/v1/completions", json={**CANARY, "prompt": "slow prompt"}, headers=AUTH)
+        probe = client.post("/v1/completions", headers=AUTH, json={
+            **CANARY, "prompt": "def f(x): return x\n" * 150_000, "truncate_prompt_tokens": 8})
         response, slowest = await while_health_polled(client, probe)
-        assert response.status_code == 200 and slowest < HEALTH_BOUND
+        assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == 8
+        assert slowest < 2 * HEALTH_BOUND
 
     serve(body)
 
@@ -293,19 +321,46 @@ def test_errors_do_not_leak_the_engine_ids(serve):
     serve(body)
 
 
-def test_the_queue_is_bounded_in_prompt_tokens(serve, llm):
+def test_the_queue_is_bounded_in_prompt_tokens(serve, llm, monkeypatch):
+    """With the engine held, four prompts of 100 tokens fill the 400-token queue and two more get a 429 naming
+    the bound; a request that alone passes the bound is a 400, since no retry could help."""
+    gate, step = threading.Event(), llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: gate.wait(30) and step())
     long = {**CANARY, "prompt": [5] * 100, "max_tokens": 20, "ignore_eos": True}
 
     async def body(client: httpx.AsyncClient) -> None:
-        responses = await asyncio.gather(*(client.post("/v1/completions", json=long, headers=AUTH)
-                                           for _ in range(6)))
-        statuses = sorted(r.status_code for r in responses)
-        assert statuses.count(200) == 4 and statuses.count(429) == 2, statuses  # 4 x 100 tokens fit in 400
-        busy = next(r for r in responses if r.status_code == 429)
+        tasks = [asyncio.ensure_future(client.post("/v1/completions", json=long, headers=AUTH)) for _ in range(6)]
+        deadline = time.monotonic() + 30
+        while sum(t.done() for t in tasks) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        gate.set()
+        statuses = sorted(r.status_code for r in await asyncio.gather(*tasks))
+        assert statuses == [200] * 4 + [429] * 2, statuses
+        busy = next(t.result() for t in tasks if t.result().status_code == 429)
         assert "--max-num-queued-tokens 400" in openai_error(busy, 429)
+        alone = await client.post("/v1/completions", json={**long, "prompt": [5] * 101, "n": 4}, headers=AUTH)
+        assert "--max-num-queued-tokens 400" in openai_error(alone, 400, "prompt")
         await canary(client)
 
     serve(body)
+
+
+def test_the_engines_ids_are_cut_from_its_errors(llm, monkeypatch):
+    """An engine error naming the request (as the scheduler's do) reaches the client without the id."""
+    config = llm.config
+    loop = EngineLoop(llm.engine, ServerMetrics("tiny", config.max_model_len, 0, {"cache_mode": config.cache_mode}),
+                      idle_poll=0.05)
+
+    def refuse(request_id, *args, **kwargs):
+        raise ValueError(f"request {request_id!r}: request {request_id!r} can never fit in 12 slots")
+
+    monkeypatch.setattr(llm.engine, "add_request", refuse)
+
+    async def body(client: httpx.AsyncClient) -> None:
+        response = await client.post("/v1/completions", json=CANARY, headers={"X-Request-Id": "abc'def"})
+        assert openai_error(response, 400) == "the request can never fit in 12 slots"
+
+    drive(llm, loop, build_app(ServerState(llm, loop, ("tiny",), "embedded", config.max_model_len)), body)
 
 
 def test_a_stuck_engine_is_reported_and_the_server_exits(llm, monkeypatch):
