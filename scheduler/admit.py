@@ -3,11 +3,17 @@
 A request is admitted only if everything it needs this step fits at once (row, running slot, a
 reserved checkpoint slot for a producer, KV blocks for its first chunk), so admission never
 half-succeeds and never preempts a running request.
+
+Waiting requests are taken first come, first served, with one exception that keeps one client from
+starving the others: a request whose group (`Request.group`, the n samples and prompts of one client
+request) already holds its fair share of the rows, max_num_seqs over the groups running or waiting, waits
+behind the requests of other groups; it is admitted in the same step if rows and budget are left after them.
 """
 
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from typing import NamedTuple
 
 import numpy as np
@@ -57,14 +63,36 @@ class Admission(NamedTuple):
 
 
 def admit_waiting(p: Pass) -> None:
-    cfg = p.edit.cfg
-    for i, rid in enumerate(tuple(p.edit.waiting)):  # a snapshot: admissions remove from the queue
-        if len(p.edit.running) >= cfg.max_num_seqs or p.budget <= 0:
-            break
-        if i == 0:  # a prefix lookup sees every full block, decoded ones included
-            publish_full_blocks(p.edit, p.edit.running_rows(), p.edit.running)
-        if _admit_one(p, rid) is Verdict.STOP:
-            break
+    waiting = tuple(p.edit.waiting)  # a snapshot: admissions remove from the queue
+    if not waiting:
+        return
+    groups = {rid: p.edit.requests[rid].group_id for rid in (*p.edit.running, *waiting)}
+    held = Counter(groups[rid] for rid in p.edit.running)
+    share = max(1, p.edit.cfg.max_num_seqs // len(set(groups.values())))
+    others_wait = len({groups[rid] for rid in waiting}) > 1
+    published, behind = False, []
+    for rid in waiting:
+        group = groups[rid]
+        if others_wait and held[group] >= share:
+            behind.append(rid)  # past its share while another group waits
+            continue
+        verdict, published = _admit_next(p, rid, published)
+        if verdict is Verdict.STOP:
+            return
+        held[group] += verdict is Verdict.ADMITTED
+    for rid in behind:
+        verdict, published = _admit_next(p, rid, published)
+        if verdict is Verdict.STOP:
+            return
+
+
+def _admit_next(p: Pass, rid: str, published: bool) -> tuple[Verdict, bool]:
+    """`rid`'s verdict, STOP once the rows or the step's budget are used up; (verdict, published)."""
+    if len(p.edit.running) >= p.edit.cfg.max_num_seqs or p.budget <= 0:
+        return Verdict.STOP, published
+    if not published:  # a prefix lookup sees every full block, decoded ones included
+        publish_full_blocks(p.edit, p.edit.running_rows(), p.edit.running)
+    return _admit_one(p, rid), True
 
 
 def _admit_one(p: Pass, rid: str) -> Verdict:

@@ -160,11 +160,12 @@ def _request_to_json(request: Request) -> dict:
     params = dataclasses.asdict(request.sampling_params)
     return {"request_id": request.request_id, "prompt_token_ids": [int(t) for t in request.prompt_token_ids],
             "sampling_params": params, "checkpoint_position": request.checkpoint_position,
-            "cache_salt": request.cache_salt, "logits_from": request.logits_from, "row_data": request.row_data.hex()}
+            "cache_salt": request.cache_salt, "logits_from": request.logits_from, "row_data": request.row_data.hex(),
+            "group": request.group}
 
 
 def _request_from_json(data: dict) -> Request:
     params = dict(data["sampling_params"], stop_token_ids=tuple(data["sampling_params"]["stop_token_ids"]))
     return Request(data["request_id"], tuple(data["prompt_token_ids"]), SamplingParams(**params),
                    data["checkpoint_position"], data["cache_salt"], data["logits_from"],
-                   bytes.fromhex(data["row_data"]))
+                   bytes.fromhex(data["row_data"]), data.get("group"))

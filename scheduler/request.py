@@ -67,6 +67,9 @@ class Request:
     logits_from: None, or the first prompt position whose logits the step hands out (prompt logprobs:
         token i's needs position i - 1); prefix hits stop there, so a checkpoint must not lie past it.
     row_data: the opaque per-row record (`SchedulerConfig.row_data_bytes` bytes) carried to the device.
+    group: the requests one client asked for together (its n samples and prompts) share a group; while
+        another group waits, admission gives a group no more than its fair share of the rows (`admit.py`).
+        None: a group of its own.
     """
 
     request_id: str
@@ -76,6 +79,7 @@ class Request:
     cache_salt: str | None = None
     logits_from: int | None = None
     row_data: bytes = b""
+    group: str | None = None
 
     def __post_init__(self) -> None:
         # the request owns its prompt: a caller's list may change after the request is made
@@ -89,6 +93,10 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def group_id(self) -> str:
+        return self.request_id if self.group is None else self.group
 
 
 class FinishReason(enum.Enum):

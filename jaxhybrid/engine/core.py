@@ -94,14 +94,17 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
-                    cache_salt: str | None = None, prompt_logprobs_from: int = 0) -> None:
-        """Queue a request; raises ValueError naming the problem (nothing is queued then).
+                    cache_salt: str | None = None, prompt_logprobs_from: int = 0, group: str | None = None) -> None:
+        """Queue a request; raises ValueError naming the problem (nothing is queued then). Its n sequences
+        share `group` (default: the request's own) with the requests a client sent together: while others
+        wait, a group is admitted up to its fair share of the batch (`scheduler/admit.py`).
 
         `prompt_logprobs_from` > 0 reports prompt logprobs from that prompt position on only (the earlier
         ones are None): the scorer's candidates after a checkpoint, which a request can read only if it needs
         no logits before it. With the default every prompt position is reported, as vLLM does."""
         table = self.table
-        request = table.new_request(request_id, prompt, params or SamplingParams(), cache_salt, prompt_logprobs_from)
+        request = table.new_request(request_id, prompt, params or SamplingParams(), cache_salt, prompt_logprobs_from,
+                                    group)
         constraints = table.constraint_entries(request.params)
         for index in range(request.params.n):
             sequence_id = str(next(self._ids))

@@ -45,6 +45,7 @@ class Request:
     cache_salt: str | None
     prompt_logprobs_from: int = 0
     num_cached_tokens: int = 0
+    group: str | None = None  # the client request it is part of (`scheduler.Request.group`); None: its own
 
     def logits_from(self) -> int | None:
         """The first prompt position whose logits the request needs: prompt token p's logprob comes from the
@@ -101,7 +102,7 @@ class RequestTable:
         self._seeds = np.random.default_rng(seed)
 
     def new_request(self, request_id: str, prompt: Prompt, params: SamplingParams, cache_salt: str | None,
-                    prompt_logprobs_from: int) -> Request:
+                    prompt_logprobs_from: int, group: str | None = None) -> Request:
         """A request checked against the engine (ValueError naming the problem), with no sequences yet."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -110,7 +111,7 @@ class RequestTable:
             raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
         seed = int(self._seeds.integers(2**63)) if params.seed is None else params.seed
         return Request(request_id, prompt, params, [], [], None if params.prompt_logprobs is None else [None],
-                       RequestMetrics(time.time()), seed, cache_salt, prompt_logprobs_from)
+                       RequestMetrics(time.time()), seed, cache_salt, prompt_logprobs_from, group=group or request_id)
 
     def add_sequence(self, request: Request, sequence_id: str, constraints: np.ndarray | None) -> None:
         params, index = request.params, len(request.sequences)
@@ -170,7 +171,7 @@ class RequestTable:
                                               limits.stop_token_ids + tuple(eos[1:]), limits.ignore_eos)
         return scheduler.Request(sequence_id, prompt.token_ids, limits, request.readable_checkpoint(),
                                  request.cache_salt, request.logits_from(),
-                                 params.row_data(seed, len(prompt.token_ids)))
+                                 params.row_data(seed, len(prompt.token_ids)), request.group)
 
     def constraint_entries(self, params: SamplingParams) -> np.ndarray | None:
         """The device's constraint entries of a request (`sampling.Constraint`); None without constraints. More

@@ -287,7 +287,7 @@ async def _add_all(state: ServerState, response_id: str, prompts: list[Prompt], 
         raise BadRequest(f"the request's prompts take {tokens} tokens (n counting n), more than the queue holds "
                          f"(--max-num-queued-tokens {bound})", "prompt")
     state.loop.check_room(len(prompts) * params.n, tokens)
-    added = await asyncio.gather(*[state.loop.add(f"{response_id}-{i}", prompt, params, cache_salt)
+    added = await asyncio.gather(*[state.loop.add(f"{response_id}-{i}", prompt, params, cache_salt, response_id)
                                    for i, prompt in enumerate(prompts)], return_exceptions=True)
     refused = [a for a in added if isinstance(a, BaseException)]
     if refused:

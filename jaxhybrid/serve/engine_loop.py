@@ -44,6 +44,7 @@ class _Submission:
     prompt: Prompt
     params: SamplingParams
     cache_salt: str | None
+    group: str | None
     admitted: concurrent.futures.Future
     stream: RequestStream
 
@@ -132,16 +133,17 @@ class EngineLoop:
 
     # -- the event loop's side ----------------------------------------------------------------------------
 
-    async def add(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                  cache_salt: str | None = None) -> RequestStream:
-        """Submit a request; returns its stream once the engine has taken it. Raises ValueError for bad
-        input (nothing is queued then), QueueFull, or EngineUnavailable."""
+    async def add(self, request_id: str, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None,
+                  group: str | None = None) -> RequestStream:
+        """Submit a request (`group`: the client request it is part of, `Engine.add_request`); returns its
+        stream once the engine has taken it. Raises ValueError for bad input (nothing is queued then),
+        QueueFull, or EngineUnavailable."""
         if self.draining or not self.healthy():
             raise EngineUnavailable("the server is shutting down" if self.draining else "the engine has stopped")
         self.check_room(params.n, params.n * len(prompt.token_ids))
         stream = RequestStream(self, request_id, params, params.n * len(prompt.token_ids))
         admitted = concurrent.futures.Future()
-        self._submit(("add", _Submission(request_id, prompt, params, cache_salt, admitted, stream)))
+        self._submit(("add", _Submission(request_id, prompt, params, cache_salt, group, admitted, stream)))
         try:
             await asyncio.wait_for(asyncio.wrap_future(admitted), self.watchdog_timeout)
         except TimeoutError as error:
@@ -151,6 +153,11 @@ class EngineLoop:
             stream.close()
             raise
         return stream
+
+    @property
+    def queued(self) -> tuple[int, int]:
+        """(sequences, prompt tokens) submitted and not yet ended, n counting n."""
+        return self._num_sequences, self._num_tokens
 
     def check_room(self, sequences: int, tokens: int) -> None:
         """QueueFull unless `sequences` more sequences with `tokens` prompt tokens fit in the queue now."""
@@ -226,7 +233,8 @@ class EngineLoop:
             if not item.admitted.set_running_or_notify_cancel():  # its caller gave up waiting (it left)
                 continue
             try:
-                self.engine.add_request(item.request_id, item.prompt, item.params, cache_salt=item.cache_salt)
+                self.engine.add_request(item.request_id, item.prompt, item.params, cache_salt=item.cache_salt,
+                                        group=item.group)
             except ValueError as error:  # bad input: the caller's 400, without the engine's id; nothing queued
                 message = str(error).replace(f"request {item.request_id!r}: ", "")
                 item.admitted.set_exception(ValueError(message.replace(f"request {item.request_id!r}", "the request")))

@@ -132,7 +132,7 @@ def test_long_lists_are_a_400_before_they_cost_anything(serve, extra, param):
         response, slowest = await while_health_polled(client, client.post(path, json={**CANARY, **extra},
                                                                            headers=AUTH))
         openai_error(response, 400, param)
-        assert slowest < 2 * HEALTH_BOUND
+        assert slowest < 5 * HEALTH_BOUND
 
     serve(body)
 
@@ -206,14 +206,15 @@ def test_a_million_id_prompt_is_refused_without_holding_up_health(serve):
 
 
 def test_tokenizing_runs_off_the_event_loop(serve):
-    """A 3 MB prompt cut to its last 8 tokens is tokenized whole, for seconds, on a worker thread and with
-    the GIL released: the event loop goes on."""
+    """A 3.6 MB prompt cut to its last 8 tokens is tokenized whole on a worker thread, with the GIL
+    released: the event loop goes on. On the loop it would stall for the whole tokenization (about 2.5 s on
+    two cores); off it, only for the conversion of the ids to a Python list (0.1-0.3 s on a loaded CI)."""
     async def body(client: httpx.AsyncClient) -> None:
         probe = client.post("/v1/completions", headers=AUTH, json={
-            **CANARY, "prompt": "def f(x): return x\n" * 150_000, "truncate_prompt_tokens": 8})
+            **CANARY, "prompt": "def f(x): return x\n" * 190_000, "truncate_prompt_tokens": 8})
         response, slowest = await while_health_polled(client, probe)
         assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == 8
-        assert slowest < 2 * HEALTH_BOUND
+        assert slowest < 6 * HEALTH_BOUND
 
     serve(body)
 
@@ -343,6 +344,30 @@ def test_the_queue_is_bounded_in_prompt_tokens(serve, llm, monkeypatch):
         await canary(client)
 
     serve(body)
+
+
+def test_a_request_of_a_whole_batch_shares_it_with_the_next_client(llm, monkeypatch):
+    """n = max_num_seqs, then a canary, both queued before a step: admission gives each client its share of
+    the rows, so the canary is served in the first steps instead of after the batch's 40 tokens."""
+    config = llm.config
+    loop = EngineLoop(llm.engine, ServerMetrics("tiny", config.max_model_len, 0, {"cache_mode": config.cache_mode}),
+                      idle_poll=0.05)
+    gate, add = threading.Event(), llm.engine.add_request
+    monkeypatch.setattr(llm.engine, "add_request", lambda *args, **kwargs: gate.wait(30) and add(*args, **kwargs))
+    big = {**CANARY, "n": 4, "max_tokens": 40, "ignore_eos": True, "temperature": 1.0}
+
+    async def body(client: httpx.AsyncClient) -> None:
+        whole = asyncio.ensure_future(client.post("/v1/completions", json=big))
+        small = asyncio.ensure_future(client.post("/v1/completions", json=CANARY))
+        deadline = time.monotonic() + 30
+        while loop.queued[0] < 5 and time.monotonic() < deadline:  # both in the engine's inbox
+            await asyncio.sleep(0.02)
+        gate.set()
+        done, _ = await asyncio.wait({whole, small}, return_when=asyncio.FIRST_COMPLETED)
+        assert done == {small} and small.result().status_code == 200
+        assert (await whole).status_code == 200 and len(whole.result().json()["choices"]) == 4
+
+    drive(llm, loop, build_app(ServerState(llm, loop, ("tiny",), "embedded", config.max_model_len)), body)
 
 
 def test_the_engines_ids_are_cut_from_its_errors(llm, monkeypatch):
