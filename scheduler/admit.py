@@ -64,15 +64,14 @@ class Admission(NamedTuple):
 
 def admit_waiting(p: Pass) -> None:
     waiting = tuple(p.edit.waiting)  # a snapshot: admissions remove from the queue
-    if not waiting:
+    if not waiting or len(p.edit.running) >= p.edit.cfg.max_num_seqs or p.budget <= 0:
         return
-    groups = {rid: p.edit.requests[rid].group_id for rid in (*p.edit.running, *waiting)}
-    held = Counter(groups[rid] for rid in p.edit.running)
-    share = max(1, p.edit.cfg.max_num_seqs // len(set(groups.values())))
-    others_wait = len({groups[rid] for rid in waiting}) > 1
+    group_of = lambda rid: p.edit.requests[rid].group_id
+    share, others_wait = _fair_share(p, waiting, group_of)
+    held = Counter(map(group_of, p.edit.running))
     published, behind = False, []
     for rid in waiting:
-        group = groups[rid]
+        group = group_of(rid)
         if others_wait and held[group] >= share:
             behind.append(rid)  # past its share while another group waits
             continue
@@ -84,6 +83,21 @@ def admit_waiting(p: Pass) -> None:
         verdict, published = _admit_next(p, rid, published)
         if verdict is Verdict.STOP:
             return
+
+
+def _fair_share(p: Pass, waiting: tuple[str, ...], group_of) -> tuple[int, bool]:
+    """(the rows a group may hold while others wait: max_num_seqs over the groups running or waiting,
+    whether more than one group waits). Counting stops at max_num_seqs groups (a share of one row), so a long
+    queue of single requests costs a batch's worth of lookups, not the queue's."""
+    cap, first = p.edit.cfg.max_num_seqs, group_of(waiting[0])
+    groups, others_wait = set(map(group_of, p.edit.running)), False
+    for rid in waiting:
+        group = group_of(rid)
+        groups.add(group)
+        others_wait = others_wait or group != first
+        if others_wait and len(groups) >= cap:
+            break
+    return max(1, cap // len(groups)), others_wait
 
 
 def _admit_next(p: Pass, rid: str, published: bool) -> tuple[Verdict, bool]:

@@ -252,6 +252,6 @@ class RequestTable:
 
 def _largest_constraint(params: SamplingParams) -> str:
     """The field that asks for the most constraint entries (the one a 400 names)."""
-    sizes = {"logit_bias": len(params.logit_bias or ()), "allowed_token_ids": len(set(params.allowed_token_ids or ())),
+    sizes = {"logit_bias": len(params.logit_bias or ()), "allowed_token_ids": len(params.allowed_token_ids or ()),
              "bad_words": len(params.bad_words or ()), "stop_token_ids": len(params.stop_token_ids)}
     return max(sizes, key=sizes.get)

@@ -238,8 +238,9 @@ def _check_model(state: ServerState, model: str | None) -> str:
 
 def _completion_prompts(state: ServerState, body: CompletionRequest) -> tuple[SamplingParams, list[Prompt]]:
     """The request's sampling params and its prompts, tokenized (on a worker thread)."""
-    params = _checked(state, body.params(state.llm.generation_defaults), len(body.prompts()), "prompt")
-    return params, [body.engine_prompt(state.llm, p, params) for p in body.prompts()]
+    prompts = body.prompts()
+    params = _checked(state, body.params(state.llm.generation_defaults), len(prompts), "prompt")
+    return params, [body.engine_prompt(state.llm, p, params) for p in prompts]
 
 
 def _chat_prompts(state: ServerState, conversations: list[ChatCompletionRequest]

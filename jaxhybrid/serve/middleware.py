@@ -181,8 +181,8 @@ class ApiKeyGuard:
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             digest = hashlib.sha256(header.removeprefix("Bearer ").encode()).digest()
             if not header.startswith("Bearer ") or not any(secrets.compare_digest(digest, d) for d in self._digests):
-                await error_response(401, "Unauthorized: a valid API key is needed (Authorization: Bearer KEY)",
-                                     )(scope, receive, send)
+                unauthorized = "Unauthorized: a valid API key is needed (Authorization: Bearer KEY)"
+                await error_response(401, unauthorized)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
