@@ -191,7 +191,7 @@ def engine_split(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[d
 
 def op_category(op_name: str) -> str:
     """An XLA op's share of the step, from its name (the jitted step's module path)."""
-    path = re.sub(r"layers_\d+", "L", op_name.removeprefix("jit(_step_fn)/"))
+    path = re.sub(r"(while/body/eval_jaxpr/)?(segment_\d+/)?layers_\d+", "L", op_name.removeprefix("jit(_step_fn)/"))
     if "HybridLM/L/moe" in path:
         return "moe: expert matmuls (routed, shared)" if "dot_general" in path else (
             "moe: expert weight gathers" if path.endswith("gather") else "moe: routing, combine")

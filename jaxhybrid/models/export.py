@@ -13,6 +13,7 @@ from safetensors.numpy import save_file
 
 from jaxhybrid.models.config import GDNConfig, ModelConfig
 from jaxhybrid.models.hf_config import parse_hf_config
+from jaxhybrid.models.stack import layer_segments, per_layer
 
 # Our kind-independent sublayer names -> Qwen checkpoint module names.
 _SUBLAYERS = {"norm_0": "input_layernorm", "norm_1": "post_attention_layernorm", "gdn": "linear_attn",
@@ -75,7 +76,7 @@ def _layer_tensors(prefix: str, path: tuple[str, ...], w: np.ndarray,
 
 def hf_tensors(params: Any, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
     """Every param as (HuggingFace Qwen3-Next tensor name, float array in HF layout)."""
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    flat = jax.tree_util.tree_flatten_with_path(per_layer(params, layer_segments(cfg.layers)))[0]
     for keys, leaf in flat:
         path, w = tuple(k.key for k in keys), np.asarray(leaf)
         if path == ("embed_tokens", "embedding"):

@@ -1,4 +1,6 @@
-"""The hybrid layer stack for all three families, driven by `ModelConfig.layers`."""
+"""The hybrid layer stack for all three families, driven by `ModelConfig.layers` cut into segments of a
+repeating period (`stack.py`): each segment is one scan over its repeats, so a step's program holds each
+period once and its compile time does not grow with depth."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from jaxhybrid.models.layers import RMSNorm, make_ffn
 from jaxhybrid.models.mamba2 import Mamba2Mixer
 from jaxhybrid.models.ops import DEFAULT_OPS, ModelOps
 from jaxhybrid.models.plan_transfer import DevicePlan
-from jaxhybrid.models.pools import DeviceState, KVPool, LayerPool
+from jaxhybrid.models.pools import DeviceState, KVPool, LayerPool, repeat_view
+from jaxhybrid.models.stack import Layers, Segment, layer_segments, segment_key
 
 
 class DecoderLayer(nn.Module):
@@ -38,6 +41,33 @@ class DecoderLayer(nn.Module):
                 h = make_ffn(kind, cfg, name=kind, platform=self.ops.platform())(h)
             x = x + h
         return x, pool
+
+
+class Period(nn.Module):
+    """One period of a segment: its layers in order, each on repeat `repeat`'s pages of its stacked pool."""
+
+    cfg: ModelConfig
+    period: Layers
+    ops: ModelOps = DEFAULT_OPS
+
+    @nn.compact
+    def __call__(self, carry: tuple[jax.Array, tuple[LayerPool, ...]], repeat: jax.Array,
+                 plan: DevicePlan) -> tuple[tuple[jax.Array, tuple[LayerPool, ...]], None]:
+        x, pools = carry
+        updated = []
+        for j, (kinds, pool) in enumerate(zip(self.period, pools, strict=True)):
+            layer_plan, pages, restack = repeat_view(plan, pool, repeat)
+            x, pages = DecoderLayer(self.cfg, kinds, self.ops, name=f"layers_{j}")(x, layer_plan, pages)
+            updated.append(restack(pages))
+        return (x, tuple(updated)), None
+
+
+def _segment(cfg: ModelConfig, segment: Segment, ops: ModelOps, name: str) -> nn.Module:
+    """The segment's period scanned over its repeats, params stacked on a leading axis; unrolled (one copy
+    of the period per repeat) where `ops.scan_layers` is off."""
+    scan = nn.scan(Period, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=(0, nn.broadcast),
+                   length=segment.repeats, unroll=1 if ops.scan_layers else segment.repeats)
+    return scan(cfg, segment.period, ops, name=name)
 
 
 class MTPHead(nn.Module):
@@ -67,7 +97,8 @@ class HybridLM(nn.Module):
     def setup(self) -> None:
         cfg = self.cfg
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=nn.initializers.normal(0.02))
-        self.layers = [DecoderLayer(cfg, kinds, self.ops) for kinds in cfg.layers]
+        self.segments = [_segment(cfg, segment, self.ops, segment_key(k))
+                         for k, segment in enumerate(layer_segments(cfg.layers))]
         self.norm = RMSNorm(cfg.norm_eps, cfg.zero_centered_norm)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False)
@@ -77,11 +108,11 @@ class HybridLM(nn.Module):
     def __call__(self, token_ids: jax.Array, plan: DevicePlan, state: DeviceState) -> tuple[jax.Array, DeviceState]:
         """token_ids: [T] i32 -> (hidden [T, D] after the final norm, the pools after these tokens)."""
         x = self.embed_tokens(token_ids)
-        new_layers = []
-        for layer, pool in zip(self.layers, state.layers, strict=True):
-            x, pool = layer(x, plan, pool)
-            new_layers.append(pool)
-        return self.norm(x), state._replace(layers=tuple(new_layers))
+        segments = []
+        for scan, segment, pools in zip(self.segments, layer_segments(self.cfg.layers), state.layers, strict=True):
+            (x, pools), _ = scan((x, pools), jnp.arange(segment.repeats, dtype=jnp.int32), plan)
+            segments.append(pools)
+        return self.norm(x), state._replace(layers=tuple(segments))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         if self.cfg.tie_word_embeddings:

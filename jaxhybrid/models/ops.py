@@ -27,6 +27,9 @@ class ModelOps:
     # tensor parallel: the mixers run on their local heads in shard_map over this mesh's "tp" axis
     # (jaxhybrid.models.tensor_parallel); None: one device, no shard_map
     mesh: Mesh | None = None
+    # each segment of repeating layers (models/stack.py) compiles as one scan over its repeats; off, every
+    # repeat is its own copy in the program (same bits; for XLA's cost analysis, which counts a loop's body once)
+    scan_layers: bool = True
 
     def platform(self) -> str:
         """The platform the step is compiled for: "gpu" with the Triton kernels (also when compiling for a GPU

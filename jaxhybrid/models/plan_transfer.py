@@ -24,6 +24,11 @@ _ARRAYS = ("row_kind", "phase", "cu_seqlens", "query_lens", "context_lens", "sta
            "materialize_src", "materialize_dst", "materialize_ring_start", "materialize_count")
 
 
+# the fields that index state slots; the KV pool's are block_table and slot_mapping
+_SLOT_FIELDS = ("state_slots", "hit_copy_src", "hit_copy_dst", "pair_copy_src", "pair_copy_dst", "publish_src",
+                "publish_dst", "materialize_src", "materialize_dst")
+
+
 class PlanLayout(NamedTuple):
     """(name, offset, shape, dtype) of every packed field, in int32 words; hashable, a static jit argument."""
 
@@ -76,6 +81,17 @@ class DevicePlan(NamedTuple):
     materialize_ring_start: jax.Array
     materialize_count: jax.Array
     row_data: jax.Array
+
+    def on_slots(self, offset: jax.Array) -> DevicePlan:
+        """The plan with every real state slot s at s + offset (null slot 0 stays 0)."""
+        shift = lambda slots: jnp.where(slots > 0, slots + offset, 0)
+        return self._replace(**{name: shift(getattr(self, name)) for name in _SLOT_FIELDS})
+
+    def on_blocks(self, offset: jax.Array, *, block_size: int) -> DevicePlan:
+        """The plan with every real KV block b at b + offset (null block 0, and writes into it, stay put)."""
+        return self._replace(block_table=jnp.where(self.block_table > 0, self.block_table + offset, 0),
+                             slot_mapping=jnp.where(self.slot_mapping >= block_size,
+                                                    self.slot_mapping + offset * block_size, self.slot_mapping))
 
 
 def pack_plan(plan: BatchPlan) -> tuple[np.ndarray, PlanLayout]:

@@ -4,6 +4,12 @@ Per attention layer (the MTP layers included) a paged KV pool; per recurrent lay
 whose slot is one page: the conv window at S0, the fp32 state S0, and the ReplaySSM rings of the
 mixer's inputs and of the pre-conv inputs after S0. Slot 0 and block 0 are null: all zeros, never
 written by a real row. The runner donates the whole pytree to every step.
+
+Pools follow the layer stack's segments (`stack.py`): per segment, one pool per period position, stacked
+on a leading `repeats` axis, `[repeats, S, ...]`. Inside the step a layer sees its repeat's pages through
+`repeat_view`: the stack as one flat pool `[repeats * S, ...]` (a free reshape, so the kernels still update
+it in place) and a plan whose slot or block indices point at its repeat's pages. Null indices stay 0, the
+first repeat's null page, which the kernels never write; the other repeats' null pages go unused.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxhybrid.models.config import ATTENTION, GDN, MLP, MOE, ModelConfig
+from jaxhybrid.models.plan_transfer import DevicePlan
+from jaxhybrid.models.stack import layer_segments
 
 
 class KVPool(NamedTuple):
@@ -37,9 +45,31 @@ LayerPool = RecurrentPool | KVPool | None
 
 
 class DeviceState(NamedTuple):
-    layers: tuple[LayerPool, ...]  # one entry per decoder layer: its slot pool, KV pool, or None
+    # per segment of the layer stack, per period position: its stacked slot pool, KV pool, or None
+    layers: tuple[tuple[LayerPool, ...], ...]
     mtp: tuple[KVPool, ...]        # one KV pool per MTP layer
     token_history: jax.Array       # [S, H] i32 the token at each position of each slot's sequence (penalties)
+
+
+def layer_pools(state: DeviceState) -> list[LayerPool]:
+    """Every layer position's stacked pool (None for a layer without one), segment by segment."""
+    return [pool for segment in state.layers for pool in segment]
+
+
+def repeat_view(plan: DevicePlan, pool: LayerPool, repeat: jax.Array) -> tuple[DevicePlan, LayerPool, Callable]:
+    """(the plan with its indices on repeat `repeat`'s pages, the stacked pool as one flat pool, a function
+    that stacks a flat pool back)."""
+    if pool is None:
+        return plan, None, lambda pages: None
+    repeats, per_repeat = jax.tree.leaves(pool)[0].shape[:2]
+    flat = jax.tree.map(lambda a: a.reshape(repeats * per_repeat, *a.shape[2:]), pool)
+    restack = lambda pages: jax.tree.map(lambda a: a.reshape(repeats, per_repeat, *a.shape[1:]), pages)
+    if repeats == 1:
+        return plan, flat, restack
+    offset = repeat * per_repeat
+    if isinstance(pool, KVPool):
+        return plan.on_blocks(offset, block_size=pool.k.shape[2]), flat, restack
+    return plan.on_slots(offset), flat, restack
 
 
 def copy_pages(pool: Any, src: jax.Array, dst: jax.Array, count: jax.Array) -> Any:
@@ -100,14 +130,19 @@ def init_device_state(cfg: ModelConfig, *, num_blocks: int, block_size: int, num
     """Zero pools: `num_blocks` KV blocks and `num_slots` state slots (nulls included), rings of
     `ring_entries` = W + 1 + K entries (whole states with `snapshots`), token histories of `history_len`
     positions."""
-    layers = []
-    for kinds in cfg.layers:
+
+    def pool(kinds: tuple[str, ...]) -> LayerPool:
         stateful = [k for k in kinds if k not in (MLP, MOE)]
         if not stateful:
-            layers.append(None)
-        elif stateful[0] == ATTENTION:
-            layers.append(_kv_pool(cfg, num_blocks, block_size, dtype))
-        else:
-            layers.append(_recurrent_pool(cfg, stateful[0], num_slots, ring_entries, dtype, snapshots))
-    mtp = tuple(_kv_pool(cfg, num_blocks, block_size, dtype) for _ in cfg.mtp_layers)
-    return DeviceState(tuple(layers), mtp, jnp.zeros((num_slots, history_len), jnp.int32))
+            return None
+        if stateful[0] == ATTENTION:
+            return _kv_pool(cfg, num_blocks, block_size, dtype)
+        return _recurrent_pool(cfg, stateful[0], num_slots, ring_entries, dtype, snapshots)
+
+    def stacked(kinds: tuple[str, ...], repeats: int) -> LayerPool:
+        return jax.tree.map(lambda a: jnp.zeros((repeats, *a.shape), a.dtype), jax.eval_shape(lambda: pool(kinds)))
+
+    layers = tuple(tuple(stacked(kinds, segment.repeats) for kinds in segment.period)
+                   for segment in layer_segments(cfg.layers))
+    mtp = tuple(pool((ATTENTION,)) for _ in cfg.mtp_layers)
+    return DeviceState(layers, mtp, jnp.zeros((num_slots, history_len), jnp.int32))

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.models.config import ATTENTION, GDN, MAMBA2, AttentionConfig, GDNConfig, Mamba2Config, ModelConfig
 from jaxhybrid.models.pools import DeviceState, KVPool, RecurrentPool
+from jaxhybrid.models.stack import is_stacked, layer_segments
 
 AXIS = "tp"
 MixerConfig = GDNConfig | Mamba2Config | AttentionConfig
@@ -158,7 +159,7 @@ def to_tp_layout(params: Any, cfg: ModelConfig, tp: int) -> Any:
         if kind is None:
             return leaf
         axis, order = layout_orders(cfg, kind, head_shards(_mixer_config(cfg, kind), tp)).get(name, (0, None))
-        return leaf if order is None else leaf[(slice(None),) * axis + (order,)]
+        return leaf if order is None else leaf[(slice(None),) * (axis + is_stacked(path)) + (order,)]
 
     return jax.tree_util.tree_map_with_path(permute, params)
 
@@ -179,7 +180,7 @@ def param_shardings(params: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
         if kind is not None:
             axis = _HEAD_AXES[kind].get(name)
             heads = head_axis(_mixer_config(cfg, kind), tp)
-            return NamedSharding(mesh, P() if axis is None else P(*[None] * axis, heads))
+            return NamedSharding(mesh, P() if axis is None else P(*[None] * (axis + is_stacked(path)), heads))
         name = jax.tree_util.keystr(path)
         if _COLUMN.search(name):
             return _split(mesh, leaf.shape, leaf.ndim - 1)
@@ -194,13 +195,16 @@ def state_shardings(state: DeviceState, cfg: ModelConfig, mesh: Mesh) -> DeviceS
     tp = mesh.shape[AXIS]
     named = lambda specs: jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
 
-    def pool(layer, kinds):
+    def pool(layer, kinds, stacked=True):
         if isinstance(layer, KVPool):
-            return named(kv_pool_specs(head_axis(cfg.attention, tp)))
-        if isinstance(layer, RecurrentPool):
+            specs = kv_pool_specs(head_axis(cfg.attention, tp))
+        elif isinstance(layer, RecurrentPool):
             kind = next(k for k in kinds if k in (GDN, MAMBA2))
-            return named(recurrent_pool_specs(layer, head_axis(_mixer_config(cfg, kind), tp)))
-        return None
+            specs = recurrent_pool_specs(layer, head_axis(_mixer_config(cfg, kind), tp))
+        else:
+            return None
+        return named(jax.tree.map(lambda spec: P(None, *spec), specs) if stacked else specs)
 
-    return DeviceState(tuple(pool(layer, kinds) for layer, kinds in zip(state.layers, cfg.layers, strict=True)),
-                       tuple(pool(p, ()) for p in state.mtp), NamedSharding(mesh, P()))
+    layers = tuple(tuple(pool(layer, kinds) for layer, kinds in zip(pools, segment.period, strict=True))
+                   for pools, segment in zip(state.layers, layer_segments(cfg.layers), strict=True))
+    return DeviceState(layers, tuple(pool(p, (), stacked=False) for p in state.mtp), NamedSharding(mesh, P()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ from jaxhybrid.models.config import GDNConfig, ModelConfig
 from jaxhybrid.models.generation_config import read_generation_config
 from jaxhybrid.models.hf_config import eos_token_ids, load_config, parse_hf_config
 from jaxhybrid.models.model import Model, abstract_params
+from jaxhybrid.models.stack import is_stacked, layer_location, layer_segments, segment_key
 
 Path_ = tuple[str, ...]
 # A converted tensor, or one part of a tensor assembled from several checkpoint tensors.
@@ -200,12 +202,32 @@ def _flatten(tree: Any) -> dict[Path_, Any]:
 
 def convert_checkpoint(tensors: Callable[[], Iterator[tuple[str, np.ndarray]]], cfg: ModelConfig,
                        dtype: jnp.dtype) -> dict:
-    """Stream checkpoint tensors into a params tree of device arrays; each tensor is converted once."""
-    expected = _flatten(abstract_params(cfg))
+    """Stream checkpoint tensors into a params tree of device arrays; each tensor is converted once, and a
+    layer's tensor is written into its repeat of the segment's stacked param, in place."""
+    expected = _per_layer_shapes(cfg)
     params: dict = {}
-    pending: dict[Path_, dict[Any, np.ndarray]] = {}
     loaded: set[Path_] = set()
     wrong_shapes = []
+    for name, path, array in _converted(tensors, cfg):
+        if path not in expected:
+            raise CheckpointError(f"tensor {name!r} maps to unknown parameter {'/'.join(path)}")
+        if tuple(array.shape) != expected[path]:
+            wrong_shapes.append(f"{name} -> {'/'.join(path)}: {tuple(array.shape)} != {expected[path]}")
+            continue
+        _place(params, path, jnp.asarray(array, dtype), cfg)
+        loaded.add(path)
+    if wrong_shapes:
+        raise CheckpointError("tensors with wrong shapes:\n  " + "\n  ".join(wrong_shapes))
+    missing = sorted("/".join(p) for p in set(expected) - loaded)
+    if missing:
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensors: {missing[:20]}")
+    return params
+
+
+def _converted(tensors: Callable[[], Iterator[tuple[str, np.ndarray]]],
+               cfg: ModelConfig) -> Iterator[tuple[str, Path_, np.ndarray]]:
+    """(checkpoint name, param path in the per-layer layout, array) of each param, multi-part ones once whole."""
+    pending: dict[Path_, dict[Any, np.ndarray]] = {}
     for name, tensor in tensors():
         for path, part, array in translate(name, tensor, cfg):
             if part is not None:
@@ -214,19 +236,42 @@ def convert_checkpoint(tensors: Callable[[], Iterator[tuple[str, np.ndarray]]], 
                 if array is None:
                     continue
                 del pending[path]
-            if path not in expected:
-                raise CheckpointError(f"tensor {name!r} maps to unknown parameter {'/'.join(path)}")
-            if tuple(array.shape) != expected[path].shape:
-                wrong_shapes.append(f"{name} -> {'/'.join(path)}: {tuple(array.shape)} != {expected[path].shape}")
-                continue
-            _set(params, path, jnp.asarray(array, dtype))
-            loaded.add(path)
-    if wrong_shapes:
-        raise CheckpointError("tensors with wrong shapes:\n  " + "\n  ".join(wrong_shapes))
-    missing = sorted("/".join(p) for p in set(expected) - loaded)
-    if missing:
-        raise CheckpointError(f"checkpoint is missing {len(missing)} tensors: {missing[:20]}")
-    return params
+            yield name, path, array
+
+
+def _per_layer_shapes(cfg: ModelConfig) -> dict[Path_, tuple[int, ...]]:
+    """Every param's path and shape in the checkpoint's per-layer layout (`layers_{i}/...`)."""
+    shapes = {}
+    for path, leaf in _flatten(abstract_params(cfg)).items():
+        if not is_stacked(path):
+            shapes[path] = leaf.shape
+            continue
+        k, j = int(path[0].removeprefix("segment_")), int(path[1].removeprefix("layers_"))
+        segment = layer_segments(cfg.layers)[k]
+        for r in range(segment.repeats):
+            shapes[(f"layers_{segment.first + r * len(segment.period) + j}", *path[2:])] = leaf.shape[1:]
+    return shapes
+
+
+def _place(params: dict, path: Path_, value: jax.Array, cfg: ModelConfig) -> None:
+    """params[path] = value, a layer's param going into its repeat of the stacked one."""
+    if not path[0].startswith("layers_"):
+        _set(params, path, value)
+        return
+    segments = layer_segments(cfg.layers)
+    k, j, r = layer_location(int(path[0].removeprefix("layers_")), segments)
+    stacked_path = (segment_key(k), f"layers_{j}", *path[1:])
+    tree = params
+    for key in stacked_path[:-1]:
+        tree = tree.setdefault(key, {})
+    if stacked_path[-1] not in tree:
+        tree[stacked_path[-1]] = jnp.zeros((segments[k].repeats, *value.shape), value.dtype)
+    tree[stacked_path[-1]] = _set_repeat(tree[stacked_path[-1]], value, r)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_repeat(stacked: jax.Array, value: jax.Array, repeat: int) -> jax.Array:
+    return stacked.at[repeat].set(value)
 
 
 def resolve_model(model: str | Path | None, revision: str | None = None, download_dir: str | Path | None = None

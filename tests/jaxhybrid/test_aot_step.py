@@ -77,9 +77,10 @@ def test_the_buckets_lowered_are_the_executables_precompile_compiles():
 def test_expert_stacks_split_on_their_intermediate_axis():
     cfg = tiny("tiny_qwen3_next")  # 4 experts [E, D, I] and [E, I, D], I = 32
     params = abstract_params(cfg, jnp.bfloat16)
-    moe = param_shardings(params, cfg, AbstractMesh((2,), (AXIS,)))["layers_0"]["moe"]
+    moe = param_shardings(params, cfg, AbstractMesh((2,), (AXIS,)))["segment_0"]["layers_0"]["moe"]
+    # stacked on the segment's repeats axis first
     assert [moe[name].spec for name in ("gate_proj", "up_proj", "down_proj")] == [
-        P(None, None, AXIS), P(None, None, AXIS), P(None, AXIS, None)]
+        P(None, None, None, AXIS), P(None, None, None, AXIS), P(None, None, AXIS, None)]
 
 
 def test_tensor_parallel_pools_are_sized_by_one_devices_share():

@@ -8,7 +8,7 @@ import pytest
 
 from jaxhybrid import LLM, SamplingParams
 from jaxhybrid.engine.tokenizer import CHECKPOINT_MARKER
-from jaxhybrid.models.pools import RecurrentPool, has_snapshots
+from jaxhybrid.models.pools import RecurrentPool, has_snapshots, layer_pools
 from scheduler import CheckpointMarkerError
 from tests.hf_fixtures import HF_FIXTURES
 from tests.jaxhybrid.engine_helpers import ANCHOR, CANDIDATES, greedy_continuation
@@ -47,7 +47,7 @@ def test_the_snapshot_baseline_generates_what_replayssm_generates(llm):
     snapshots = LLM(replayssm_window=0, speculative_config={"method": "mtp", "num_speculative_tokens": 3},
                     num_blocks=256, num_state_slots=48, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
                     mamba_block_size=16, token_buckets=(64,), row_buckets=(8,))
-    pool = next(layer for layer in snapshots.engine.runner.state.layers if isinstance(layer, RecurrentPool))
+    pool = next(pool for pool in layer_pools(snapshots.engine.runner.state) if isinstance(pool, RecurrentPool))
     assert has_snapshots(pool.rings) and pool.rings[0].shape[2] == 1 + 3  # one whole state per verify position
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [ANCHOR + CHECKPOINT_MARKER + c for c in CANDIDATES[:2]] + [ANCHOR + c for c in CANDIDATES[2:]]

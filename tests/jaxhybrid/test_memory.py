@@ -9,7 +9,7 @@ import pytest
 
 from jaxhybrid.engine.requests import Prompt
 from jaxhybrid.engine_args import CLI_DEFAULTS, EngineArgs
-from jaxhybrid.models.pools import RecurrentPool, init_device_state
+from jaxhybrid.models.pools import RecurrentPool, init_device_state, layer_pools
 from jaxhybrid.sample.params import SamplingParams
 from jaxhybrid.worker.buckets import memory_maps, plan_shapes
 from jaxhybrid.worker.memory import size_pools, slot_bytes
@@ -24,7 +24,7 @@ def _page_nbytes(cfg, ring_size: int, k: int, history_len: int) -> int:
     """One slot of every slot pool the engine allocates (activations in a 2-byte dtype)."""
     state = init_device_state(cfg, num_blocks=2, block_size=16, num_slots=1, ring_entries=ring_rows(ring_size, k),
                               history_len=history_len, dtype=jnp.float16, snapshots=ring_size == 0)
-    pools = [pool for pool in state.layers if isinstance(pool, RecurrentPool)] + [state.token_history]
+    pools = [pool for pool in layer_pools(state) if isinstance(pool, RecurrentPool)] + [state.token_history]
     return sum(leaf.nbytes for leaf in jax.tree.leaves(pools))
 
 

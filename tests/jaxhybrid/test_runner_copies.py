@@ -9,6 +9,7 @@ import re
 import pytest
 
 from jaxhybrid.models.plan_transfer import pack_plan
+from jaxhybrid.models.stack import layer_segments
 from jaxhybrid.sample.sampler import batch_constraints
 from jaxhybrid.worker.buckets import padding_plan
 from tests.hf_fixtures import fixture_model
@@ -17,7 +18,8 @@ from tests.jaxhybrid.engine_helpers import engine_for
 SLOTS, BLOCKS = 96, 200  # sizes no other array of the step has
 
 
-@pytest.mark.parametrize("family, k, rows", [("qwen3_next", 3, 2), ("qwen3_next", 0, 8), ("nemotron_h", 0, 2)])
+@pytest.mark.parametrize("family, k, rows", [("qwen3_next", 3, 2), ("qwen3_next", 0, 8), ("nemotron_h", 0, 2),
+                                             ("qwen3_5", 3, 2)])  # qwen3_5: a scanned segment of 3 GDN layers
 def test_the_step_copies_no_pool(family, k, rows):
     engine = engine_for(fixture_model(family), k=k, ring_size=4, budget=16, max_num_seqs=rows,
                         num_state_slots=SLOTS, num_blocks=BLOCKS)
@@ -27,6 +29,10 @@ def test_the_step_copies_no_pool(family, k, rows):
     constraints = batch_constraints([], plan.row_kind.shape[0])
     hlo = runner._step.lower(runner.param_leaves, runner.state, runner.carried, layout, buffer,
                              constraints).compile().as_text()
+    # a pool is [pages, ...] (the MTP layer's, the token history), [repeats, pages, ...] (a segment's stack) or
+    # [repeats * pages, ...] (a stack seen flat inside the scan)
+    repeats = {segment.repeats for segment in layer_segments(runner.model.config.layers)}
+    pages = "|".join(str(r * n) for r in repeats | {1} for n in (SLOTS, BLOCKS))
     copies = [line.strip()[:160] for line in hlo.splitlines()
-              if re.search(rf"= \w+\[({SLOTS}|{BLOCKS}),[^=]*\bcopy\(", line)]
+              if re.search(rf"= \w+\[(\d+,)?({pages}),[^=]*\bcopy\(", line)]
     assert not copies, copies

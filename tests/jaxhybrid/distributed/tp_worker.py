@@ -15,7 +15,8 @@ from jaxhybrid import LLM, SamplingParams
 from jaxhybrid.models.export import export_hf_checkpoint
 from jaxhybrid.models.hf_config import parse_hf_config
 from jaxhybrid.models.model import init_params
-from jaxhybrid.models.pools import KVPool, RecurrentPool
+from jaxhybrid.models.pools import KVPool, RecurrentPool, layer_pools
+from jaxhybrid.models.stack import layer_location, layer_segments, segment_key
 from jaxhybrid.models.weights import DEFAULT_MODEL_DIR
 from pallas_kernels.conv1d import conv1d_prefill
 
@@ -48,19 +49,26 @@ def make_llm(tp: int, model: str = "qwen3_next", backend: str | None = None) -> 
 
 
 def shardings(llm: LLM) -> dict:
-    """The specs of the first recurrent and attention layers' pools and params, and of an MLP kernel."""
+    """The specs of the first recurrent and attention layers' pools and params, and of an MLP kernel, each as
+    one layer's (without the leading axis of a segment's stacked repeats)."""
     runner, cfg = llm.engine.runner, llm.model.config
-    first = lambda kind: runner.params[f"layers_{next(i for i, kinds in enumerate(cfg.layers) if kind in kinds)}"][kind]
+
+    def first(kind: str) -> dict:
+        k, j, _ = layer_location(next(i for i, kinds in enumerate(cfg.layers) if kind in kinds),
+                                 layer_segments(cfg.layers))
+        return runner.params[segment_key(k)][f"layers_{j}"][kind]
+
+    layer = lambda array: None if spec(array) is None else spec(array)[1:]
     mixer, attention = first("gdn" if cfg.gdn else "mamba2"), first("attention")
-    pool = next(p for p in runner.state.layers if isinstance(p, RecurrentPool))
-    kv = next(p for p in runner.state.layers if isinstance(p, KVPool))
+    pool = next(p for p in layer_pools(runner.state) if isinstance(p, RecurrentPool))
+    kv = next(p for p in layer_pools(runner.state) if isinstance(p, KVPool))
     in_proj = mixer["in_proj_qkvz" if cfg.gdn else "in_proj"]["kernel"]
     return {
-        "state": spec(pool.state), "window": spec(pool.window), "conv_ring": spec(pool.conv_ring),
-        "rings": [spec(r) for r in pool.rings], "kv": spec(kv.k), "mtp_kv": [spec(p.k) for p in runner.state.mtp],
-        "in_proj": spec(in_proj), "conv1d": spec(mixer["conv1d"]), "out_proj": spec(mixer["out_proj"]["kernel"]),
-        "q_proj": spec(attention["q_proj"]["kernel"]), "o_proj": spec(attention["o_proj"]["kernel"]),
-        "mlp": spec(first("mlp")["up_proj"]["kernel"]),
+        "state": layer(pool.state), "window": layer(pool.window), "conv_ring": layer(pool.conv_ring),
+        "rings": [layer(r) for r in pool.rings], "kv": layer(kv.k), "mtp_kv": [spec(p.k) for p in runner.state.mtp],
+        "in_proj": layer(in_proj), "conv1d": layer(mixer["conv1d"]), "out_proj": layer(mixer["out_proj"]["kernel"]),
+        "q_proj": layer(attention["q_proj"]["kernel"]), "o_proj": layer(attention["o_proj"]["kernel"]),
+        "mlp": layer(first("mlp")["up_proj"]["kernel"]),
     }
 
 
@@ -78,7 +86,7 @@ def generate(llm: LLM) -> dict:
     first = llm.generate(PROMPTS, SamplingParams(**greedy, prompt_logprobs=1), use_tqdm=False)
     outputs = first + llm.generate(REUSING_PROMPTS, SamplingParams(**greedy), use_tqdm=False)
     stats = llm.engine.stats
-    state = next(p for p in llm.engine.runner.state.layers if isinstance(p, RecurrentPool)).state
+    state = next(p for p in layer_pools(llm.engine.runner.state) if isinstance(p, RecurrentPool)).state
     return {
         "tokens": [o.outputs[0].token_ids for o in outputs],
         "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)]

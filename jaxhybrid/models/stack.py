@@ -1,0 +1,93 @@
+"""The layer stack as segments of a repeating period, so that a step's program holds each period once.
+
+A model's layers are cut into segments; a segment is a period of layers (each a tuple of sublayer kinds)
+run `repeats` times in a row, and compiles as a scan over its repeats. Qwen3-Next-80B is one segment,
+12 x (3 GDN + 1 attention); Nemotron-H-8B's pattern is 7 layers, 4 x an 11-layer period, then 1 layer.
+The cut repeats the period that covers the most layers (the shortest such period on a tie), then cuts the
+layers before and after it the same way; a run with no repeat is one segment of one repeat.
+
+Params and pools are stored per segment and period position, stacked on a leading `repeats` axis: layer
+`first + r * len(period) + j` is entry r of `segment_{k}/layers_{j}`. The checkpoint's per-layer names map
+here through `layer_location`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import numpy as np
+
+Layers = tuple[tuple[str, ...], ...]
+
+
+class Segment(NamedTuple):
+    first: int      # index of the segment's first layer in the model
+    period: Layers  # the kinds of each layer of one period
+    repeats: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.period) * self.repeats
+
+
+@functools.cache
+def layer_segments(layers: Layers, first: int = 0) -> tuple[Segment, ...]:
+    """`layers` as segments, in order (see the module docstring for the cut)."""
+    if not layers:
+        return ()
+    best = _longest_repeat(layers)
+    if best is None:
+        return (Segment(first, layers, 1),)
+    start, period, repeats = best
+    end = start + period * repeats
+    return (*layer_segments(layers[:start], first), Segment(first + start, layers[start:start + period], repeats),
+            *layer_segments(layers[end:], first + end))
+
+
+def _longest_repeat(layers: Layers) -> tuple[int, int, int] | None:
+    """(start, period, repeats) of the run of at least two equal periods covering the most layers."""
+    best, covered = None, 0
+    for period in range(1, len(layers) // 2 + 1):
+        for start in range(len(layers) - 2 * period + 1):
+            repeats = 1
+            while layers[start + repeats * period:start + (repeats + 1) * period] == layers[start:start + period]:
+                repeats += 1
+            if repeats >= 2 and repeats * period > covered:
+                best, covered = (start, period, repeats), repeats * period
+    return best
+
+
+def layer_location(layer: int, segments: tuple[Segment, ...]) -> tuple[int, int, int]:
+    """(segment k, period position j, repeat r) of model layer `layer`."""
+    for k, segment in enumerate(segments):
+        offset = layer - segment.first
+        if 0 <= offset < segment.num_layers:
+            return k, offset % len(segment.period), offset // len(segment.period)
+    raise IndexError(f"layer {layer} is past the model's {sum(s.num_layers for s in segments)} layers")
+
+
+def segment_key(k: int) -> str:
+    return f"segment_{k}"
+
+
+def is_stacked(path: tuple[Any, ...]) -> bool:
+    """Whether a params path lies in a segment, whose leaves carry the leading `repeats` axis."""
+    return bool(path) and str(getattr(path[0], "key", path[0])).startswith("segment_")
+
+
+def per_layer(params: dict, segments: tuple[Segment, ...]) -> dict:
+    """The params with each segment's stacked leaves split back into `layers_{i}` entries (host arrays), the
+    checkpoint's own layout."""
+    out = {key: value for key, value in params.items() if not key.startswith("segment_")}
+    for k, segment in enumerate(segments):
+        for j in range(len(segment.period)):
+            stacked = params[segment_key(k)][f"layers_{j}"]
+            for r in range(segment.repeats):
+                layer = segment.first + r * len(segment.period) + j
+                out[f"layers_{layer}"] = _tree_map(lambda w, r=r: np.asarray(w[r]), stacked)
+    return out
+
+
+def _tree_map(fn, tree: Any) -> Any:
+    return {key: _tree_map(fn, value) for key, value in tree.items()} if isinstance(tree, dict) else fn(tree)
