@@ -101,10 +101,10 @@ def memory(compiled: jax.stages.Compiled) -> dict:
 
 def build_runner(setup: Setup, target: str, args: argparse.Namespace,
                  resize: Callable[[SchedulerConfig], SchedulerConfig] | None = None, cfg: ModelConfig | None = None,
-                 ) -> tuple[Runner, jax.sharding.Mesh, str]:
+                 scan_layers: bool = True) -> tuple[Runner, jax.sharding.Mesh, str]:
     """The engine's runner for `setup` on `target` over abstract params, and how its pools were sized.
-    `benchmarks/estimate.py` passes `resize` (replaces the sized config: pools of the fewest pages) and `cfg` (the
-    model, in place of the preset's)."""
+    `benchmarks/estimate.py` passes `resize` (replaces the sized config: pools of the fewest pages), `cfg` (the
+    model, in place of the preset's) and `scan_layers=False` (XLA's cost analysis counts a loop's body once)."""
     cfg, dtype = cfg or load_config(PRESETS / f"{setup.preset}.yaml"), jnp.dtype(args.dtype)
     topology = aot.topology_mesh(target, setup.tp, AXIS)
     params = abstract_params(cfg, dtype)
@@ -117,7 +117,8 @@ def build_runner(setup: Setup, target: str, args: argparse.Namespace,
     engine_args = EngineArgs(tensor_parallel_size=setup.tp, speculative_config=mtp, max_num_seqs=args.max_num_seqs,
                              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                              replayssm_window=setup.window, backend="pallas")
-    model = Model(cfg, params, ops=ModelOps(backend="pallas"), block_size=engine_args.block_size)
+    ops = ModelOps(backend="pallas", scan_layers=scan_layers)
+    model = Model(cfg, params, ops=ops, block_size=engine_args.block_size)
 
     def temporaries(config: SchedulerConfig) -> int:  # as LLM measures them on a GPU
         with aot.lowering_for(target, topology):
@@ -159,6 +160,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--buckets", default="all", choices=tuple(BUCKETS),
                         help="all the engine compiles, its smallest and largest (the memory peak), or one of them")
+    parser.add_argument("--unrolled", action="store_true",
+                        help="every repeat of a layer segment its own copy in the program, not one scan over them")
     parser.add_argument("--json", type=Path, help="also write every result here")
     args = parser.parse_args()
     limit, results, lines = device_limit(args.target, args), [], []
@@ -168,7 +171,7 @@ def main() -> None:
                 for window in args.window:
                     setup = Setup(preset, tp, k, window)
                     try:
-                        runner, topology, pools = build_runner(setup, args.target, args)
+                        runner, topology, pools = build_runner(setup, args.target, args, scan_layers=not args.unrolled)
                     except ValueError as error:  # pools that cannot hold one request: a plan that does not fit
                         lines.append(f"{setup!s:<44} NO PLAN: {error}")
                         print(lines[-1], flush=True)

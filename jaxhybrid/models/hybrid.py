@@ -48,6 +48,7 @@ class Period(nn.Module):
 
     cfg: ModelConfig
     period: Layers
+    repeats: int
     ops: ModelOps = DEFAULT_OPS
 
     @nn.compact
@@ -56,7 +57,7 @@ class Period(nn.Module):
         x, pools = carry
         updated = []
         for j, (kinds, pool) in enumerate(zip(self.period, pools, strict=True)):
-            layer_plan, pages, restack = repeat_view(plan, pool, repeat)
+            layer_plan, pages, restack = repeat_view(plan, pool, repeat, self.repeats)
             x, pages = DecoderLayer(self.cfg, kinds, self.ops, name=f"layers_{j}")(x, layer_plan, pages)
             updated.append(restack(pages))
         return (x, tuple(updated)), None
@@ -67,7 +68,7 @@ def _segment(cfg: ModelConfig, segment: Segment, ops: ModelOps, name: str) -> nn
     of the period per repeat) where `ops.scan_layers` is off."""
     scan = nn.scan(Period, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=(0, nn.broadcast),
                    length=segment.repeats, unroll=1 if ops.scan_layers else segment.repeats)
-    return scan(cfg, segment.period, ops, name=name)
+    return scan(cfg, segment.period, segment.repeats, ops, name=name)
 
 
 class MTPHead(nn.Module):

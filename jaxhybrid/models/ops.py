@@ -36,6 +36,14 @@ class ModelOps:
         on a host without one, `benchmarks/aot_step.py`), else the default backend's."""
         return "gpu" if resolve_backend(self.backend) == "pallas" else jax.default_backend()
 
+    def compiler_options(self) -> dict[str, bool]:
+        """XLA options for the step. On the GPU a scanned layer's weights are one entry of a stacked array:
+        cuBLAS GEMMs read that entry in place (dynamic-slice fusion), where Triton GEMM fusions would first copy
+        it out, every layer of every step."""
+        if self.platform() != "gpu" or not self.scan_layers:
+            return {}
+        return {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}
+
     def local_heads(self, mixer: MixerConfig) -> tuple[MixerConfig, str | None]:
         """The mixer's config on one device's heads, and the mesh axis its head axes split over (None: not
         split, without a mesh or where tp does not divide its heads)."""

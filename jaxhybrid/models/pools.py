@@ -6,10 +6,12 @@ mixer's inputs and of the pre-conv inputs after S0. Slot 0 and block 0 are null:
 written by a real row. The runner donates the whole pytree to every step.
 
 Pools follow the layer stack's segments (`stack.py`): per segment, one pool per period position, stacked
-on a leading `repeats` axis, `[repeats, S, ...]`. Inside the step a layer sees its repeat's pages through
-`repeat_view`: the stack as one flat pool `[repeats * S, ...]` (a free reshape, so the kernels still update
-it in place) and a plan whose slot or block indices point at its repeat's pages. Null indices stay 0, the
-first repeat's null page, which the kernels never write; the other repeats' null pages go unused.
+on a leading `repeats` axis, `[repeats, S, ...]`, where the segment repeats. (A segment of one repeat keeps
+its pools unstacked: XLA:CPU copies a donated pool whose leading axis of one sits beside other axes of one.)
+Inside the step a layer sees its repeat's pages through `repeat_view`: the stack as one flat pool
+`[repeats * S, ...]` (a free reshape, so the kernels still update it in place) and a plan whose slot or block
+indices point at its repeat's pages. Null indices stay 0, the first repeat's null page, which the kernels
+never write; the other repeats' null pages go unused.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ LayerPool = RecurrentPool | KVPool | None
 
 
 class DeviceState(NamedTuple):
-    # per segment of the layer stack, per period position: its stacked slot pool, KV pool, or None
+    # per segment of the layer stack, per period position: its slot pool, KV pool, or None (stacked on a leading
+    # repeats axis where the segment repeats)
     layers: tuple[tuple[LayerPool, ...], ...]
     mtp: tuple[KVPool, ...]        # one KV pool per MTP layer
     token_history: jax.Array       # [S, H] i32 the token at each position of each slot's sequence (penalties)
@@ -56,16 +59,15 @@ def layer_pools(state: DeviceState) -> list[LayerPool]:
     return [pool for segment in state.layers for pool in segment]
 
 
-def repeat_view(plan: DevicePlan, pool: LayerPool, repeat: jax.Array) -> tuple[DevicePlan, LayerPool, Callable]:
+def repeat_view(plan: DevicePlan, pool: LayerPool, repeat: jax.Array,
+                repeats: int) -> tuple[DevicePlan, LayerPool, Callable]:
     """(the plan with its indices on repeat `repeat`'s pages, the stacked pool as one flat pool, a function
-    that stacks a flat pool back)."""
-    if pool is None:
-        return plan, None, lambda pages: None
-    repeats, per_repeat = jax.tree.leaves(pool)[0].shape[:2]
+    that stacks a flat pool back). A segment of one repeat keeps its pools unstacked: the pool itself."""
+    if pool is None or repeats == 1:
+        return plan, pool, lambda pages: pages
+    per_repeat = jax.tree.leaves(pool)[0].shape[1]
     flat = jax.tree.map(lambda a: a.reshape(repeats * per_repeat, *a.shape[2:]), pool)
     restack = lambda pages: jax.tree.map(lambda a: a.reshape(repeats, per_repeat, *a.shape[1:]), pages)
-    if repeats == 1:
-        return plan, flat, restack
     offset = repeat * per_repeat
     if isinstance(pool, KVPool):
         return plan.on_blocks(offset, block_size=pool.k.shape[2]), flat, restack
@@ -140,6 +142,8 @@ def init_device_state(cfg: ModelConfig, *, num_blocks: int, block_size: int, num
         return _recurrent_pool(cfg, stateful[0], num_slots, ring_entries, dtype, snapshots)
 
     def stacked(kinds: tuple[str, ...], repeats: int) -> LayerPool:
+        if repeats == 1:
+            return pool(kinds)
         return jax.tree.map(lambda a: jnp.zeros((repeats, *a.shape), a.dtype), jax.eval_shape(lambda: pool(kinds)))
 
     layers = tuple(tuple(stacked(kinds, segment.repeats) for kinds in segment.period)

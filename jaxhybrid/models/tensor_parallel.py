@@ -205,6 +205,7 @@ def state_shardings(state: DeviceState, cfg: ModelConfig, mesh: Mesh) -> DeviceS
             return None
         return named(jax.tree.map(lambda spec: P(None, *spec), specs) if stacked else specs)
 
-    layers = tuple(tuple(pool(layer, kinds) for layer, kinds in zip(pools, segment.period, strict=True))
+    layers = tuple(tuple(pool(layer, kinds, segment.repeats > 1) for layer, kinds in zip(pools, segment.period,
+                                                                                           strict=True))
                    for pools, segment in zip(state.layers, layer_segments(cfg.layers), strict=True))
     return DeviceState(layers, tuple(pool(p, (), stacked=False) for p in state.mtp), NamedSharding(mesh, P()))

@@ -69,7 +69,8 @@ class Runner:
         self._fresh_pools()
         self._no_constraints: dict[int, jax.Array] = {}  # rows -> all padding, on the device once
         step = functools.partial(run_step, self.module, self._param_tree, config, self.num_logprobs)
-        self._step = jax.jit(step, static_argnums=3, donate_argnums=(1, 2), **shardings)
+        self._step = jax.jit(step, static_argnums=3, donate_argnums=(1, 2),
+                             compiler_options=self.module.ops.compiler_options(), **shardings)
 
     def _sharded_params(self, params: Any) -> Any:
         """The params in the head-aligned layout, placed by `param_shardings` (abstract ones only annotated:

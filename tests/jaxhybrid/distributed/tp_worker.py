@@ -7,6 +7,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ from jaxhybrid import LLM, SamplingParams
 from jaxhybrid.models.export import export_hf_checkpoint
 from jaxhybrid.models.hf_config import parse_hf_config
 from jaxhybrid.models.model import init_params
-from jaxhybrid.models.pools import KVPool, RecurrentPool, layer_pools
+from jaxhybrid.models.pools import RecurrentPool, layer_pools
 from jaxhybrid.models.stack import layer_location, layer_segments, segment_key
 from jaxhybrid.models.weights import DEFAULT_MODEL_DIR
 from pallas_kernels.conv1d import conv1d_prefill
@@ -50,25 +51,29 @@ def make_llm(tp: int, model: str = "qwen3_next", backend: str | None = None) -> 
 
 def shardings(llm: LLM) -> dict:
     """The specs of the first recurrent and attention layers' pools and params, and of an MLP kernel, each as
-    one layer's (without the leading axis of a segment's stacked repeats)."""
+    one layer's (without the leading repeats axis of a segment's stacked params, and of its pools where the
+    segment repeats)."""
     runner, cfg = llm.engine.runner, llm.model.config
+    segments = layer_segments(cfg.layers)
 
-    def first(kind: str) -> dict:
-        k, j, _ = layer_location(next(i for i, kinds in enumerate(cfg.layers) if kind in kinds),
-                                 layer_segments(cfg.layers))
-        return runner.params[segment_key(k)][f"layers_{j}"][kind]
+    def first(kind: str) -> tuple[dict, Any]:  # (the layer's params, its pool) as one layer's
+        k, j, _ = layer_location(next(i for i, kinds in enumerate(cfg.layers) if kind in kinds), segments)
+        params = jax.tree.map(lambda w: w.sharding.spec[1:] if hasattr(w.sharding, "spec") else None,
+                              runner.params[segment_key(k)][f"layers_{j}"][kind])
+        unstack = (lambda s: s[1:]) if segments[k].repeats > 1 else (lambda s: s)
+        pool = jax.tree.map(lambda a: unstack(list(a.sharding.spec)) if hasattr(a.sharding, "spec") else None,
+                            runner.state.layers[k][j])
+        return params, pool
 
-    layer = lambda array: None if spec(array) is None else spec(array)[1:]
-    mixer, attention = first("gdn" if cfg.gdn else "mamba2"), first("attention")
-    pool = next(p for p in layer_pools(runner.state) if isinstance(p, RecurrentPool))
-    kv = next(p for p in layer_pools(runner.state) if isinstance(p, KVPool))
-    in_proj = mixer["in_proj_qkvz" if cfg.gdn else "in_proj"]["kernel"]
+    (mixer, pool), (attention, kv) = first("gdn" if cfg.gdn else "mamba2"), first("attention")
+    listed = lambda s: None if s is None else list(s)
     return {
-        "state": layer(pool.state), "window": layer(pool.window), "conv_ring": layer(pool.conv_ring),
-        "rings": [layer(r) for r in pool.rings], "kv": layer(kv.k), "mtp_kv": [spec(p.k) for p in runner.state.mtp],
-        "in_proj": layer(in_proj), "conv1d": layer(mixer["conv1d"]), "out_proj": layer(mixer["out_proj"]["kernel"]),
-        "q_proj": layer(attention["q_proj"]["kernel"]), "o_proj": layer(attention["o_proj"]["kernel"]),
-        "mlp": layer(first("mlp")["up_proj"]["kernel"]),
+        "state": pool.state, "window": pool.window, "conv_ring": pool.conv_ring, "rings": list(pool.rings),
+        "kv": kv.k, "mtp_kv": [spec(p.k) for p in runner.state.mtp],
+        "in_proj": listed(mixer["in_proj_qkvz" if cfg.gdn else "in_proj"]["kernel"]),
+        "conv1d": listed(mixer["conv1d"]), "out_proj": listed(mixer["out_proj"]["kernel"]),
+        "q_proj": listed(attention["q_proj"]["kernel"]), "o_proj": listed(attention["o_proj"]["kernel"]),
+        "mlp": listed(first("mlp")[0]["up_proj"]["kernel"]),
     }
 
 
