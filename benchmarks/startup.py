@@ -6,7 +6,7 @@ Each side is a checkout run as `python -m jaxhybrid.serve` on the embedded defau
 `--baseline PATH` adds another checkout (e.g. a `git worktree` of the commit before a change), measured in the
 same run, A then B, cold then warm each:
 
-    python benchmarks/startup.py --baseline /tmp/before
+    python -m benchmarks.startup --baseline /tmp/before
 """
 
 from __future__ import annotations
