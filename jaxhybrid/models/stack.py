@@ -2,13 +2,13 @@
 
 A model's layers are cut into segments; a segment is a period of layers (each a tuple of sublayer kinds)
 run `repeats` times in a row, and compiles as a scan over its repeats. Qwen3-Next-80B is one segment,
-12 x (3 GDN + 1 attention); Nemotron-H-8B's pattern is 7 layers, 4 x an 11-layer period, then 1 layer.
+12 x (3 GDN + 1 attention); Nemotron-H-8B is 4 x an 11-layer period, then 4 x (Mamba2, MLP).
 The cut repeats the period that covers the most layers (the shortest such period on a tie), then cuts the
 layers before and after it the same way; a run with no repeat is one segment of one repeat.
 
-Params and pools are stored per segment and period position, stacked on a leading `repeats` axis: layer
-`first + r * len(period) + j` is entry r of `segment_{k}/layers_{j}`. The checkpoint's per-layer names map
-here through `layer_location`.
+Params are stored per segment and period position, stacked on a leading `repeats` axis: model layer
+`Segment.layer(j, r)` is entry r of `segment_{k}/layers_{j}` (`layer_location` is the inverse). The pools of
+a segment that repeats are stacked the same way (`pools.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 Layers = tuple[tuple[str, ...], ...]
@@ -29,6 +30,10 @@ class Segment(NamedTuple):
     @property
     def num_layers(self) -> int:
         return len(self.period) * self.repeats
+
+    def layer(self, position: int, repeat: int) -> int:
+        """The model layer at period position `position` of repeat `repeat`."""
+        return self.first + repeat * len(self.period) + position
 
 
 @functools.cache
@@ -84,10 +89,5 @@ def per_layer(params: dict, segments: tuple[Segment, ...]) -> dict:
         for j in range(len(segment.period)):
             stacked = params[segment_key(k)][f"layers_{j}"]
             for r in range(segment.repeats):
-                layer = segment.first + r * len(segment.period) + j
-                out[f"layers_{layer}"] = _tree_map(lambda w, r=r: np.asarray(w[r]), stacked)
+                out[f"layers_{segment.layer(j, r)}"] = jax.tree.map(lambda w, r=r: np.asarray(w[r]), stacked)
     return out
-
-
-def _tree_map(fn, tree: Any) -> Any:
-    return {key: _tree_map(fn, value) for key, value in tree.items()} if isinstance(tree, dict) else fn(tree)

@@ -189,10 +189,15 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, np.ndarray]]:
                 yield name, f.get_tensor(name)
 
 
-def _set(tree: dict, path: Path_, value: Any) -> None:
+def _parent(tree: dict, path: Path_) -> dict:
+    """The dict that holds `path`'s last key, created on the way."""
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
+    return tree
+
+
+def _set(tree: dict, path: Path_, value: Any) -> None:
+    _parent(tree, path)[path[-1]] = value
 
 
 def _flatten(tree: Any) -> dict[Path_, Any]:
@@ -249,7 +254,7 @@ def _per_layer_shapes(cfg: ModelConfig) -> dict[Path_, tuple[int, ...]]:
         k, j = int(path[0].removeprefix("segment_")), int(path[1].removeprefix("layers_"))
         segment = layer_segments(cfg.layers)[k]
         for r in range(segment.repeats):
-            shapes[(f"layers_{segment.first + r * len(segment.period) + j}", *path[2:])] = leaf.shape[1:]
+            shapes[(f"layers_{segment.layer(j, r)}", *path[2:])] = leaf.shape[1:]
     return shapes
 
 
@@ -261,12 +266,11 @@ def _place(params: dict, path: Path_, value: jax.Array, cfg: ModelConfig) -> Non
     segments = layer_segments(cfg.layers)
     k, j, r = layer_location(int(path[0].removeprefix("layers_")), segments)
     stacked_path = (segment_key(k), f"layers_{j}", *path[1:])
-    tree = params
-    for key in stacked_path[:-1]:
-        tree = tree.setdefault(key, {})
-    if stacked_path[-1] not in tree:
-        tree[stacked_path[-1]] = jnp.zeros((segments[k].repeats, *value.shape), value.dtype)
-    tree[stacked_path[-1]] = _set_repeat(tree[stacked_path[-1]], value, r)
+    parent, leaf = _parent(params, stacked_path), stacked_path[-1]
+    stacked = parent.get(leaf, None)
+    if stacked is None:
+        stacked = jnp.zeros((segments[k].repeats, *value.shape), value.dtype)
+    parent[leaf] = _set_repeat(stacked, value, r)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
