@@ -13,6 +13,7 @@ LAYERS = (
     ("scheduler.sim",),                 # test support on top: the runtime never imports the simulator
     ("jaxhybrid",),                     # entry points: LLM, engine_args, generate, score, ray_data, serve/, tiny/
     ("jaxhybrid.engine",),              # the loop, output processing, detokenizing
+    ("jaxhybrid.parsers", "jaxhybrid.structured_output"),  # text parsers (a tokenizer by duck typing); grammars
     ("jaxhybrid.worker",),              # the runner: pools, the jitted step per bucket, multi-host
     ("jaxhybrid.spec_decode",),         # MTP drafting inside the step
     ("jaxhybrid.sample",),              # sampling parameters and the on-device sampler

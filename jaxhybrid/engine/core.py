@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import llguidance
 from jax.sharding import Mesh
 
 import scheduler
@@ -34,11 +35,13 @@ from jaxhybrid.engine.output_processor import OutputProcessor
 from jaxhybrid.engine.outputs import RequestOutput
 from jaxhybrid.engine.requests import Prompt, RequestTable
 from jaxhybrid.engine.stats import EngineLoad, EngineStats
+from jaxhybrid.engine.structured import StructuredOutputs
 from jaxhybrid.engine.tokenizer import Tokenizer
 from jaxhybrid.models.model import Model
 from jaxhybrid.sample.params import SamplingParams
 from jaxhybrid.sample.sampler import DEFAULT_CONSTRAINT_WIDTH
-from jaxhybrid.worker.runner import Runner
+from jaxhybrid.structured_output.grammar import ReasoningEnd
+from jaxhybrid.worker.runner import PendingStep, Runner
 from jaxhybrid.worker.step import StepOutput
 from scheduler import BatchPlan, SchedulerConfig
 
@@ -67,7 +70,7 @@ class Engine:
 
     def __init__(self, model: Model, config: SchedulerConfig, tokenizer: Tokenizer | None = None, *, seed: int = 0,
                  max_logprobs: int = 20, mesh: Mesh | None = None, async_scheduling: bool = True,
-                 max_sampling_constraints: int = DEFAULT_CONSTRAINT_WIDTH):
+                 max_sampling_constraints: int = DEFAULT_CONSTRAINT_WIDTH, reasoning_end: ReasoningEnd | None = None):
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.async_scheduling = async_scheduling
         self.runner = Runner(model, config, max_logprobs=max_logprobs, mesh=mesh,
@@ -77,6 +80,8 @@ class Engine:
         self.stats = EngineStats()
         self.table = RequestTable(model, config, tokenizer, self.max_logprobs, seed, max_sampling_constraints)
         self.output_processor = OutputProcessor(self.table, self.stats)
+        self.structured = StructuredOutputs(tokenizer, model.config.vocab_size, model.config.eos_token_id,
+                                            config.num_spec_tokens, reasoning_end)
         self._output_thread = ThreadPoolExecutor(1, thread_name_prefix=OUTPUT_THREAD)
         # one step ahead, oldest first: a step whose outputs the output thread processes, a resolved step
         # waiting for it, the step on the device
@@ -94,17 +99,23 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
-                    cache_salt: str | None = None, prompt_logprobs_from: int = 0, group: str | None = None) -> None:
+                    cache_salt: str | None = None, prompt_logprobs_from: int = 0, group: str | None = None,
+                    grammar: llguidance.LLMatcher | None = None) -> None:
         """Queue a request; raises ValueError naming the problem (nothing is queued then). Its n sequences
         share `group` (default: the request's own) with the requests a client sent together: while others
         wait, a group is admitted up to its fair share of the batch (`scheduler/admit.py`).
 
         `prompt_logprobs_from` > 0 reports prompt logprobs from that prompt position on only (the earlier
         ones are None): the scorer's candidates after a checkpoint, which a request can read only if it needs
-        no logits before it. With the default every prompt position is reported, as vLLM does."""
+        no logits before it. With the default every prompt position is reported, as vLLM does.
+
+        `grammar`: the request's `structured_outputs` compiled already (`structured.compile`, off this thread,
+        as the server does); else it is compiled here."""
         table = self.table
         request = table.new_request(request_id, prompt, params or SamplingParams(), cache_salt, prompt_logprobs_from,
                                     group)
+        if request.params.structured_outputs is not None and grammar is None:
+            grammar = self.structured.compile(request.params.structured_outputs)
         constraints = table.constraint_entries(request.params)
         for index in range(request.params.n):
             sequence_id = str(next(self._ids))
@@ -118,6 +129,8 @@ class Engine:
                 message = str(error).replace(f"request {sequence_id!r}", f"request {request_id!r}")
                 raise type(error)(message if request_id in message else f"request {request_id!r}: {message}") from error
             table.add_sequence(request, sequence_id, constraints)
+        if request.params.structured_outputs is not None:
+            self.structured.add(request.sequences, grammar, prompt.token_ids)
         table.requests[request_id] = request
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -173,9 +186,10 @@ class Engine:
             if not self.scheduler.has_work():
                 return []
             plan = self._schedule()
-            out = self.runner.dispatch(plan, self.table.plan_constraints(plan))
+            out = self._sampled(plan, self._launch(plan), None)
             result = self.runner.fetch(out)
             self.scheduler, outputs = scheduler.update(self.scheduler, plan, result)
+            self.structured.advance(outputs)
             request_outputs = self.output_processor.process(plan, out, result, outputs)
             self._release_ended()
             return request_outputs
@@ -188,10 +202,10 @@ class Engine:
         thread; N+1 runs while N is resolved, N+1 is updated on placeholders and N+2 is scheduled
         (scheduler/resolve.py). Returns the outputs processed by then: N-1's, else N-2's (and N's too when
         nothing runs after it)."""
-        steps, ahead, request_outputs = self._steps, None, []
+        steps, ahead, request_outputs, previous = self._steps, None, [], None
         if self.scheduler.has_work():
             plan = self._schedule()
-            ahead = (plan, self.runner.dispatch(plan, self.table.plan_constraints(plan)))
+            ahead = (plan, self._launch(plan))
             gc.collect(0)  # while the device is busy: the cyclic collector stays off the critical path
         waiting = next((step for step in steps if step.result is not None and step.processing is None), None)
         if waiting is not None:
@@ -201,8 +215,10 @@ class Engine:
             running = steps[-1]
             running.result = self.runner.fetch(running.out)  # releases the GIL: the output thread runs meanwhile
             self.scheduler, running.outputs = scheduler.resolve(self.scheduler, running.outputs, running.result)
+            self.structured.advance(running.outputs)
+            previous = running.result
         if ahead is not None:
-            plan, out = ahead
+            plan, out = ahead[0], self._sampled(*ahead, previous)
             placeholders = scheduler.placeholder_result(plan, self.config.num_spec_tokens)
             self.scheduler, outputs = scheduler.update(self.scheduler, plan, placeholders)
             steps.append(_Step(plan, out, outputs))
@@ -214,6 +230,21 @@ class Engine:
             request_outputs += self._processed()
         self._release_ended()
         return request_outputs
+
+    def _launch(self, plan: BatchPlan) -> StepOutput | PendingStep:
+        """Dispatch `plan`: whole, or, with a constrained row, its first half (its masks are filled later)."""
+        constraints = self.table.plan_constraints(plan)
+        if self.structured.in_plan(plan):
+            return self.runner.forward(plan, constraints)
+        return self.runner.dispatch(plan, constraints)
+
+    def _sampled(self, plan: BatchPlan, launched: StepOutput | PendingStep,
+                 previous: scheduler.StepResult | None) -> StepOutput:
+        """A launched step's output: a half step finished under its rows' masks, once the grammars have
+        taken the tokens of the step before (`previous`, which its drafts may name by placeholder)."""
+        if not isinstance(launched, PendingStep):
+            return launched
+        return self.runner.finish(launched, self.structured.token_masks(plan, self.runner.mask_words, previous))
 
     def _processed(self) -> list[RequestOutput]:
         """The output thread's results for the oldest step (waits for them); the step leaves the pipeline. A
@@ -231,6 +262,7 @@ class Engine:
             sequence_id = ended.popleft()
             if sequence_id in self.scheduler.requests:
                 self.scheduler = scheduler.abort_request(self.scheduler, sequence_id)
+            self.structured.drop(sequence_id)
 
     def _schedule(self) -> BatchPlan:
         self.scheduler, plan = scheduler.schedule(self.scheduler)
@@ -246,6 +278,8 @@ class Engine:
         self._steps.clear()
         self.runner.reset_state()
         self.scheduler = scheduler.init_state(self.config)
+        self.structured.grammars = {sequence_id: grammar for sequence_id, grammar in self.structured.grammars.items()
+                                    if sequence_id in self.table.sequences}
         failed = []
         for request in list(self.table.requests.values()):
             if request.metrics.first_scheduled_time is None:

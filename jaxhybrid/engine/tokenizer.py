@@ -36,6 +36,14 @@ class Tokenizer:
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         return cls(HFTokenizer.from_file(str(path)), config.get("eos_token"), config.get("chat_template"), config)
 
+    def get_vocab(self) -> dict[str, int]:
+        """Every token's id, added tokens included (the reasoning and tool-call parsers look up their markers)."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` holds it (llguidance reads it)."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()

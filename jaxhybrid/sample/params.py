@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import scheduler
 from jaxhybrid.sample.sampler import pack_row
+from jaxhybrid.sample.structured_outputs import StructuredOutputsParams
 
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # vLLM takes any int64 (and torch any uint64)
 
@@ -44,6 +45,9 @@ class SamplingParams:
     tokens are out; logit_bias adds to token ids' logits (clamped to [-100, 100]); allowed_token_ids
     restricts sampling to those ids; each of bad_words (tokenized with and without a leading space) has
     its last token banned where its other tokens end the output.
+
+    structured_outputs constrains the output to a grammar (`StructuredOutputsParams`): after the reasoning,
+    where the engine has a reasoning parser.
     """
 
     n: int = 1
@@ -68,6 +72,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -123,6 +128,8 @@ class SamplingParams:
              "a non-empty list of token ids (integers >= 0), or None"),
             ("bad_words", self.bad_words is None or (isinstance(self.bad_words, tuple) and all(
                 isinstance(w, str) and w.strip() for w in self.bad_words)), "a list of non-blank strings, or None"),
+            ("structured_outputs", self.structured_outputs is None
+             or isinstance(self.structured_outputs, StructuredOutputsParams), "a StructuredOutputsParams or None"),
             ("truncate_prompt_tokens", self.truncate_prompt_tokens is None or (
                 _is_int(self.truncate_prompt_tokens) and (self.truncate_prompt_tokens >= 1
                                                           or self.truncate_prompt_tokens == -1)),

@@ -52,10 +52,11 @@ def _constrained(target: jax.Array, rows: SamplingRows, history: jax.Array, stat
 
 
 def sample_rows(logits: jax.Array, plan: DevicePlan, rows: SamplingRows, history: jax.Array, constraints: jax.Array,
-                k: int) -> tuple[jax.Array, jax.Array]:
+                k: int, token_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """[R, 1+K] tokens and [R] accepted drafts: verify rows verify their drafts at their 1 + K logits, every
-    other row samples at its last logit (update ignores rows whose prefill goes on). Constraints (vLLM's
-    order) come before penalties, each skipped at run time in a step where no row has any."""
+    other row samples at its last logit (update ignores rows whose prefill goes on). A grammar's token mask
+    ([L, words], one bit per token at each logit entry) comes first, then constraints and penalties (vLLM's
+    order), these two skipped at run time in a step where no row has any."""
     verify = plan.row_kind == RowKind.VERIFY
     last = plan.cu_logits[1:] - 1
     first = jnp.where(verify, plan.cu_logits[:-1], last)
@@ -66,6 +67,8 @@ def sample_rows(logits: jax.Array, plan: DevicePlan, rows: SamplingRows, history
     rows = rows._replace(repetition_penalty=jnp.where(real, rows.repetition_penalty, 1.0),
                          top_p=jnp.where(real, rows.top_p, 1.0))
     target = logits[entry]
+    if token_mask is not None:  # a draft the grammar refuses has probability 0, so it is never accepted
+        target = jnp.where(allowed_tokens(token_mask[entry], target.shape[-1]), target, -jnp.inf)
     target = jax.lax.cond(jnp.any(constraints[..., 0] != Constraint.NONE),
                           lambda: _constrained(target, rows, history, plan.state_slots, predicted, constraints),
                           lambda: target)
@@ -84,3 +87,9 @@ def sample_rows(logits: jax.Array, plan: DevicePlan, rows: SamplingRows, history
         lambda: verify_random(target, jax.nn.one_hot(drafts, logits.shape[-1]), drafts, rows, predicted[:, 0]))
     return (jnp.where(verify[:, None], verified.tokens, sampled),
             jnp.where(verify, verified.num_accepted, 0).astype(jnp.int32))
+
+
+def allowed_tokens(words: jax.Array, vocab: int) -> jax.Array:
+    """[..., words] int32 bit masks (token t is bit t % 32 of word t // 32) as [..., vocab] bools."""
+    token = jnp.arange(vocab)
+    return ((words[..., token // 32] >> (token % 32)) & 1).astype(bool)

@@ -19,8 +19,9 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
+import llguidance
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -181,9 +182,10 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
     async def completions(body: CompletionRequest, request: Request) -> Response:
         name = _check_model(state, body.model)
         body.check()
-        params, prompts = await state.off_loop(lambda: _completion_prompts(state, body))
+        prepared = await state.off_loop(lambda: _completion_prompts(state, body))
+        prompts = prepared.prompts
         response_id = responses.response_id("cmpl", request.headers.get("X-Request-Id"), body.request_id)
-        streams = await _add_all(state, responses.new_id(response_id), prompts, params, body.cache_salt)
+        streams = await _add_all(state, responses.new_id(response_id), prepared, body.cache_salt)
         if body.stream:
             return streaming.sse(state, streaming.completion_chunks(state, streams, prompts, body, name, response_id))
         return await _unless_disconnected(request, state, _completion_response(state, streams, prompts, body, name,
@@ -194,11 +196,12 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         name = _check_model(state, body.model)
         body.check()
-        params, prompts = await state.off_loop(lambda: _chat_prompts(state, [body]))
+        prepared = await state.off_loop(lambda: _chat_prompts(state, [body]))
         response_id = responses.response_id("chatcmpl", request.headers.get("X-Request-Id"), body.request_id)
-        streams = await _add_all(state, responses.new_id(response_id), prompts, params, body.cache_salt)
+        streams = await _add_all(state, responses.new_id(response_id), prepared, body.cache_salt)
         if body.stream:
-            return streaming.sse(state, streaming.chat_chunks(state, streams, prompts[0], body, name, response_id))
+            return streaming.sse(state, streaming.chat_chunks(state, streams, prepared.prompts[0], body, name,
+                                                              response_id))
         return await _unless_disconnected(request, state, _chat_response(state, streams, body, name, response_id))
 
     @app.post("/v1/chat/completions/batch")
@@ -208,9 +211,9 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         name = _check_model(state, body.model)
         body.check()
         conversations = body.conversations()
-        params, prompts = await state.off_loop(lambda: _chat_prompts(state, conversations))
+        prepared = await state.off_loop(lambda: _chat_prompts(state, conversations))
         response_id = responses.response_id("chatcmpl", request.headers.get("X-Request-Id"), body.request_id)
-        streams = await _add_all(state, responses.new_id(response_id), prompts, params, body.cache_salt)
+        streams = await _add_all(state, responses.new_id(response_id), prepared, body.cache_salt)
         return await _unless_disconnected(request, state, _batch_chat_response(state, streams, conversations, name,
                                                                                response_id))
 
@@ -236,19 +239,36 @@ def _check_model(state: ServerState, model: str | None) -> str:
     return state.model_names[0]
 
 
-def _completion_prompts(state: ServerState, body: CompletionRequest) -> tuple[SamplingParams, list[Prompt]]:
+class _Prepared(NamedTuple):
+    """A request ready for the engine: its sampling params, prompts and compiled grammar (if constrained)."""
+
+    params: SamplingParams
+    prompts: list[Prompt]
+    grammar: llguidance.LLMatcher | None
+
+
+def _completion_prompts(state: ServerState, body: CompletionRequest) -> _Prepared:
     """The request's sampling params and its prompts, tokenized (on a worker thread)."""
     prompts = body.prompts()
     params = _checked(state, body.params(state.llm.generation_defaults), len(prompts), "prompt")
-    return params, [body.engine_prompt(state.llm, p, params) for p in prompts]
+    return _Prepared(params, [body.engine_prompt(state.llm, p, params) for p in prompts], _grammar(state, params))
 
 
-def _chat_prompts(state: ServerState, conversations: list[ChatCompletionRequest]
-                  ) -> tuple[SamplingParams, list[Prompt]]:
+def _chat_prompts(state: ServerState, conversations: list[ChatCompletionRequest]) -> _Prepared:
     """The sampling params (the same fields in each conversation) and each conversation's prompt: its
     prompt_token_ids, or its messages through the chat template (on a worker thread)."""
     params = _checked(state, conversations[0].params(state.llm.generation_defaults), len(conversations), "messages")
-    return params, [_chat_prompt(state, body, params) for body in conversations]
+    return _Prepared(params, [_chat_prompt(state, body, params) for body in conversations], _grammar(state, params))
+
+
+def _grammar(state: ServerState, params: SamplingParams) -> llguidance.LLMatcher | None:
+    """The request's grammar compiled here, on a worker thread, so a slow one never holds up the engine's."""
+    if params.structured_outputs is None:
+        return None
+    try:
+        return state.llm.engine.structured.compile(params.structured_outputs)
+    except ValueError as error:
+        raise BadRequest(str(error), "structured_outputs") from error
 
 
 def _checked(state: ServerState, params: SamplingParams, num_prompts: int, prompts_field: str) -> SamplingParams:
@@ -278,17 +298,19 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest, params: Sampli
     return body.engine_prompt(state.llm, text, params)
 
 
-async def _add_all(state: ServerState, response_id: str, prompts: list[Prompt], params: SamplingParams,
-                   cache_salt: str | None) -> list[RequestStream]:
+async def _add_all(state: ServerState, response_id: str, prepared: _Prepared, cache_salt: str | None
+                   ) -> list[RequestStream]:
     """Submit every prompt at once, if the queue has room for them all; if one is refused, the others are
     aborted and its error is raised."""
+    params, prompts = prepared.params, prepared.prompts
     tokens = params.n * sum(len(p.token_ids) for p in prompts)
     bound = state.loop.max_queued_tokens
     if bound is not None and tokens > bound:  # it could never be queued: not a 429 to retry
         raise BadRequest(f"the request's prompts take {tokens} tokens (n counting n), more than the queue holds "
                          f"(--max-num-queued-tokens {bound})", "prompt")
     state.loop.check_room(len(prompts) * params.n, tokens)
-    added = await asyncio.gather(*[state.loop.add(f"{response_id}-{i}", prompt, params, cache_salt, response_id)
+    added = await asyncio.gather(*[state.loop.add(f"{response_id}-{i}", prompt, params, cache_salt, response_id,
+                                                  prepared.grammar)
                                    for i, prompt in enumerate(prompts)], return_exceptions=True)
     refused = [a for a in added if isinstance(a, BaseException)]
     if refused:

@@ -21,6 +21,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import llguidance
+
 from jaxhybrid.engine.core import Engine
 from jaxhybrid.engine.outputs import RequestOutput
 from jaxhybrid.engine.requests import Prompt
@@ -47,6 +49,7 @@ class _Submission:
     group: str | None
     admitted: concurrent.futures.Future
     stream: RequestStream
+    grammar: llguidance.LLMatcher | None = None  # compiled off the engine's thread
 
 
 class RequestStream:
@@ -134,7 +137,7 @@ class EngineLoop:
     # -- the event loop's side ----------------------------------------------------------------------------
 
     async def add(self, request_id: str, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None,
-                  group: str | None = None) -> RequestStream:
+                  group: str | None = None, grammar: llguidance.LLMatcher | None = None) -> RequestStream:
         """Submit a request (`group`: the client request it is part of, `Engine.add_request`); returns its
         stream once the engine has taken it. Raises ValueError for bad input (nothing is queued then),
         QueueFull, or EngineUnavailable."""
@@ -143,7 +146,8 @@ class EngineLoop:
         self.check_room(params.n, params.n * len(prompt.token_ids))
         stream = RequestStream(self, request_id, params, params.n * len(prompt.token_ids))
         admitted = concurrent.futures.Future()
-        self._submit(("add", _Submission(request_id, prompt, params, cache_salt, group, admitted, stream)))
+        self._submit(("add", _Submission(request_id, prompt, params, cache_salt, group, admitted, stream,
+                                              grammar)))
         try:
             await asyncio.wait_for(asyncio.wrap_future(admitted), self.watchdog_timeout)
         except TimeoutError as error:
@@ -234,7 +238,7 @@ class EngineLoop:
                 continue
             try:
                 self.engine.add_request(item.request_id, item.prompt, item.params, cache_salt=item.cache_salt,
-                                        group=item.group)
+                                        group=item.group, grammar=item.grammar)
             except ValueError as error:  # bad input: the caller's 400, without the engine's id; nothing queued
                 message = str(error).replace(f"request {item.request_id!r}: ", "")
                 item.admitted.set_exception(ValueError(message.replace(f"request {item.request_id!r}", "the request")))

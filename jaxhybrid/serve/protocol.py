@@ -1,7 +1,7 @@
 """The OpenAI request bodies with vLLM's extras, parsed into `SamplingParams` (reference/ecosystem.md §1.2-1.4).
 
 Unknown fields are accepted and ignored, as vLLM does (clients send fields a server does not know);
-vLLM's fields we do not implement (`suffix`, `best_of`, tools, structured outputs, beam search, ...
+vLLM's fields we do not implement (`suffix`, `best_of`, structural tags, beam search, ...
 `_UNSUPPORTED`) are refused with a 400 when set to anything but their default, rather than silently dropped.
 """
 
@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from jaxhybrid.engine.requests import Prompt
 from jaxhybrid.llm import LLM
 from jaxhybrid.sample.params import SamplingParams
+from jaxhybrid.sample.structured_outputs import StructuredOutputsParams
 from jaxhybrid.serve import render
 from jaxhybrid.serve.errors import BadRequest, as_bad_request
 
@@ -45,9 +46,8 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _off, "length_penalty": lambda v: v == 1, "watermarking": _off,
     "spaces_between_special_tokens": lambda v: v is True,
     "prompt_embeds": _unset, "priority": lambda v: v == 0,
-    "structured_outputs": _unset, "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
-    "guided_grammar": _unset, "structural_tag": _unset,
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset, "guided_grammar": _unset,
+    "structural_tag": _unset,
     "kv_transfer_params": _unset, "ec_transfer_params": _unset, "vllm_xargs": _unset,
     "repetition_detection": _unset, "thinking_token_budget": lambda v: v in (None, -1),
     "stream_interval": lambda v: v in (None, 1),
@@ -95,6 +95,8 @@ class _Request(BaseModel):
     return_tokens_as_token_ids: bool | None = None
     request_id: str | None = None  # the response id's default (an X-Request-Id header wins)
     logprob_token_ids: list[int] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     _unsupported: ClassVar[dict[str, Callable[[Any], bool]]] = _UNSUPPORTED
 
@@ -147,13 +149,27 @@ class _Request(BaseModel):
                       include_stop_str_in_output=self.include_stop_str_in_output,
                       skip_special_tokens=self.skip_special_tokens, min_tokens=self.min_tokens,
                       logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
-                      bad_words=self.bad_words,
+                      bad_words=self.bad_words, structured_outputs=self.structured(),
                       truncate_prompt_tokens=self.truncate_prompt_tokens)
         values = {k: defaults[k] if v is None and k in defaults and k != "max_tokens" else v for k, v in values.items()}
         try:
             return SamplingParams(**{k: v for k, v in values.items() if v is not None or k in _NULLABLE})
         except ValueError as error:
             raise as_bad_request(error) from error
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """vLLM's `structured_outputs`, with OpenAI's `response_format` setting its constraint (json_object, or
+        json_schema's schema; `strict` closes the schema's objects, as OpenAI's strict mode requires)."""
+        fields, field = dict(self.structured_outputs or {}), "structured_outputs"
+        form = self.response_format
+        if form is not None and form.get("type") != "text":
+            fields, field = {**fields, **_response_format_constraint(form)}, "response_format"
+        if not fields:
+            return None
+        try:
+            return StructuredOutputsParams.from_dict(fields)
+        except (ValueError, TypeError) as error:
+            raise BadRequest(str(error), field) from error
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI's string keys as token ids."""
@@ -165,8 +181,24 @@ class _Request(BaseModel):
             raise BadRequest(f"logit_bias keys must be token ids, got {list(self.logit_bias)}", "logit_bias") from error
 
 
+def _response_format_constraint(form: dict[str, Any]) -> dict[str, Any]:
+    kind = form.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = form.get("json_schema")
+        schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+        if schema is None:
+            raise BadRequest("When response_format type is 'json_schema', the 'json_schema' field must be provided "
+                             "with a 'schema'", "response_format")
+        return {"json": schema, **({"disable_additional_properties": True} if spec.get("strict") else {})}
+    if kind == "structural_tag":
+        raise BadRequest("response_format structural_tag is not supported by this server", "response_format")
+    raise BadRequest(f"response_format type must be text, json_object or json_schema, got {kind!r}", "response_format")
+
+
 _NULLABLE = {"max_tokens", "logprobs", "prompt_logprobs", "seed", "logit_bias", "allowed_token_ids", "bad_words",
-             "truncate_prompt_tokens"}
+             "truncate_prompt_tokens", "structured_outputs"}
 
 
 class CompletionRequest(_Request):

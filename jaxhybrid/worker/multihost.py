@@ -36,6 +36,8 @@ class Message(enum.IntEnum):
     STEP = 0   # a plan follows
     RESET = 1  # fresh pools: the leader started over after a failed step
     STOP = 2
+    FORWARD = 3  # a plan follows, whose step runs in two halves: its layers now ...
+    SAMPLE = 4  # ... and its sampling, under the token masks that follow
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -52,32 +54,40 @@ def is_leader() -> bool:
 class PlanChannel:
     """The leader's messages to every other process: a fixed header (message, bucket, constraint width),
     then for a step the packed plan, whose length the bucket's layout gives (every process derives the same
-    layout), and the rows' constraint entries [R, E, 4] when E > 0."""
+    layout), and the rows' constraint entries [R, E, 4] when E > 0; for SAMPLE, the token masks [L, words]
+    (L in the header's first bucket entry)."""
 
     HEADER = 6  # message, T, R, B, L, E
 
     def send(self, message: Message, bucket: tuple[int, int, int, int] = (0, 0, 0, 0),
-             buffer: np.ndarray | None = None, constraints: np.ndarray | None = None) -> None:
+             buffer: np.ndarray | None = None, constraints: np.ndarray | None = None,
+             token_mask: np.ndarray | None = None) -> None:
         width = 0 if constraints is None else constraints.shape[1]
+        if token_mask is not None:
+            bucket = (token_mask.shape[0], 0, 0, 0)
         multihost_utils.broadcast_one_to_all(np.array([message, *bucket, width], np.int32))
-        if buffer is not None:
-            multihost_utils.broadcast_one_to_all(buffer)
-        if width:
-            multihost_utils.broadcast_one_to_all(constraints)
+        for part in (buffer, constraints if width else None, token_mask):
+            if part is not None:
+                multihost_utils.broadcast_one_to_all(part)
 
-    def receive(self, layout_of) -> tuple[Message, PlanLayout | None, np.ndarray | None, np.ndarray | None]:
-        """(message, layout, packed plan, constraints or None); `layout_of(bucket)` gives a bucket's layout."""
+    def receive(self, layout_of, mask_words: int) -> tuple[Message, PlanLayout | None, np.ndarray | None,
+                                                           np.ndarray | None, np.ndarray | None]:
+        """(message, layout, packed plan, constraints or None, token masks or None); `layout_of(bucket)` gives
+        a bucket's layout."""
         header = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(self.HEADER, np.int32)))
         message = Message(int(header[0]))
-        if message is not Message.STEP:
-            return message, None, None, None
+        if message is Message.SAMPLE:
+            token_mask = np.zeros((int(header[1]), mask_words), np.int32)
+            return message, None, None, None, np.asarray(multihost_utils.broadcast_one_to_all(token_mask))
+        if message not in (Message.STEP, Message.FORWARD):
+            return message, None, None, None, None
         layout = layout_of(tuple(int(x) for x in header[1:5]))
         buffer = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(layout.size, np.int32)))
         constraints = None  # width 0: no row has any
         if header[5]:
             constraints = np.zeros((int(header[2]), int(header[5]), 4), np.int32)
             constraints = np.asarray(multihost_utils.broadcast_one_to_all(constraints))
-        return message, layout, buffer, constraints
+        return message, layout, buffer, constraints, None
 
 
 def follow(llm) -> int:

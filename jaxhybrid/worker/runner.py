@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ from jaxhybrid.models.tensor_parallel import AXIS, param_shardings, state_shardi
 from jaxhybrid.sample.sampler import DEFAULT_CONSTRAINT_WIDTH, ROW_DTYPE, Logprobs, batch_constraints
 from jaxhybrid.worker.buckets import check_maps_suffice, memory_maps, padding_plan, plan_shapes
 from jaxhybrid.worker.multihost import Message, PlanChannel, is_leader
-from jaxhybrid.worker.step import Carried, StepOutput, run_step
+from jaxhybrid.worker.step import Carried, Forwarded, StepOutput, run_forward, run_sampling, run_step
 from scheduler import BatchPlan, SchedulerConfig, StepResult
 from scheduler.replay import ring_rows
 
@@ -57,20 +57,28 @@ class Runner:
         # multi-host: every process runs every step; the leader sends the others its plans (multihost.py)
         self.channel = PlanChannel() if jax.process_count() > 1 else None
         self._layouts: dict[tuple[int, int, int, int], PlanLayout] = {}
-        shardings = {}
+        shardings, halves = {}, ({}, {})
         if mesh is not None:  # tensor parallel: weights and pools sharded by heads, outputs replicated
             self.params = self._sharded_params(model.params)
             self.module = HybridLM(model.config, dataclasses.replace(model.module.ops, mesh=mesh))
             replicated = NamedSharding(mesh, PartitionSpec())
             shardings = dict(out_shardings=(self._state_shardings(), replicated, replicated))
+            halves = (dict(out_shardings=(self._state_shardings(), replicated)), shardings)
         # the nested params dict flattened once: the jitted call then takes a flat list, and does not sort
         # every dict's keys again on each step (0.1 ms of the host's step on the embedded model)
         self.param_leaves, self._param_tree = jax.tree.flatten(self.params)
         self._fresh_pools()
         self._no_constraints: dict[int, jax.Array] = {}  # rows -> all padding, on the device once
         step = functools.partial(run_step, self.module, self._param_tree, config, self.num_logprobs)
-        self._step = jax.jit(step, static_argnums=3, donate_argnums=(1, 2),
-                             compiler_options=self.module.ops.compiler_options(), **shardings)
+        options = self.module.ops.compiler_options()
+        self._step = jax.jit(step, static_argnums=3, donate_argnums=(1, 2), compiler_options=options, **shardings)
+        # a step with token masks runs in two halves: the host fills the masks while the device runs the first
+        # (compiled on first use: a step without masks never needs them)
+        forward = functools.partial(run_forward, self.module, self._param_tree, config)
+        self._forward = jax.jit(forward, static_argnums=3, donate_argnums=1, compiler_options=options, **halves[0])
+        sampling = functools.partial(run_sampling, self.module, self._param_tree, config, self.num_logprobs)
+        self._sampling = jax.jit(sampling, donate_argnums=(1, 2), compiler_options=options, **halves[1])
+        self.mask_words = (model.config.vocab_size + 31) // 32
 
     def _sharded_params(self, params: Any) -> Any:
         """The params in the head-aligned layout, placed by `param_shardings` (abstract ones only annotated:
@@ -123,16 +131,40 @@ class Runner:
         """Start `plan` on the device and the copy of its tokens to the host; returns at once. `constraints`:
         its rows' constraint entries [R, E, 4] (`sampling.batch_constraints`), None for none."""
         buffer, layout = pack_plan(plan)
-        if self.channel is not None:  # the other processes run the step too: they get the plan first
-            if not is_leader():
-                raise RuntimeError("in a multi-host job only process 0 dispatches; the others call follow()")
-            bucket = (plan.token_bucket, plan.row_bucket, plan.block_table_bucket, plan.logits_bucket)
-            assert layout == self._layout_of(bucket), "a plan's layout must follow from its bucket"
-            self.channel.send(Message.STEP, bucket, buffer, constraints)
+        self._send(Message.STEP, plan, buffer, layout, constraints)
         constraints = (self._padding_constraints(plan.row_kind.shape[0]) if constraints is None
                        else self._placed(constraints))
         self.state, self.carried, out = self._step(self.param_leaves, self.state, self.carried, layout, buffer,
                                                    constraints)
+        out.tokens.copy_to_host_async()
+        return out
+
+    def _send(self, message: Message, plan: BatchPlan, buffer: np.ndarray, layout: PlanLayout,
+              constraints: np.ndarray | None) -> None:
+        """Multi-host: the other processes run each step too, so they get its plan first."""
+        if self.channel is None:
+            return
+        if not is_leader():
+            raise RuntimeError("in a multi-host job only process 0 dispatches; the others call follow()")
+        bucket = (plan.token_bucket, plan.row_bucket, plan.block_table_bucket, plan.logits_bucket)
+        assert layout == self._layout_of(bucket), "a plan's layout must follow from its bucket"
+        self.channel.send(message, bucket, buffer, constraints)
+
+    def forward(self, plan: BatchPlan, constraints: np.ndarray | None = None) -> PendingStep:
+        """Start the first half of `plan` (its layers and logits) on the device; `finish` samples it."""
+        buffer, layout = pack_plan(plan)
+        self._send(Message.FORWARD, plan, buffer, layout, constraints)
+        placed = (self._padding_constraints(plan.row_kind.shape[0]) if constraints is None
+                  else self._placed(constraints))
+        self.state, forwarded = self._forward(self.param_leaves, self.state, self.carried, layout, buffer)
+        return PendingStep(placed, forwarded)
+
+    def finish(self, pending: PendingStep, token_mask: np.ndarray) -> StepOutput:
+        """Sample a step `forward` started, under `token_mask` ([L, mask_words] int32); returns at once."""
+        if self.channel is not None:
+            self.channel.send(Message.SAMPLE, token_mask=token_mask)
+        self.state, self.carried, out = self._sampling(self.param_leaves, self.state, self.carried, pending.forwarded,
+                                                       pending.placed_constraints, self._placed(token_mask))
         out.tokens.copy_to_host_async()
         return out
 
@@ -146,8 +178,8 @@ class Runner:
         return self._no_constraints[rows]
 
     def _placed(self, constraints: np.ndarray) -> jax.Array:
-        """Constraint entries on the device, placed alike with and without a constrained row (uncommitted
-        without a mesh, replicated over it), so that both steps run one executable."""
+        """Constraint entries (or token masks) on the device, placed alike with and without a constrained row
+        (uncommitted without a mesh, replicated over it), so that both steps run one executable."""
         return jnp.asarray(constraints) if self.mesh is None else jax.device_put(constraints, self._replicated())
 
     def fetch(self, out: StepOutput) -> StepResult:
@@ -159,16 +191,25 @@ class Runner:
         """Run the leader's steps until it stops (multi-host, every process but the leader); returns how many."""
         if self.channel is None or is_leader():
             raise RuntimeError("follow() is for the processes other than process 0 of a multi-host job")
-        steps = 0
+        steps, pending = 0, None
         while True:
-            message, layout, buffer, constraints = self.channel.receive(self._layout_of)
+            message, layout, buffer, constraints, token_mask = self.channel.receive(self._layout_of, self.mask_words)
             if message is Message.STOP:
                 return steps
             if message is Message.RESET:
                 self._fresh_pools()
                 continue
+            if message is Message.SAMPLE:  # the second half of the FORWARD before it
+                self.state, self.carried, _ = self._sampling(self.param_leaves, self.state, self.carried, *pending,
+                                                             self._placed(token_mask))
+                steps += 1
+                continue
             constraints = (self._padding_constraints(layout.num_rows()) if constraints is None
                            else self._placed(constraints))
+            if message is Message.FORWARD:
+                self.state, forwarded = self._forward(self.param_leaves, self.state, self.carried, layout, buffer)
+                pending = (forwarded, constraints)
+                continue
             self.state, self.carried, _ = self._step(self.param_leaves, self.state, self.carried, layout, buffer,
                                                      constraints)
             steps += 1
@@ -212,6 +253,13 @@ class Runner:
         """The step of this bucket lowered for the runner's devices (`trace`); with abstract params it compiles
         for a device this host need not have (`benchmarks/aot_step.py`)."""
         return self.trace(bucket).lower()
+
+
+class PendingStep(NamedTuple):
+    """A step whose first half is on the device (`Runner.forward`), waiting for its token masks."""
+
+    placed_constraints: jax.Array
+    forwarded: Forwarded
 
 
 def step_temporaries(model: Model, config: SchedulerConfig, mesh: Mesh | None = None,

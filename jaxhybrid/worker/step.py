@@ -41,14 +41,41 @@ def run_step(module: HybridLM, param_tree: Any, config: SchedulerConfig, num_log
              param_leaves: list[jax.Array], state: DeviceState, carried: Carried, layout: PlanLayout,
              buffer: jax.Array, constraints: jax.Array) -> tuple[DeviceState, Carried, StepOutput]:
     """One step (the runner jits it per bucket: `layout` static, the state and the carried tokens donated)."""
+    state, forwarded = run_forward(module, param_tree, config, param_leaves, state, carried, layout, buffer)
+    return run_sampling(module, param_tree, config, num_logprobs, param_leaves, state, carried, forwarded,
+                        constraints, None)
+
+
+class Forwarded(NamedTuple):
+    """The layers' work of a step, which its sampling half reads (a step with token masks runs in two halves)."""
+
+    plan: DevicePlan  # placeholders replaced
+    hidden: jax.Array  # [T, D]
+    logits: jax.Array  # [L, V]
+
+
+def run_forward(module: HybridLM, param_tree: Any, config: SchedulerConfig, param_leaves: list[jax.Array],
+                state: DeviceState, carried: Carried, layout: PlanLayout,
+                buffer: jax.Array) -> tuple[DeviceState, Forwarded]:
+    """The layers and the logits of a step."""
     plan = with_carried(unpack_plan(buffer, layout, ROW_DTYPE.itemsize), carried, config.num_spec_tokens,
                         config.block_size)
     variables = {"params": jax.tree.unflatten(param_tree, param_leaves)}
     state = state._replace(token_history=record_history(state.token_history, plan))
     hidden, state = module.apply(variables, plan.token_ids, plan, state)
     logits = module.apply(variables, hidden[plan.logits_indices], method=HybridLM.logits)  # [L, V]
+    return state, Forwarded(plan, hidden, logits)
+
+
+def run_sampling(module: HybridLM, param_tree: Any, config: SchedulerConfig, num_logprobs: int,
+                 param_leaves: list[jax.Array], state: DeviceState, carried: Carried, forwarded: Forwarded,
+                 constraints: jax.Array, token_mask: jax.Array | None) -> tuple[DeviceState, Carried, StepOutput]:
+    """Sampling (under `token_mask` [L, words], if given), logprobs, MTP drafts and the tokens carried on."""
+    plan, hidden, logits = forwarded
+    variables = {"params": jax.tree.unflatten(param_tree, param_leaves)}
     rows = SamplingRows.from_bytes(plan.row_data)
-    sampled, accepted = sample_rows(logits, plan, rows, state.token_history, constraints, config.num_spec_tokens)
+    sampled, accepted = sample_rows(logits, plan, rows, state.token_history, constraints, config.num_spec_tokens,
+                                    token_mask)
     real = plan.row_kind != RowKind.PADDING
     wanted, with_top = jnp.any((rows.logprobs > 0) & real), jnp.any((rows.logprobs > 1) & real)
     reported = jax.lax.cond(wanted, lambda: _logprobs(logits, plan, sampled, num_logprobs, with_top),

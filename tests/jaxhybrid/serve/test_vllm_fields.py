@@ -426,9 +426,8 @@ def test_per_request_metrics(serve, llm):
 
 REFUSED = [
     ("/v1/completions", "use_beam_search", True), ("/v1/completions", "length_penalty", 0.5),
-    ("/v1/completions", "structured_outputs", {"regex": "[a-z]+"}), ("/v1/completions", "guided_json", {}),
+    ("/v1/completions", "guided_json", {}),
     ("/v1/completions", "guided_choice", ["a", "b"]), ("/v1/completions", "priority", 1),
-    ("/v1/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("/v1/completions", "logprob_token_ids", [1, 2]),
     ("/v1/completions", "prompt_embeds", "AAAA"), ("/v1/completions", "vllm_xargs", {"a": 1}),
     ("/v1/completions", "kv_transfer_params", {"a": 1}), ("/v1/completions", "thinking_token_budget", 8),
@@ -436,7 +435,6 @@ REFUSED = [
     ("/v1/completions", "repetition_detection", {"max_pattern_size": 4}),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "reasoning_effort", "low"), ("/v1/chat/completions", "chat_template", "{{ 1 }}"),
     ("/v1/chat/completions", "documents", [{"title": "t", "text": "x"}]),
 ]
