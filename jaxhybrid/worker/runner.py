@@ -79,6 +79,8 @@ class Runner:
         sampling = functools.partial(run_sampling, self.module, self._param_tree, config, self.num_logprobs)
         self._sampling = jax.jit(sampling, donate_argnums=(1, 2), compiler_options=options, **halves[1])
         self.mask_words = (model.config.vocab_size + 31) // 32
+        # the sampling half reads the params only to draft: without MTP its call passes none (a shorter dispatch)
+        self._drafter_params = self.param_leaves if config.num_spec_tokens else []
 
     def _sharded_params(self, params: Any) -> Any:
         """The params in the head-aligned layout, placed by `param_shardings` (abstract ones only annotated:
@@ -163,8 +165,9 @@ class Runner:
         """Sample a step `forward` started, under `token_mask` ([L, mask_words] int32); returns at once."""
         if self.channel is not None:
             self.channel.send(Message.SAMPLE, token_mask=token_mask)
-        self.state, self.carried, out = self._sampling(self.param_leaves, self.state, self.carried, pending.forwarded,
-                                                       pending.placed_constraints, self._placed(token_mask))
+        self.state, self.carried, out = self._sampling(self._drafter_params, self.state, self.carried,
+                                                       pending.forwarded, pending.placed_constraints,
+                                                       self._placed(token_mask))
         out.tokens.copy_to_host_async()
         return out
 
@@ -200,8 +203,8 @@ class Runner:
                 self._fresh_pools()
                 continue
             if message is Message.SAMPLE:  # the second half of the FORWARD before it
-                self.state, self.carried, _ = self._sampling(self.param_leaves, self.state, self.carried, *pending,
-                                                             self._placed(token_mask))
+                self.state, self.carried, _ = self._sampling(self._drafter_params, self.state, self.carried,
+                                                             *pending, self._placed(token_mask))
                 steps += 1
                 continue
             constraints = (self._padding_constraints(layout.num_rows()) if constraints is None

@@ -70,9 +70,9 @@ def run_forward(module: HybridLM, param_tree: Any, config: SchedulerConfig, para
 def run_sampling(module: HybridLM, param_tree: Any, config: SchedulerConfig, num_logprobs: int,
                  param_leaves: list[jax.Array], state: DeviceState, carried: Carried, forwarded: Forwarded,
                  constraints: jax.Array, token_mask: jax.Array | None) -> tuple[DeviceState, Carried, StepOutput]:
-    """Sampling (under `token_mask` [L, words], if given), logprobs, MTP drafts and the tokens carried on."""
+    """Sampling (under `token_mask` [L, words], if given), logprobs, MTP drafts and the tokens carried on. The
+    params are read by the MTP drafter only (without it `param_leaves` may be empty)."""
     plan, hidden, logits = forwarded
-    variables = {"params": jax.tree.unflatten(param_tree, param_leaves)}
     rows = SamplingRows.from_bytes(plan.row_data)
     sampled, accepted = sample_rows(logits, plan, rows, state.token_history, constraints, config.num_spec_tokens,
                                     token_mask)
@@ -82,6 +82,7 @@ def run_sampling(module: HybridLM, param_tree: Any, config: SchedulerConfig, num
                             lambda: _no_logprobs(logits.shape[0], num_logprobs))
     drafts = jnp.zeros((plan.row_kind.shape[0], 0), jnp.int32)
     if config.num_spec_tokens:
+        variables = {"params": jax.tree.unflatten(param_tree, param_leaves)}
         drafts, state = draft(module, variables, hidden, plan, sampled, accepted, state, config.num_spec_tokens,
                               config.block_size)
     # penalties read the history before the publishes write it (the barrier orders them; without it

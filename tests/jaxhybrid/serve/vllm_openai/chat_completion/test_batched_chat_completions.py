@@ -1,11 +1,13 @@
 """Port of vLLM's tests/entrypoints/openai/chat_completion/test_batched_chat_completions.py: POST
 /v1/chat/completions/batch answers each conversation by one choice indexed by its position, with logprobs
 named as tokens (or ids when asked), echoes only a trailing reply-role message, and refuses what one
-request cannot carry for several conversations. Its structured-output, harmony, parser and
-logprob_token_ids cases are in SKIPS.md; vLLM's `kv_transfer_params` case is refused here as every
-unsupported field is (naming `kv_transfer_params`)."""
+request cannot carry for several conversations; a strict json_schema response_format constrains every
+conversation's reply. Its harmony, parser and logprob_token_ids cases are in SKIPS.md; vLLM's
+`kv_transfer_params` case is refused here as every unsupported field is (naming `kv_transfer_params`)."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -38,6 +40,26 @@ def test_batched_chat_completions(server):
     # Each conversation should produce a non-empty text response.
     for choice in choices:
         assert choice["message"]["content"]
+
+
+def test_batched_chat_completions_with_json_schema(server):
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"]}
+    conversations = [[{"role": "user", "content": "Is the sky blue? Answer in JSON."}],
+                     [{"role": "user", "content": "Is fire cold? Answer in JSON."}]]
+    # seeded, and JSON without whitespace: the random model would write whitespace to max_model_len
+    response = _post(server, {"model": MODEL_NAME, "messages": conversations, "seed": 0,
+                              "structured_outputs": {"disable_any_whitespace": True},
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "answer", "schema": schema, "strict": True}}})
+
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert len(choices) == 2
+    for choice in choices:
+        parsed = json.loads(choice["message"]["content"])
+        assert "answer" in parsed
+        assert parsed["answer"] in ("yes", "no")
 
 
 def test_batched_chat_completions_logprobs_not_token_id_placeholders(server):

@@ -1,12 +1,22 @@
-"""Port of vLLM's tests/entrypoints/openai/chat_completion/test_chat.py (base model only; its LoRA twins,
-structured outputs, response_format json and /invocations are out of scope, SKIPS.md): logprobs limits,
-prompt_logprobs, multi-turn sessions, streaming, stream_options, extra message fields, content parts,
-custom roles, seed bounds and n > 1. vLLM's zephyr token counts become the reference tokenizer's."""
+"""Port of vLLM's tests/entrypoints/openai/chat_completion/test_chat.py (base model only; its LoRA twins and
+/invocations are out of scope, SKIPS.md): logprobs limits, prompt_logprobs, multi-turn sessions, streaming,
+stream_options, structured outputs (choice, JSON schema, regex, a malformed constraint, logprobs under a choice,
+response_format json_object and json_schema), extra message fields, content parts, custom roles, seed bounds and
+n > 1. vLLM's zephyr token counts become the reference tokenizer's.
+
+The structured-output cases run on a random model, so what vLLM asks of a real one's judgement ("pick another
+one", a different name) is not asserted, and JSON that only a model that ends its strings would finish is
+bounded: the employee schema gets lengths and counts, closed objects and compact whitespace (vLLM's own
+structured_outputs options) and stays out of the prompt (it would not fit the 256-token max_model_len), and
+the requests are seeded so each case is the same on every run."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections import defaultdict
 
+import jsonschema
 import openai
 import pytest
 from openai import BadRequestError
@@ -208,6 +218,127 @@ def test_chat_completion_stream_options(client):
     for chunk in stream:
         completion += chunk.choices[0].delta.content
     assert len(completion) >= 10
+
+
+CHOICES = ["Python", "Java", "JavaScript", "C++", "C#", "PHP", "TypeScript", "Ruby", "Swift", "Kotlin"]
+IP_REGEX = r"((25[0-5]|(2[0-4]|1\d|[1-9]|)\d)\.){3}(25[0-5]|(2[0-4]|1\d|[1-9]|)\d)"
+EMPLOYEE = {  # vLLM's sample_json_schema, bounded (module docstring)
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 3, "maxItems": 3},
+        "work_history": {"type": "array", "maxItems": 1, "items": {
+            "type": "object", "properties": {"company": {"type": "string", "maxLength": 12},
+                                             "duration": {"type": "number"},
+                                             "position": {"type": "string", "maxLength": 12}},
+            "required": ["company", "position"]}},
+    },
+    "required": ["name", "age", "skills", "work_history"],
+}
+BOUNDED_JSON = {"disable_additional_properties": True, "disable_any_whitespace": True}
+LANGUAGE = [{"role": "system", "content": "you are a helpful assistant"},
+            {"role": "user", "content": "The best language for type-safe systems programming is "}]
+
+
+def test_structured_outputs_choice_chat(client):
+    messages = list(LANGUAGE)
+    chat_completion = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=10,
+                                                     temperature=0.7, seed=0,
+                                                     extra_body=dict(structured_outputs={"choice": CHOICES}))
+    choice1 = chat_completion.choices[0].message.content
+    assert choice1 in CHOICES
+
+    messages.append({"role": "assistant", "content": choice1})
+    messages.append({"role": "user", "content": "I disagree, pick another one"})
+    chat_completion = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=10,
+                                                     temperature=0.7, seed=1,
+                                                     extra_body=dict(structured_outputs={"choice": CHOICES}))
+    assert chat_completion.choices[0].message.content in CHOICES
+
+
+def test_structured_outputs_json_chat(client):
+    messages = [{"role": "system", "content": "you are a helpful assistant"},
+                {"role": "user", "content": "Give an example JSON for an employee profile that fits this schema"}]
+    for seed in range(2):
+        chat_completion = client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, seed=seed,
+            extra_body=dict(structured_outputs={"json": EMPLOYEE, **BOUNDED_JSON}))
+        message = chat_completion.choices[0].message
+        assert message.content is not None
+        jsonschema.validate(instance=json.loads(message.content), schema=EMPLOYEE)
+        messages.append({"role": "assistant", "content": message.content})
+        messages.append({"role": "user", "content": "Give me another one with a different name and age"})
+
+
+def test_structured_outputs_regex_chat(client):
+    messages = [{"role": "system", "content": "you are a helpful assistant"},
+                {"role": "user", "content": f"Give an example IP address with this regex: {IP_REGEX}"}]
+    ips = []
+    for seed in range(2):
+        chat_completion = client.chat.completions.create(model=MODEL_NAME, messages=messages,
+                                                         max_completion_tokens=20, seed=seed,
+                                                         extra_body=dict(structured_outputs={"regex": IP_REGEX}))
+        ips.append(chat_completion.choices[0].message.content)
+        assert ips[-1] is not None
+        assert re.fullmatch(IP_REGEX, ips[-1]) is not None
+        messages.append({"role": "assistant", "content": ips[-1]})
+        messages.append({"role": "user", "content": "Give me a different one"})
+    assert ips[0] != ips[1]
+
+
+def test_structured_outputs_type_error(client):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_NAME, messages=LANGUAGE,
+                                       extra_body=dict(structured_outputs={"regex": {1: "Python", 2: "C++"}}))
+
+
+def test_structured_outputs_choice_chat_logprobs(client):
+    chat_completion = client.chat.completions.create(model=MODEL_NAME, messages=LANGUAGE, max_completion_tokens=10,
+                                                     logprobs=True, top_logprobs=5,
+                                                     extra_body=dict(structured_outputs={"choice": CHOICES}))
+    assert chat_completion.choices[0].logprobs is not None
+    assert chat_completion.choices[0].logprobs.content is not None
+    top_logprobs = chat_completion.choices[0].logprobs.content[0].top_logprobs
+    # -9999.0 is the minimum logprob returned by OpenAI
+    for item in top_logprobs:
+        assert item.logprob >= -9999.0, f"Failed (top_logprobs={top_logprobs})"
+
+
+def test_response_format_json_object(client):
+    """The random model never closes a key of an open object, so the reply is checked as JSON under way: an
+    object opened at once, which the unconstrained model does not write."""
+    for seed in range(2):
+        resp = client.chat.completions.create(
+            model=MODEL_NAME, seed=seed, max_completion_tokens=20, response_format={"type": "json_object"},
+            messages=[{"role": "user", "content": 'what is 1+1? please respond with a JSON object, the format is '
+                                                  '{"result": 2}'}])
+        content = resp.choices[0].message.content
+        assert content is not None
+        assert content.lstrip().startswith("{")
+
+
+def test_response_format_json_schema(client):
+    prompt = 'what is 1+1? The format is "result": 2'
+    schema = {"type": "object", "properties": {"result": {"type": "integer"}}}
+    # Check that this prompt cannot lead to a valid JSON without json_schema
+    for seed in range(2):
+        resp = client.chat.completions.create(model=MODEL_NAME, seed=seed, max_completion_tokens=20,
+                                              messages=[{"role": "user", "content": prompt}])
+        content = resp.choices[0].message.content
+        assert content is not None
+        with pytest.raises((json.JSONDecodeError, AssertionError)):
+            loaded = json.loads(content)
+            assert loaded == {"result": 2}, loaded
+
+    for seed in range(2):
+        resp = client.chat.completions.create(
+            model=MODEL_NAME, seed=seed, messages=[{"role": "user", "content": prompt}],
+            response_format={"type": "json_schema", "json_schema": {"name": "foo_test", "schema": schema,
+                                                                    "strict": True}})
+        content = resp.choices[0].message.content
+        assert content is not None
+        jsonschema.validate(instance=json.loads(content), schema=schema)
 
 
 def test_response_format_text(client):

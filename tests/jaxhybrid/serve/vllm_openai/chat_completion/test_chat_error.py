@@ -1,7 +1,8 @@
 """Port of vLLM's tests/entrypoints/openai/chat_completion/test_chat_error.py (text parts; the image, audio
-and video system-message warnings and response_format json_schema are out of scope, SKIPS.md): an engine
-output with finish_reason "error" fails a plain chat request (the server's 500) and ends a stream with an
-in-band "Internal server error" event then [DONE]; system messages of text or text parts are accepted.
+and video system-message warnings are out of scope, SKIPS.md): an engine output with finish_reason "error"
+fails a plain chat request (the server's 500) and ends a stream with an in-band "Internal server error" event
+then [DONE]; system messages of text or text parts are accepted; a json_schema response_format without its
+schema is refused.
 vLLM mocks its engine; here the serving layer is fed hand-made outputs (`fakes.FakeStream`)."""
 
 from __future__ import annotations
@@ -52,3 +53,12 @@ def test_system_message_accepts_text_array():
         model=MODEL_NAME,
         messages=[{"role": "system", "content": [{"type": "text", "text": "You are a helpful assistant."}]}])
     assert request.messages[0]["role"] == "system"
+
+
+def test_json_schema_response_format_missing_schema():
+    """response_format json_schema without its json_schema is a 400, not a 500 (vLLM refuses it as the request
+    is built; here the request's sampling params are where its constraint is read)."""
+    request = ChatCompletionRequest(model=MODEL_NAME, messages=[{"role": "user", "content": "hello"}],
+                                    response_format={"type": "json_schema"})
+    with pytest.raises(Exception, match="json_schema.*must be provided"):
+        request.params({})

@@ -1,5 +1,6 @@
 """Port of vLLM's tests/entrypoints/openai/completion/test_completion.py: single, batched, parallel (n > 1)
-and streamed completions, logprobs limits, prompt_logprobs, stream_options and echo with logprobs, on the
+and streamed completions, logprobs limits, prompt_logprobs, stream_options, echo with logprobs and structured
+outputs that do not compile (400s), on the
 module's server with --enable-prompt-tokens-details, as vLLM's (vLLM's opt-125m token counts become the
 reference tokenizer's counts)."""
 
@@ -11,6 +12,10 @@ import openai
 import pytest
 from openai import BadRequestError
 
+from tests.jaxhybrid.serve.vllm_openai.chat_completion.test_chat_completion import (
+    INVALID_JSON_SCHEMA,
+    INVALID_SQL_GRAMMAR,
+)
 from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, SERVER_FLAGS, InProcessServer, decode
 
 
@@ -296,3 +301,25 @@ def test_echo_logprob_completion(client, tokenizer, prompt, logprobs_arg: int):
     for top_logprobs in logprobs.top_logprobs[1:]:
         assert max(logprobs_arg, 1) <= len(top_logprobs) <= logprobs_arg + 1
     assert len(logprobs.tokens) > 5
+
+
+def test_invalid_json_schema(client) -> None:
+    prompt = "Generate a JSON with the brand, model and car_type ofthe most iconic car from the 90's"
+    with pytest.raises((openai.BadRequestError, openai.APIError)):
+        client.completions.create(model=MODEL_NAME, prompt=prompt,
+                                  extra_body={"structured_outputs": {"json": INVALID_JSON_SCHEMA}})
+
+
+def test_invalid_regex(client):
+    prompt = ("Generate an email address for Alan Turing, who works in Enigma.End in .com and new line. Example "
+              "result:alan.turing@enigma.com\n")
+    with pytest.raises((openai.BadRequestError, openai.APIError)):
+        client.completions.create(model=MODEL_NAME, prompt=prompt,
+                                  extra_body={"structured_outputs": {"regex": r"[.*"}, "stop": ["\n"]})
+
+
+def test_invalid_grammar(client):
+    prompt = "Generate an SQL query to show the 'username' and 'email'from the 'users' table."
+    with pytest.raises((openai.BadRequestError, openai.APIError)):
+        client.completions.create(model=MODEL_NAME, prompt=prompt,
+                                  extra_body={"structured_outputs": {"grammar": INVALID_SQL_GRAMMAR}})

@@ -1,6 +1,7 @@
 """Port of vLLM's tests/entrypoints/openai/completion/test_completion_error.py: an engine output with
 finish_reason "error" fails a plain request (the server's 500) and ends a stream with an in-band
-"Internal server error" event then [DONE]; negative prompt token ids are refused. vLLM mocks its engine;
+"Internal server error" event then [DONE]; a json_schema response_format without its schema and negative prompt
+token ids are refused. vLLM mocks its engine;
 here the serving layer is fed hand-made outputs (`fakes.FakeStream`), and the prompt checks go over HTTP."""
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ def test_completion_error_stream():
     assert len(chunks) >= 2
     assert any("Internal server error" in chunk for chunk in chunks), f"Expected error message in chunks: {chunks}"
     assert chunks[-1] == "data: [DONE]\n\n"
+
+
+def test_json_schema_response_format_missing_schema():
+    """response_format json_schema without its json_schema is a 400, not a 500 (vLLM refuses it as the request
+    is built; here the request's sampling params are where its constraint is read)."""
+    request = CompletionRequest(model=MODEL_NAME, prompt="Test prompt", max_tokens=10,
+                                response_format={"type": "json_schema"})
+    with pytest.raises(Exception, match="json_schema.*must be provided"):
+        request.params({})
 
 
 def test_negative_prompt_token_ids_nested(client):
