@@ -22,6 +22,8 @@ import yaml
 
 from jaxhybrid.models.config import ModelConfig
 from jaxhybrid.models.tensor_parallel import local_config
+from jaxhybrid.parsers.reasoning import REASONING_PARSERS
+from jaxhybrid.parsers.tools import TOOL_PARSERS
 from jaxhybrid.sample.sampler import DEFAULT_CONSTRAINT_WIDTH, ROW_DTYPE
 from jaxhybrid.worker.memory import PoolSizes, size_pools
 from pallas_kernels.common import resolve_backend
@@ -36,6 +38,11 @@ DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16
 
 def _arg(default: Any, help: str | None = None, **argparse_keywords: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **argparse_keywords})
+
+
+class ParserSetupError(ValueError):
+    """A parser flag (--reasoning-parser, --tool-call-parser) names a parser that cannot work with the model's
+    tokenizer (a marker token it lacks); the programs end their start-up with its message."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +87,8 @@ class EngineArgs:
     compilation_cache_dir: str | None = _arg(None, "compiled steps persist here across runs ('' turns it off)")
     async_scheduling: bool = _arg(True, "schedule one step ahead of the device (--no-: the serial loop, for "
                                   "debugging)")
+    reasoning_parser: str | None = _arg(None, "split chat output into reasoning and content, and start a structured "
+                                        "output's grammar where the reasoning ends", choices=tuple(REASONING_PARSERS))
 
     def scheduler_config(self, cfg: ModelConfig, budget: Callable[[], int], *, dtype: jnp.dtype,
                          step_temporaries: Callable[[SchedulerConfig], int] | None = None) -> SchedulerConfig:
@@ -168,6 +177,21 @@ CLI_DEFAULTS = {
     "compilation_cache_dir": str(Path.home() / ".cache" / "jaxhybrid" / "xla"),
 }
 FIELDS = {field.name: field for field in dataclasses.fields(EngineArgs)}
+
+# The tool-call flags of the programs that answer chat (the server, the batch job's chat lines): vLLM's names.
+TOOL_FLAGS: dict[str, dict] = {
+    "--enable-auto-tool-choice": dict(action=argparse.BooleanOptionalAction, default=False,
+                                      help='parse tool calls out of chat output (tool_choice "auto", "required" '
+                                      "and named functions); needs --tool-call-parser"),
+    "--tool-call-parser": dict(default=None, choices=tuple(TOOL_PARSERS),
+                               help="the model's tool-call format, for --enable-auto-tool-choice"),
+}
+
+
+def check_tool_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """vLLM's rule: --enable-auto-tool-choice names its parser; without one, start-up ends with one line."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.exit(2, f"{parser.prog}: error: --enable-auto-tool-choice requires --tool-call-parser\n")
 
 
 def _add(parser: argparse.ArgumentParser, name: str, keywords: dict) -> None:

@@ -16,11 +16,12 @@ from jaxhybrid.engine.core import Engine
 from jaxhybrid.engine.outputs import RequestOutput
 from jaxhybrid.engine.requests import Prompt
 from jaxhybrid.engine.tokenizer import Tokenizer
-from jaxhybrid.engine_args import EngineArgs, checkpoint_dtype, speculative_tokens
+from jaxhybrid.engine_args import EngineArgs, ParserSetupError, checkpoint_dtype, speculative_tokens
 from jaxhybrid.models.generation_config import read_generation_config, sampling_defaults
 from jaxhybrid.models.model import Model
 from jaxhybrid.models.tensor_parallel import make_mesh
 from jaxhybrid.models.weights import load_model, resolve_model
+from jaxhybrid.parsers.reasoning import ReasoningParser, get_reasoning_parser
 from jaxhybrid.sample.params import SamplingParams
 from jaxhybrid.worker.memory import device_memory_budget, param_bytes, reports_memory
 from jaxhybrid.worker.runner import step_temporaries
@@ -58,6 +59,7 @@ class LLM:
         self.tokenizer = None if args.skip_tokenizer_init else Tokenizer.from_pretrained(
             directory if args.tokenizer is None else resolve_model(args.tokenizer, args.tokenizer_revision,
                                                                    args.download_dir))
+        self.reasoning_parser = self._reasoning_parser(args.reasoning_parser)
         if speculative_tokens(args.speculative_config) and not cfg.mtp_layers:
             raise ValueError(f"speculative_config asks for MTP, but the {cfg.model_type} checkpoint at {directory} "
                              "has no MTP weights (mtp.*)")
@@ -70,14 +72,29 @@ class LLM:
         self.config = args.scheduler_config(
             cfg, lambda: device_memory_budget(args.gpu_memory_utilization, param_bytes(self.model.params, cfg, mesh)),
             dtype=dtype, step_temporaries=temporaries)
+        reasoning_end = None if self.reasoning_parser is None else self.reasoning_parser.is_reasoning_end
         self.engine = Engine(self.model, self.config, self.tokenizer, seed=args.seed, max_logprobs=args.max_logprobs,
                              mesh=mesh, async_scheduling=args.async_scheduling,
-                             max_sampling_constraints=args.max_sampling_constraints)
+                             max_sampling_constraints=args.max_sampling_constraints, reasoning_end=reasoning_end)
         self._counter = 0
         if args.precompile:
             start = time.perf_counter()
             count = self.engine.precompile()
             log.info("compiled %d buckets in %.1f s", count, time.perf_counter() - start)
+
+    def _reasoning_parser(self, name: str | None) -> ReasoningParser | None:
+        """The engine's instance of `reasoning_parser`, built once: its `is_reasoning_end` tells the engine where
+        a structured output's grammar starts. A tokenizer it cannot work with is a ParserSetupError."""
+        if name is None:
+            return None
+        parser = get_reasoning_parser(name)
+        if self.tokenizer is None:
+            raise ParserSetupError(f"reasoning_parser {name!r} needs the model's tokenizer (skip_tokenizer_init is "
+                                   "set)")
+        try:
+            return parser(self.tokenizer)
+        except ValueError as error:
+            raise ParserSetupError(f"reasoning_parser {name!r} cannot be used with this tokenizer: {error}") from error
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
@@ -216,13 +233,16 @@ class LLM:
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """`generate` over conversations rendered with the checkpoint's chat template (or `chat_template`),
-        with vLLM's options: `continue_final_message` lets the model carry on the last message."""
+        with vLLM's options: `continue_final_message` lets the model carry on the last message, `tools` (OpenAI's
+        function definitions) are the template's `tools`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self._require_tokenizer("chat")
+        template_kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
         prompts = [tokenizer.apply_chat_template(m, add_generation_prompt, continue_final_message, chat_template,
-                                                 **(chat_template_kwargs or {})) for m in conversations]
+                                                 **template_kwargs) for m in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

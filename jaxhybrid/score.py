@@ -28,12 +28,21 @@ from tqdm import tqdm
 
 from jaxhybrid.engine.outputs import RequestOutput
 from jaxhybrid.engine.requests import Prompt
-from jaxhybrid.engine_args import build_llm, make_parser, non_default, parse_args
+from jaxhybrid.engine_args import (
+    TOOL_FLAGS,
+    ParserSetupError,
+    build_llm,
+    check_tool_flags,
+    make_parser,
+    non_default,
+    parse_args,
+)
 from jaxhybrid.llm import LLM
 from jaxhybrid.malloc import preload_tcmalloc
 from jaxhybrid.sample.params import MAX_SEED, SamplingParams
 from jaxhybrid.scoring import PromptScores, read_scores, scoring_requests
 from jaxhybrid.serve import errors, render, responses
+from jaxhybrid.serve.chat_parsing import ChatParsers
 from jaxhybrid.serve.errors import BadRequest
 from jaxhybrid.serve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -63,7 +72,8 @@ def _seeded(params: SamplingParams, seed: int) -> SamplingParams:
     return params if params.seed is not None else dataclasses.replace(params, seed=seed % (MAX_SEED + 1))
 
 
-def _batch_work(llm: LLM, line: dict, index: int, model: str, created: int, seed: int) -> _Work:
+def _batch_work(llm: LLM, line: dict, index: int, model: str, created: int, seed: int,
+                parsers: ChatParsers = responses.NO_PARSERS) -> _Work:
     url, body = line.get("url"), line.get("body")
     if line.get("method", "POST") != "POST":
         raise BadRequest(f"method must be POST, got {line.get('method')!r}", "method")
@@ -79,14 +89,18 @@ def _batch_work(llm: LLM, line: dict, index: int, model: str, created: int, seed
     request.check()
     if request.stream:
         raise BadRequest("stream is not available in a batch job", "body.stream")
+    if isinstance(request, ChatCompletionRequest):
+        parsers.check(request)
     params = _seeded(request.params(llm.generation_defaults), seed * 1_000_003 + index)
     response_id = f"{'cmpl' if url == '/v1/completions' else 'chatcmpl'}-{index}"
     if isinstance(request, ChatCompletionRequest):
+        params = parsers.adjust(request, params)
         text = render.render_chat(llm, request.messages, request.add_generation_prompt, "body.messages",
-                                  request.continue_final_message, request.chat_template_kwargs)
+                                  request.continue_final_message, request.template_kwargs(),
+                                  tools=request.template_tools())
         prompt = request.engine_prompt(llm, text, params)
         return _Work([(prompt, params)], lambda finals: responses.chat_response(
-            request, finals[0], model, response_id, created))
+            request, finals[0], model, response_id, created, parsers=parsers))
     prompts = [request.engine_prompt(llm, p, params) for p in request.prompts()]
     echoed = [render.prompt_text(llm, p) for p in prompts] if request.echo else None
     return _Work([(p, params) for p in prompts], lambda finals: responses.completion_response(
@@ -115,9 +129,13 @@ class ScoreJob:
     """Runs input lines through one `LLM`, a window at a time, and yields output lines in input order."""
 
     def __init__(self, llm: LLM, *, model_name: str, created: int = 0, seed: int = 0, reuse: bool = True,
-                 default_top_logprobs: int | None = None):
+                 default_top_logprobs: int | None = None, tool_call_parser: str | None = None,
+                 enable_auto_tool_choice: bool = False):
         self.llm, self.model_name, self.created, self.seed = llm, model_name, created, seed
         self.reuse, self.default_top_logprobs = reuse, default_top_logprobs
+        # chat lines are parsed as the server parses chat: the engine's reasoning parser, the tool-call flags
+        self.parsers = ChatParsers.from_flags(llm.tokenizer, llm.args.reasoning_parser, tool_call_parser,
+                                              enable_auto_tool_choice)
         self.counted = Counter()  # lines, errors, prompt_tokens, generated_tokens
 
     def run(self, lines: Iterator[tuple[int, str]], window: int) -> Iterator[tuple[list[str], Counter]]:
@@ -148,7 +166,7 @@ class ScoreJob:
             raise BadRequest(f"unknown fields {sorted(keys - expected)} (expected {sorted(expected)})",
                              sorted(keys - expected)[0])
         if "custom_id" in line:
-            return _batch_work(self.llm, line, index, self.model_name, self.created, self.seed)
+            return _batch_work(self.llm, line, index, self.model_name, self.created, self.seed, self.parsers)
         if "candidates" not in line or "prompt" not in line:
             raise BadRequest("a line needs custom_id/url/body (OpenAI batch) or prompt/candidates (scoring)", "line")
         top = line.get("top_logprobs", self.default_top_logprobs)
@@ -243,6 +261,7 @@ _SCORE_FLAGS: dict[str, dict] = {
     "--ray": dict(action="store_true", help="data parallel: windows spread over Ray Data actors, one engine each"),
     "--num-replicas": dict(type=int, default=1, help="with --ray: engines (actors; one GPU each where GPUs exist)"),
     "--ray-address": dict(default=None, help="with --ray: the cluster to join (default: RAY_ADDRESS, else local)"),
+    **TOOL_FLAGS,
 }
 
 
@@ -250,6 +269,7 @@ def main(argv: list[str] | None = None) -> JobSummary:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = make_parser("python -m jaxhybrid.score", __doc__.splitlines()[0], _SCORE_FLAGS)
     args = parse_args(parser, argv)
+    check_tool_flags(parser, args)
     log.info("non-default arguments: %s", non_default(parser, args))
     source, output = Path(args.input), Path(args.output)
     if not source.exists():
@@ -259,7 +279,8 @@ def main(argv: list[str] | None = None) -> JobSummary:
     done = resume_point(output, args.window) if args.resume else 0
     job_options = dict(model_name=args.served_model_name or str(args.model or "jaxhybrid-default"),
                        created=int(source.stat().st_mtime), seed=args.seed, reuse=args.checkpoint_reuse,
-                       default_top_logprobs=args.top_logprobs)
+                       default_top_logprobs=args.top_logprobs, tool_call_parser=args.tool_call_parser,
+                       enable_auto_tool_choice=args.enable_auto_tool_choice)
     lines = itertools.islice(_input_lines(source), done, None)
     if args.ray:
         from jaxhybrid.ray_data import score_windows
@@ -267,7 +288,11 @@ def main(argv: list[str] | None = None) -> JobSummary:
         windows = score_windows(lines, args.window, num_replicas=args.num_replicas, address=args.ray_address,
                                 make_llm=functools.partial(build_llm, args), job_options=job_options)
     else:
-        windows = ScoreJob(build_llm(args), **job_options).run(lines, args.window)
+        try:
+            job = ScoreJob(build_llm(args), **job_options)
+        except ParserSetupError as error:  # a parser flag the model's tokenizer cannot serve: one line
+            raise SystemExit(f"python -m jaxhybrid.score: error: {error}") from None
+        windows = job.run(lines, args.window)
     start, counters = time.perf_counter(), Counter()
     with output.open("a" if args.resume else "w") as out, tqdm(desc="score", unit="line", initial=done) as bar:
         for texts, counted in windows:

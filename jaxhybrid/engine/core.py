@@ -100,7 +100,7 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
                     cache_salt: str | None = None, prompt_logprobs_from: int = 0, group: str | None = None,
-                    grammar: llguidance.LLMatcher | None = None) -> None:
+                    grammar: llguidance.LLMatcher | None = None, grammar_after_reasoning: bool = True) -> None:
         """Queue a request; raises ValueError naming the problem (nothing is queued then). Its n sequences
         share `group` (default: the request's own) with the requests a client sent together: while others
         wait, a group is admitted up to its fair share of the batch (`scheduler/admit.py`).
@@ -110,7 +110,8 @@ class Engine:
         no logits before it. With the default every prompt position is reported, as vLLM does.
 
         `grammar`: the request's `structured_outputs` compiled already (`structured.compile`, off this thread,
-        as the server does); else it is compiled here."""
+        as the server does); else it is compiled here. With a reasoning parser the grammar starts after the
+        reasoning, unless `grammar_after_reasoning` is false (a request that turned its reasoning off)."""
         table = self.table
         request = table.new_request(request_id, prompt, params or SamplingParams(), cache_salt, prompt_logprobs_from,
                                     group)
@@ -130,7 +131,7 @@ class Engine:
                 raise type(error)(message if request_id in message else f"request {request_id!r}: {message}") from error
             table.add_sequence(request, sequence_id, constraints)
         if request.params.structured_outputs is not None:
-            self.structured.add(request.sequences, grammar, prompt.token_ids)
+            self.structured.add(request.sequences, grammar, prompt.token_ids, grammar_after_reasoning)
         table.requests[request_id] = request
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -46,10 +46,12 @@ class StructuredOutputs:
         """A matcher for `params` (GrammarError, a ValueError, naming the field). Thread-safe."""
         return self.compiler.compile(params)
 
-    def add(self, sequence_ids: Sequence[str], matcher: llguidance.LLMatcher, prompt: Sequence[int]) -> None:
-        """Constrain each sequence by a copy of `matcher`. With a reasoning parser, the grammar starts
-        once the reasoning ends: at once if the prompt already ends it (thinking switched off)."""
-        reasoning = self.reasoning_end is not None and not self.reasoning_end(prompt)
+    def add(self, sequence_ids: Sequence[str], matcher: llguidance.LLMatcher, prompt: Sequence[int],
+            after_reasoning: bool = True) -> None:
+        """Constrain each sequence by a copy of `matcher`. With a reasoning parser, the grammar starts once the
+        reasoning ends: at once if the prompt already ends it (thinking switched off), or if `after_reasoning`
+        is false (the request asked for no reasoning)."""
+        reasoning = after_reasoning and self.reasoning_end is not None and not self.reasoning_end(prompt)
         for sequence_id in sequence_ids:  # a copy each: `matcher` may serve other prompts of a request too
             self.grammars[sequence_id] = SequenceGrammar(matcher.deep_copy(), reasoning)
 

@@ -16,7 +16,7 @@ import signal
 from collections.abc import Callable
 
 from jaxhybrid import engine_args
-from jaxhybrid.engine_args import build_llm, make_parser, non_default
+from jaxhybrid.engine_args import TOOL_FLAGS, ParserSetupError, build_llm, check_tool_flags, make_parser, non_default
 from jaxhybrid.malloc import preload_tcmalloc
 
 log = logging.getLogger("jaxhybrid.serve")
@@ -56,6 +56,9 @@ _SERVER_FLAGS: dict[str, dict] = {
                                            "template reads (auto)"),
     "--enable-server-load-tracking": dict(action=argparse.BooleanOptionalAction, default=False,
                                           help="serve GET /load: the completions and chat requests in flight"),
+    **TOOL_FLAGS,
+    "--exclude-tools-when-tool-choice-none": dict(action=argparse.BooleanOptionalAction, default=False,
+                                                  help='tool_choice "none" keeps the tools out of the chat template'),
 }
 
 
@@ -64,7 +67,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = engine_args.parse_args(parser(), argv)
+    flags = parser()
+    args = engine_args.parse_args(flags, argv)
+    check_tool_flags(flags, args)
     if not args.api_key and os.environ.get("JAXHYBRID_API_KEY"):
         args.api_key = [os.environ["JAXHYBRID_API_KEY"]]
     return args
@@ -93,7 +98,10 @@ def build_server(args: argparse.Namespace, on_stuck: Callable[[str], None] | Non
     state = ServerState(llm, loop, names, str(args.model or DEFAULT_MODEL_DIR), config.max_model_len,
                         prompt_tokens_details=args.enable_prompt_tokens_details,
                         force_include_usage=args.enable_force_include_usage,
-                        content_format=content_format(llm, args.chat_template_content_format))
+                        content_format=content_format(llm, args.chat_template_content_format),
+                        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice,
+                        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
     app = build_app(state, tuple(args.api_key or ()), root_path=args.root_path,
                     request_id_headers=args.enable_request_id_headers,
                     tokenizer_info=args.enable_tokenizer_info_endpoint,
@@ -118,7 +126,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     log.info("non-default arguments: %s", non_default(parser(), args))
-    app, state = build_server(args, on_stuck=exit_stuck)
+    try:
+        app, state = build_server(args, on_stuck=exit_stuck)
+    except ParserSetupError as error:  # a parser flag the model's tokenizer cannot serve: one line, no traceback
+        raise SystemExit(f"python -m jaxhybrid.serve: error: {error}") from None
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:  # SIGTERM/SIGINT: refuse new work, drain the rest

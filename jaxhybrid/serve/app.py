@@ -31,6 +31,7 @@ from jaxhybrid.engine.requests import Prompt
 from jaxhybrid.llm import LLM
 from jaxhybrid.sample.params import SamplingParams
 from jaxhybrid.serve import errors, middleware, render, responses, streaming
+from jaxhybrid.serve.chat_parsing import ChatParsers
 from jaxhybrid.serve.engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestStream
 from jaxhybrid.serve.errors import BadRequest, error_response
 from jaxhybrid.serve.protocol import (
@@ -57,10 +58,22 @@ class ServerState:
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage
     server_load: int = 0  # generation requests being served (GET /load with --enable-server-load-tracking)
     content_format: str = "string"  # vLLM's --chat-template-content-format, resolved: "string" or "openai"
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser
+    tool_call_parser: str | None = None  # vLLM's --tool-call-parser: used with --enable-auto-tool-choice
+    enable_auto_tool_choice: bool = False
+    exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag: tool_choice "none" hides the tools
     # templating and (de)tokenizing: two threads, so the event loop stays free and a burst of large prompts
     # queues here instead of taking every core from the engine
     workers: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="jaxhybrid-prepare"))
+
+    parsers: ChatParsers = field(init=False, default_factory=ChatParsers)  # none unless the flags name some
+
+    def __post_init__(self) -> None:
+        """The parsers, tried on the tokenizer now: a flag that cannot work with it ends start-up."""
+        if self.reasoning_parser or self.enable_auto_tool_choice:
+            self.parsers = ChatParsers.from_flags(self.llm.tokenizer, self.reasoning_parser, self.tool_call_parser,
+                                                  self.enable_auto_tool_choice)
 
     async def off_loop(self, work: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.workers, work)
@@ -151,7 +164,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         def tokenized() -> dict:
             text = body.prompt if body.messages is None else render.render_chat(
                 state.llm, body.messages, body.add_generation_prompt, "messages", body.continue_final_message,
-                content_format=state.content_format)
+                content_format=state.content_format, tools=body.template_tools())
             render.check_text_fits(state.llm, text, "prompt" if body.messages is None else "messages")
             add_special = body.messages is None if body.add_special_tokens is None else body.add_special_tokens
             ids = tokenizer.encode(text, add_special)
@@ -196,12 +209,13 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         name = _check_model(state, body.model)
         body.check()
+        state.parsers.check(body)
         prepared = await state.off_loop(lambda: _chat_prompts(state, [body]))
         response_id = responses.response_id("chatcmpl", request.headers.get("X-Request-Id"), body.request_id)
         streams = await _add_all(state, responses.new_id(response_id), prepared, body.cache_salt)
         if body.stream:
             return streaming.sse(state, streaming.chat_chunks(state, streams, prepared.prompts[0], body, name,
-                                                              response_id))
+                                                              response_id, state.parsers))
         return await _unless_disconnected(request, state, _chat_response(state, streams, body, name, response_id))
 
     @app.post("/v1/chat/completions/batch")
@@ -211,6 +225,8 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         name = _check_model(state, body.model)
         body.check()
         conversations = body.conversations()
+        for conversation in conversations:
+            state.parsers.check(conversation)
         prepared = await state.off_loop(lambda: _chat_prompts(state, conversations))
         response_id = responses.response_id("chatcmpl", request.headers.get("X-Request-Id"), body.request_id)
         streams = await _add_all(state, responses.new_id(response_id), prepared, body.cache_salt)
@@ -245,6 +261,7 @@ class _Prepared(NamedTuple):
     params: SamplingParams
     prompts: list[Prompt]
     grammar: llguidance.LLMatcher | None
+    grammar_after_reasoning: bool = True  # false: the request turned its reasoning off, the grammar starts at once
 
 
 def _completion_prompts(state: ServerState, body: CompletionRequest) -> _Prepared:
@@ -257,8 +274,12 @@ def _completion_prompts(state: ServerState, body: CompletionRequest) -> _Prepare
 def _chat_prompts(state: ServerState, conversations: list[ChatCompletionRequest]) -> _Prepared:
     """The sampling params (the same fields in each conversation) and each conversation's prompt: its
     prompt_token_ids, or its messages through the chat template (on a worker thread)."""
-    params = _checked(state, conversations[0].params(state.llm.generation_defaults), len(conversations), "messages")
-    return _Prepared(params, [_chat_prompt(state, body, params) for body in conversations], _grammar(state, params))
+    first = conversations[0]
+    params = state.parsers.adjust(first, first.params(state.llm.generation_defaults))
+    params = _checked(state, params, len(conversations), "messages")
+    after_reasoning = first.include_reasoning and (first.chat_template_kwargs or {}).get("enable_thinking") is not False
+    return _Prepared(params, [_chat_prompt(state, body, params) for body in conversations], _grammar(state, params),
+                     after_reasoning)
 
 
 def _grammar(state: ServerState, params: SamplingParams) -> llguidance.LLMatcher | None:
@@ -294,7 +315,8 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest, params: Sampli
     if body.prompt_token_ids is not None:
         return body.engine_prompt(state.llm, body.prompt_token_ids, params)
     text = render.render_chat(state.llm, body.messages, body.add_generation_prompt, "messages",
-                              body.continue_final_message, body.chat_template_kwargs, state.content_format)
+                              body.continue_final_message, body.template_kwargs(), state.content_format,
+                              body.template_tools(state.exclude_tools_when_tool_choice_none))
     return body.engine_prompt(state.llm, text, params)
 
 
@@ -310,7 +332,7 @@ async def _add_all(state: ServerState, response_id: str, prepared: _Prepared, ca
                          f"(--max-num-queued-tokens {bound})", "prompt")
     state.loop.check_room(len(prompts) * params.n, tokens)
     added = await asyncio.gather(*[state.loop.add(f"{response_id}-{i}", prompt, params, cache_salt, response_id,
-                                                  prepared.grammar)
+                                                  prepared.grammar, prepared.grammar_after_reasoning)
                                    for i, prompt in enumerate(prompts)], return_exceptions=True)
     refused = [a for a in added if isinstance(a, BaseException)]
     if refused:
@@ -360,12 +382,12 @@ async def _completion_response(state: ServerState, streams: list[RequestStream],
 async def _chat_response(state: ServerState, streams: list[RequestStream], body: ChatCompletionRequest, name: str,
                          response_id: str) -> dict:
     return responses.chat_response(body, (await streaming.finals(streams))[0], name, response_id,
-                                   prompt_tokens_details=state.prompt_tokens_details)
+                                   prompt_tokens_details=state.prompt_tokens_details, parsers=state.parsers)
 
 
 async def _batch_chat_response(state: ServerState, streams: list[RequestStream],
                                conversations: list[ChatCompletionRequest], name: str, response_id: str) -> dict:
     return responses.batch_chat_response(conversations, await streaming.finals(streams), name, response_id,
-                                         prompt_tokens_details=state.prompt_tokens_details)
+                                         prompt_tokens_details=state.prompt_tokens_details, parsers=state.parsers)
 
 

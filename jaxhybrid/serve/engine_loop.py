@@ -50,6 +50,7 @@ class _Submission:
     admitted: concurrent.futures.Future
     stream: RequestStream
     grammar: llguidance.LLMatcher | None = None  # compiled off the engine's thread
+    grammar_after_reasoning: bool = True
 
 
 class RequestStream:
@@ -137,7 +138,8 @@ class EngineLoop:
     # -- the event loop's side ----------------------------------------------------------------------------
 
     async def add(self, request_id: str, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None,
-                  group: str | None = None, grammar: llguidance.LLMatcher | None = None) -> RequestStream:
+                  group: str | None = None, grammar: llguidance.LLMatcher | None = None,
+                  grammar_after_reasoning: bool = True) -> RequestStream:
         """Submit a request (`group`: the client request it is part of, `Engine.add_request`); returns its
         stream once the engine has taken it. Raises ValueError for bad input (nothing is queued then),
         QueueFull, or EngineUnavailable."""
@@ -147,7 +149,7 @@ class EngineLoop:
         stream = RequestStream(self, request_id, params, params.n * len(prompt.token_ids))
         admitted = concurrent.futures.Future()
         self._submit(("add", _Submission(request_id, prompt, params, cache_salt, group, admitted, stream,
-                                              grammar)))
+                                              grammar, grammar_after_reasoning)))
         try:
             await asyncio.wait_for(asyncio.wrap_future(admitted), self.watchdog_timeout)
         except TimeoutError as error:
@@ -238,7 +240,8 @@ class EngineLoop:
                 continue
             try:
                 self.engine.add_request(item.request_id, item.prompt, item.params, cache_salt=item.cache_salt,
-                                        group=item.group, grammar=item.grammar)
+                                        group=item.group, grammar=item.grammar,
+                                        grammar_after_reasoning=item.grammar_after_reasoning)
             except ValueError as error:  # bad input: the caller's 400, without the engine's id; nothing queued
                 message = str(error).replace(f"request {item.request_id!r}: ", "")
                 item.admitted.set_exception(ValueError(message.replace(f"request {item.request_id!r}", "the request")))

@@ -14,10 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jaxhybrid.engine.requests import Prompt
 from jaxhybrid.llm import LLM
+from jaxhybrid.parsers.messages import ChatTool
 from jaxhybrid.sample.params import SamplingParams
 from jaxhybrid.sample.structured_outputs import StructuredOutputsParams
 from jaxhybrid.serve import render
 from jaxhybrid.serve.errors import BadRequest, as_bad_request
+from jaxhybrid.serve.tool_choice import forced_schema
 
 LONG_MIN, LONG_MAX = -2 ** 63, 2 ** 63 - 1  # a request's seed is a signed 64-bit integer (vLLM)
 # The most prompts one request may list (the queue's bound refuses fewer), and messages one conversation may
@@ -53,8 +55,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "stream_interval": lambda v: v in (None, 1),
 }
 _CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "tools": _off, "tool_choice": lambda v: v in (None, "none", "auto"),
-    "reasoning_effort": _unset, "documents": _unset, "chat_template": _unset, "mm_processor_kwargs": _unset,
+    "documents": _unset, "chat_template": _unset, "mm_processor_kwargs": _unset,
     "media_io_kwargs": _unset, "return_prompt_text": _off,
 }
 
@@ -201,6 +202,11 @@ _NULLABLE = {"max_tokens", "logprobs", "prompt_logprobs", "seed", "logit_bias", 
              "truncate_prompt_tokens", "structured_outputs"}
 
 
+def _tool_dicts(tools: list[ChatTool] | None) -> list[dict] | None:
+    """Tools as a chat template reads them: OpenAI's dicts."""
+    return None if tools is None else [tool.model_dump() for tool in tools]
+
+
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]  # ids before strings: a long id list validates in one pass
     max_tokens: int | None = 16
@@ -253,6 +259,11 @@ class ChatCompletionRequest(_Request):
     echo: bool = False  # the reply starts with the last message's content when its role is the reply's
     prompt_token_ids: list[int] | None = None  # a rendered prompt, instead of messages (vLLM's token in)
     add_special_tokens: bool = False  # the chat template already wrote them
+    tools: list[ChatTool] | None = None
+    tool_choice: Any = "none"  # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True  # false: no `reasoning` in the reply (vLLM)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
     _unsupported: ClassVar[dict[str, Callable[[Any], bool]]] = {**_UNSUPPORTED, **_CHAT_UNSUPPORTED}
     _TEMPLATE_OPTIONS: ClassVar[tuple[str, ...]] = ("add_generation_prompt", "continue_final_message",
@@ -266,6 +277,80 @@ class ChatCompletionRequest(_Request):
             raise BadRequest("messages must not be empty", "messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
+        self._check_tools()
+
+    @property
+    def resolved_tool_choice(self) -> Any:
+        """vLLM's: "auto" when tools come without a tool_choice."""
+        if "tool_choice" not in self.model_fields_set and self.tools:
+            return "auto"
+        return self.tool_choice
+
+    def tool_mode(self, auto_tools: bool) -> str:
+        """"none", "auto", "required" or "named". An explicit null tool_choice is "auto" where the server parses
+        tool calls (`auto_tools`), else "none"."""
+        choice = self.resolved_tool_choice
+        if isinstance(choice, dict):
+            return "named"
+        if choice is None:
+            return "auto" if self.tools and auto_tools else "none"
+        return choice
+
+    def _check_tools(self) -> None:
+        """vLLM's rules for tools and tool_choice, with its messages."""
+        if self.tools == []:
+            raise BadRequest("`tools` must not be an empty array. Either provide at least one tool or omit the "
+                             "field entirely.", "tools")
+        choice = self.resolved_tool_choice
+        if choice is None or choice == "none":
+            return
+        if self.tools is None:
+            raise BadRequest("When using `tool_choice`, `tools` must be set.", "tool_choice")
+        if isinstance(choice, dict):
+            self._check_named_tool(choice)
+        elif choice not in ("auto", "required"):
+            raise BadRequest(f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or '
+                             '"required" are supported.', "tool_choice")
+
+    def _check_named_tool(self, choice: dict) -> None:
+        usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+        function = choice.get("function")
+        if choice.get("type", "function") != "function" or not isinstance(function, dict):
+            raise BadRequest(f"Invalid value for `function`: `{function}` in `tool_choice`! {usage}",
+                             "tool_choice.function")
+        if "name" not in function:
+            raise BadRequest(f"Expected field `name` in `function` in `tool_choice`! {usage}",
+                             "tool_choice.function.name")
+        name = function["name"]
+        if not isinstance(name, str) or not name:
+            raise BadRequest(f"Invalid `name` in `function`: `{name}` in `tool_choice`! {usage}",
+                             "tool_choice.function.name")
+        if all(tool.function.name != name for tool in self.tools):
+            raise BadRequest("The tool specified in `tool_choice` does not match any of the specified `tools`",
+                             "tool_choice")
+        constraints = self.structured_outputs or {}
+        if any(constraints.get(kind) is not None for kind in ("json", "regex", "choice")):
+            raise BadRequest("You can only either use constraints for structured outputs or tools, not both.",
+                             "structured_outputs")
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """A forced tool choice's schema (it replaces any other constraint, as in vLLM), else the request's."""
+        schema = forced_schema(self.tools, self.resolved_tool_choice, self.parallel_tool_calls)
+        return super().structured() if schema is None else StructuredOutputsParams(json=schema)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's extra variables (and the reasoning parser's view of them): chat_template_kwargs,
+        with vLLM's `reasoning_effort`, which also sets `enable_thinking` (false for "none") unless they do."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs
+
+    def template_tools(self, exclude_when_none: bool = False) -> list[dict] | None:
+        """The tools as the template reads them; none with tool_choice "none" under vLLM's
+        --exclude-tools-when-tool-choice-none."""
+        return None if exclude_when_none and self.resolved_tool_choice == "none" else _tool_dicts(self.tools)
 
     def _check_token_in(self) -> None:
         """Pre-tokenized input is already rendered: messages and chat-template options would be ignored."""
@@ -313,13 +398,17 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
                              "conversations", "prompt_token_ids")
         if self.prompt_logprobs is not None:  # vLLM's batched reply has no place for them
             raise BadRequest("Batch chat completions do not return prompt_logprobs", "prompt_logprobs")
+        if self.tool_choice not in (None, "none"):  # vLLM's batch takes tool_choice "none" only
+            raise BadRequest('Batch chat completions do not call tools: tool_choice must be "none"', "tool_choice")
         for conversation in self.conversations():
             conversation.check()
 
     def conversations(self) -> list[ChatCompletionRequest]:
-        """One chat request per conversation, with the batch's other fields (those it was sent)."""
+        """One chat request per conversation, with the batch's other fields (those it was sent); tool_choice is
+        "none" (tools still reach the template, as in vLLM)."""
         fields = self.model_dump(exclude={"messages"}, exclude_unset=True)
-        return [ChatCompletionRequest.model_validate({**fields, "messages": messages}) for messages in self.messages]
+        return [ChatCompletionRequest.model_validate({"tool_choice": "none", **fields, "messages": messages})
+                for messages in self.messages]
 
 
 class TokenizeRequest(BaseModel):
@@ -331,6 +420,10 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[ChatTool] | None = None  # vLLM's: messages are rendered with them, as chat renders them
+
+    def template_tools(self) -> list[dict] | None:
+        return _tool_dicts(self.tools)
 
 
 class DetokenizeRequest(BaseModel):

@@ -1,8 +1,10 @@
-"""Prompts from requests: chat messages through the template (content parts as the template reads them), a
-prompt's text for echo, and vLLM's /tokenizer_info."""
+"""Prompts from requests: chat messages through the template (content parts as the template reads them, tool
+calls and tool results as vLLM hands them over), a prompt's text for echo, and vLLM's /tokenizer_info."""
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Any, Literal
 
 from jaxhybrid.engine.requests import Prompt
@@ -10,6 +12,8 @@ from jaxhybrid.engine.tokenizer import Tokenizer
 from jaxhybrid.llm import LLM
 from jaxhybrid.sample.params import SamplingParams
 from jaxhybrid.serve.errors import BadRequest, as_bad_request
+
+log = logging.getLogger("jaxhybrid.serve")
 
 
 def require_tokenizer(llm: LLM, param: str) -> Tokenizer:
@@ -20,13 +24,14 @@ def require_tokenizer(llm: LLM, param: str) -> Tokenizer:
 
 def render_chat(llm: LLM, messages: list[dict], add_generation_prompt: bool, param: str = "messages",
                 continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
-                content_format: str = "string") -> str:
-    """`messages` through the checkpoint's chat template (`template_kwargs` its extra variables), their
-    content in `content_format` (`text_content`); a bad message or template is a 400."""
+                content_format: str = "string", tools: list[dict] | None = None) -> str:
+    """`messages` through the checkpoint's chat template (`template_kwargs` its extra variables, `tools` its
+    `tools`), their content in `content_format` (`text_content`); a bad message or template is a 400."""
     tokenizer = require_tokenizer(llm, param)
+    kwargs = {**(template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
     try:
         return tokenizer.apply_chat_template(text_content(messages, param, content_format), add_generation_prompt,
-                                             continue_final_message, None, **(template_kwargs or {}))
+                                             continue_final_message, None, **kwargs)
     except (ValueError, TypeError) as error:  # TypeError: a template variable that clashes with ours
         raise BadRequest(str(error), param) from error
 
@@ -46,18 +51,72 @@ _TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "ref
 def text_content(messages: list[dict], param: str, content_format: str = "string") -> list[dict]:
     """vLLM's content formats for a content list: "string" joins its texts by newlines (other fields of its
     parts are ignored); "openai" hands the template the parts, each {"type": "text", "text": ...} with the
-    part's other fields (a template may read them), a str content becoming one such part."""
+    part's other fields (a template may read them), a str content becoming one such part. An assistant's
+    null or missing content is empty (a message that only calls tools), and a tool's result is always one
+    text. Assistant messages' tool calls and reasoning are made ready for the template (`_assistant_fields`)."""
     flat = []
     for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str) and content_format == "openai":
-            message = {**message, "content": [{"type": "text", "text": content}]}
-        elif isinstance(content, list):
-            parts = _text_parts(content, f"messages[{i}].content", param)
-            message = {**message, "content": parts if content_format == "openai" else
-                       "\n".join(part["text"] for part in parts)}
+        if isinstance(message, dict):
+            message = _formatted_content(message, f"messages[{i}]", param, content_format)
+            if message.get("role") == "assistant":
+                message = _assistant_fields(message, f"messages[{i}]", param)
         flat.append(message)
     return flat
+
+
+def _formatted_content(message: dict, where: str, param: str, content_format: str) -> dict:
+    content, joined = message.get("content"), content_format != "openai" or message.get("role") == "tool"
+    if content is None and message.get("role") == "assistant":  # one that only calls tools has none
+        content = "" if joined else []
+    if isinstance(content, str) and not joined:
+        content = [{"type": "text", "text": content}]
+    elif isinstance(content, list):
+        parts = _text_parts(content, f"{where}.content", param)
+        content = "\n".join(part["text"] for part in parts) if joined else parts
+    return message if content is None else {**message, "content": content}
+
+
+def _assistant_fields(message: dict, where: str, param: str) -> dict:
+    """vLLM's assistant message for the template: `reasoning` (and its old name `reasoning_content`, which a
+    request may send instead), and tool calls whose `arguments`, a JSON text as OpenAI sends them, are the
+    object templates expect (one that is not a JSON object is {}, with a warning: it is history, and refusing it
+    would refuse every later turn too); an empty tool call list is dropped."""
+    reasoning = message.get("reasoning", message.get("reasoning_content"))
+    if reasoning is not None:
+        message = {**message, "reasoning": reasoning, "reasoning_content": reasoning}
+    calls = message.get("tool_calls")
+    if calls is None:
+        return message
+    if not isinstance(calls, list):
+        raise BadRequest(f"{where}.tool_calls must be a list of tool calls", param)
+    if not calls:
+        return {key: value for key, value in message.items() if key != "tool_calls"}
+    return {**message, "tool_calls": [_template_call(call, f"{where}.tool_calls", param) for call in calls]}
+
+
+def _template_call(call: Any, where: str, param: str) -> dict:
+    if not isinstance(call, dict):
+        raise BadRequest(f"{where}: assistant tool_calls entries must be objects.", param)
+    function = call.get("function")
+    if call.get("type", "function") != "function" or not isinstance(function, dict):
+        raise BadRequest(f"{where}: chat completions only support assistant tool_calls of type 'function'.", param)
+    return {**call, "function": {**function, "arguments": _arguments_object(function)}}
+
+
+def _arguments_object(function: dict) -> dict:
+    arguments = function.get("arguments")
+    if not arguments:
+        return {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            arguments = None
+    if not isinstance(arguments, dict):
+        log.warning("tool call %.100r: its arguments are not a JSON object; the template gets {}",
+                    function.get("name"))
+        return {}
+    return arguments
 
 
 def _text_parts(content: list, where: str, param: str) -> list[dict]:

@@ -8,7 +8,10 @@ from collections.abc import Callable
 
 from jaxhybrid.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from jaxhybrid.llm import LLM
+from jaxhybrid.serve.chat_parsing import ChatParsers, ChoiceParser
 from jaxhybrid.serve.protocol import ChatCompletionRequest, CompletionRequest, _Request
+
+NO_PARSERS = ChatParsers()
 
 LOGPROB_FLOOR = -9999.0  # vLLM's clamp for -inf, so the JSON stays valid
 
@@ -135,36 +138,56 @@ def completion_response(body: CompletionRequest, finals: list[RequestOutput], mo
 
 
 def chat_response(body: ChatCompletionRequest, final: RequestOutput, model: str, response_id: str | None = None,
-                  created: int | None = None, prompt_tokens_details: bool = False) -> dict:
+                  created: int | None = None, prompt_tokens_details: bool = False,
+                  parsers: ChatParsers = NO_PARSERS) -> dict:
     reply = {**envelope("chat.completion", response_id or new_id("chatcmpl"), model, created),
-             "choices": chat_choices(body, final), "usage": usage([final], prompt_tokens_details)}
+             "choices": chat_choices(body, final, parsers), "usage": usage([final], prompt_tokens_details)}
     reply["prompt_logprobs"] = None if body.prompt_logprobs is None else prompt_logprobs_json(final.prompt_logprobs)
     reply["prompt_token_ids"] = final.prompt_token_ids if body.return_token_ids else None
     return reply
 
 
 def batch_chat_response(conversations: list[ChatCompletionRequest], finals: list[RequestOutput], model: str,
-                        response_id: str, prompt_tokens_details: bool = False) -> dict:
+                        response_id: str, prompt_tokens_details: bool = False,
+                        parsers: ChatParsers = NO_PARSERS) -> dict:
     """vLLM's batched chat reply: conversation i's choice has index i, the usage counts them all (and, as
     vLLM's, no prompt logprobs or prompt ids)."""
     choices = [{**choice, "index": i} for i, (body, final) in enumerate(zip(conversations, finals, strict=True))
-               for choice in chat_choices(body, final)]
+               for choice in chat_choices(body, final, parsers)]
     return {**envelope("chat.completion", response_id, model), "choices": choices,
             "usage": usage(finals, prompt_tokens_details), "prompt_logprobs": None, "prompt_token_ids": None}
 
 
-def chat_choices(body: ChatCompletionRequest, final: RequestOutput) -> list[dict]:
-    choices, echoed = [], body.echoed_content()
+def chat_choices(body: ChatCompletionRequest, final: RequestOutput, parsers: ChatParsers = NO_PARSERS) -> list[dict]:
+    """One choice per completion: its message (reasoning and tool calls split off by the server's parsers,
+    one parser per choice), logprobs and finish fields. vLLM's include_reasoning=false also drops the logprobs
+    and token ids, which would show the reasoning."""
+    choices, hidden = [], parsers.hides_metadata(body)
     for completion in final.outputs:
-        choice = {"index": completion.index, "message": {"role": "assistant", "content": echoed + completion.text},
-                  "logprobs": None, **finish_fields(completion), **token_ids_fields(body, completion.token_ids)}
-        if completion.logprobs is not None:
+        message, finish_reason = chat_message(body, completion, parsers.choice_parser(body, final.prompt_token_ids))
+        choice = {"index": completion.index, "message": message, "logprobs": None, **finish_fields(completion),
+                  "finish_reason": finish_reason, **token_ids_fields(body, None if hidden else completion.token_ids)}
+        if completion.logprobs is not None and not hidden:
             choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs, body.top_logprobs or 0,
                                                body.return_tokens_as_token_ids)
         choices.append(choice)
     return choices
 
 
-def token_ids_fields(body: _Request, token_ids: list[int]) -> dict:
-    """A choice's `token_ids` (vLLM's return_token_ids: null unless asked)."""
-    return {"token_ids": list(token_ids) if body.return_token_ids else None}
+def chat_message(body: ChatCompletionRequest, completion: CompletionOutput, parser: ChoiceParser | None
+                 ) -> tuple[dict, str | None]:
+    """vLLM's assistant message of a whole output, and its finish_reason ("tool_calls" where it called tools);
+    echo puts the last message's content before the message's own."""
+    reasoning, content, calls = (None, completion.text, []) if parser is None else parser.parse(completion.text)
+    if body.echo:
+        content = body.echoed_content() + (content or "")
+    message = {"role": "assistant", "content": content, "reasoning": reasoning}
+    if calls:
+        message["tool_calls"] = [call.model_dump() for call in calls]
+    reason = completion.finish_reason if parser is None else parser.finish_reason(completion.finish_reason, calls)
+    return message, reason
+
+
+def token_ids_fields(body: _Request, token_ids: list[int] | None) -> dict:
+    """A choice's `token_ids` (vLLM's return_token_ids: null unless asked, or hidden)."""
+    return {"token_ids": list(token_ids) if body.return_token_ids and token_ids is not None else None}

@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING
 
 from fastapi.responses import StreamingResponse
 
-from jaxhybrid.engine.outputs import RequestOutput
+from jaxhybrid.engine.outputs import CompletionOutput, RequestOutput
 from jaxhybrid.engine.requests import Prompt
 from jaxhybrid.serve import render, responses
+from jaxhybrid.serve.chat_parsing import ChatParsers, ChoiceParser
 from jaxhybrid.serve.engine_loop import EngineUnavailable, RequestStream
 from jaxhybrid.serve.errors import error_body
 from jaxhybrid.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -156,7 +157,9 @@ async def completion_chunks(state: ServerState, streams: list[RequestStream], pr
 
 
 async def chat_chunks(state: ServerState, streams: list[RequestStream], prompt: Prompt, body: ChatCompletionRequest,
-                      name: str, response_id: str) -> AsyncIterator[dict]:
+                      name: str, response_id: str, parsers: ChatParsers = responses.NO_PARSERS) -> AsyncIterator[dict]:
+    """The chunks of a chat stream; `parsers` (the server's) split each choice's deltas into reasoning, content
+    and tool calls."""
     head = responses.envelope("chat.completion.chunk", response_id, name)
     deltas, final, num_prompt = Deltas(), None, len(prompt.token_ids)
     final_usage, continuous = body.usage_flags(state.force_include_usage)
@@ -171,6 +174,7 @@ async def chat_chunks(state: ServerState, streams: list[RequestStream], prompt: 
         chunk = {**head, "choices": [{"index": index, "delta": {"content": echoed}, "logprobs": None,
                                       "finish_reason": None}]}
         yield with_usage(continuous, chunk, num_prompt, 0)
+    choice_parsers: dict[int, ChoiceParser | None] = {}  # one per choice, made at its first output
     async for _, output in merged(streams):
         check_output(output)
         final = output
@@ -178,20 +182,41 @@ async def chat_chunks(state: ServerState, streams: list[RequestStream], prompt: 
             new = deltas.new(completion.index, completion)
             if new is None:
                 continue
-            text, start, end = new
-            choice = {"index": completion.index, "delta": {"content": text} if text else {}, "logprobs": None,
-                      "finish_reason": None, "stop_reason": None}
-            if completion.logprobs is not None:
-                choice["logprobs"] = responses.chat_logprobs(completion.token_ids[start:end],
-                                                             completion.logprobs[start:end], body.top_logprobs or 0,
-                                                             body.return_tokens_as_token_ids)
-            if body.return_token_ids:
-                choice["token_ids"] = completion.token_ids[start:end]
-            if completion.finished():
-                choice.update(responses.finish_fields(completion))
-            yield with_usage(continuous, {**head, "choices": [choice]}, num_prompt, end)
+            if completion.index not in choice_parsers:
+                choice_parsers[completion.index] = parsers.choice_parser(body, prompt.token_ids)
+            choice = _chat_choice(body, completion, new, choice_parsers[completion.index],
+                                  parsers.hides_metadata(body))
+            if choice is not None:
+                yield with_usage(continuous, {**head, "choices": [choice]}, num_prompt, new[2])
     if final_usage and final is not None:
         yield {**head, "choices": [], "usage": responses.usage([final], state.prompt_tokens_details)}
+
+
+def _chat_choice(body: ChatCompletionRequest, completion: CompletionOutput, new: tuple[str, int, int],
+                 parser: ChoiceParser | None, hidden: bool) -> dict | None:
+    """A chunk's choice for a completion's new text and tokens; None when it has nothing to send (the parser
+    holds the text back, and neither logprobs nor token ids go out), as vLLM skips such chunks."""
+    text, start, end = new
+    token_ids = completion.token_ids[start:end]
+    if parser is None:
+        delta = {"content": text} if text else {}
+    else:
+        message = parser.delta(text, token_ids, last=completion.finished())
+        delta = None if message is None else message.model_dump(exclude_none=True)
+    choice = {"index": completion.index, "delta": delta or {}, "logprobs": None, "finish_reason": None,
+              "stop_reason": None}
+    if completion.logprobs is not None and not hidden:
+        choice["logprobs"] = responses.chat_logprobs(token_ids, completion.logprobs[start:end],
+                                                     body.top_logprobs or 0, body.return_tokens_as_token_ids)
+    if body.return_token_ids and not hidden:
+        choice["token_ids"] = token_ids
+    if completion.finished():
+        choice.update(responses.finish_fields(completion))
+        if parser is not None:
+            choice["finish_reason"] = parser.finish_reason(completion.finish_reason)
+    elif delta is None and choice["logprobs"] is None and "token_ids" not in choice:
+        return None
+    return choice
 
 
 def with_usage(continuous: bool, chunk: dict, prompt_tokens: int, completion_tokens: int) -> dict:

@@ -134,3 +134,50 @@ def test_a_grammar_that_does_not_compile_queues_nothing():
     with pytest.raises(ValueError, match="structured_outputs.regex"):
         engine.add_request("bad", prompt("x"), SamplingParams(structured_outputs=StructuredOutputsParams(regex="(a")))
     assert not engine.has_unfinished_requests() and not engine.structured.grammars
+
+
+CAR_DESCRIPTION = {  # vLLM's CarDescription (pydantic's schema of brand: str, model: str, car_type: CarType)
+    "$defs": {"CarType": {"enum": ["sedan", "SUV", "Truck", "Coupe"], "title": "CarType", "type": "string"}},
+    "properties": {"brand": {"title": "Brand", "type": "string"}, "model": {"title": "Model", "type": "string"},
+                   "car_type": {"$ref": "#/$defs/CarType"}},
+    "required": ["brand", "model", "car_type"], "title": "CarDescription", "type": "object"}
+CAR_PROMPT = "Generate a JSON with the brand, model and car_type of the most iconic car from the 90's"
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_sampled_car_descriptions_validate(k):
+    """Temperature 1.0, a batch of 16 replies: every reply that ends is a CarDescription (json + jsonschema), and
+    one cut at max_tokens is one the grammar still accepts. The schema's strings have no bound, so where a random
+    model's reply ends is up to its strings: objects closed and whitespace off (vLLM's
+    disable_additional_properties and disable_any_whitespace) leave them the only free part. Most replies end
+    (seeds 0-15: all but one at K = 0); `benchmarks/structured_outputs.py` counts 100 replies."""
+    engine = engine_for(default_model(), tokenizer=default_tokenizer(), k=k, max_num_seqs=16, max_model_len=512,
+                        num_blocks=600, num_state_slots=40)
+    structured = StructuredOutputsParams(json=CAR_DESCRIPTION, disable_any_whitespace=True,
+                                         disable_additional_properties=True)
+    for i in range(16):
+        engine.add_request(str(i), prompt(CAR_PROMPT), SamplingParams(temperature=1.0, seed=i, max_tokens=490,
+                                                                      structured_outputs=structured))
+    finished = run_to_completion(engine, max_steps=2000)
+    assert len(finished) == 16
+    ended = [output.outputs[0] for output in finished.values() if output.outputs[0].finish_reason == "stop"]
+    assert len(ended) >= 12
+    for completion in ended:
+        jsonschema.validate(json.loads(completion.text), CAR_DESCRIPTION)
+    for output in finished.values():
+        matcher = compiler().compile(structured)
+        assert matcher.consume_tokens([t for t in output.outputs[0].token_ids if t != default_tokenizer().eos_token_id])
+
+
+def test_a_request_without_reasoning_is_constrained_from_its_first_token():
+    """With a reasoning parser whose reasoning never ends here, the grammar waits for it, unless the request
+    turned its reasoning off (`grammar_after_reasoning=False`: include_reasoning false, enable_thinking false)."""
+    engine = engine_for(default_model(), tokenizer=default_tokenizer())
+    engine.structured.reasoning_end = lambda token_ids: False
+    params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=CONSTRAINTS["choice"])
+    engine.add_request("waits", prompt(PROMPTS[1]), params)
+    engine.add_request("at once", prompt(PROMPTS[1]), params, grammar_after_reasoning=False)
+    finished = run_to_completion(engine)
+    assert finished["at once"].outputs[0].text in ("red", "green", "blue")
+    free = greedy_continuation(default_model(), prompt(PROMPTS[1]), 8)
+    assert finished["waits"].outputs[0].token_ids == free[:len(finished["waits"].outputs[0].token_ids)]

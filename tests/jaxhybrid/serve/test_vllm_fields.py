@@ -433,9 +433,7 @@ REFUSED = [
     ("/v1/completions", "kv_transfer_params", {"a": 1}), ("/v1/completions", "thinking_token_budget", 8),
     ("/v1/completions", "stream_interval", 4), ("/v1/completions", "spaces_between_special_tokens", False),
     ("/v1/completions", "repetition_detection", {"max_pattern_size": 4}),
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("/v1/chat/completions", "tool_choice", "required"),
-    ("/v1/chat/completions", "reasoning_effort", "low"), ("/v1/chat/completions", "chat_template", "{{ 1 }}"),
+    ("/v1/chat/completions", "chat_template", "{{ 1 }}"),
     ("/v1/chat/completions", "documents", [{"title": "t", "text": "x"}]),
 ]
 
@@ -450,7 +448,8 @@ def test_unimplemented_vllm_fields_are_refused_and_their_defaults_accepted(serve
             assert (response.status_code, error["param"], error["type"]) == (400, field, "BadRequestError"), field
             assert field in error["message"]
         defaults = {"use_beam_search": False, "priority": 0, "response_format": {"type": "text"},
-                    "tool_choice": "auto", "length_penalty": 1.0}
+                    "tool_choice": "none", "length_penalty": 1.0, "include_reasoning": True,
+                    "parallel_tool_calls": True, "reasoning_effort": None}
         await ok(client, "/v1/chat/completions", {**bases["/v1/chat/completions"], **defaults})
 
     serve(body)
