@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxhybrid import LLM, SamplingParams
+from jaxhybrid.sample.structured_outputs import StructuredOutputsParams
 
 ANCHOR, CANDIDATE_LEN, PROMPT_LEN, NEW_TOKENS, BLOCK = 512, 64, 128, 64, 16
 
@@ -21,11 +22,21 @@ def random_ids(rng: np.random.Generator, vocab: int, n: int) -> list[int]:
     return rng.integers(1, vocab, n).tolist()
 
 
-def engine(directory: Path, dtype: str = "auto", max_num_seqs: int = 64) -> LLM:
-    """An LLM sized for these jobs, every bucket compiled before anything is timed."""
+# the `json` job's schema: an array of car descriptions without bound, so with eos ignored every one of a row's
+# tokens is made under a live JSON constraint (strings, an enum, separators)
+CAR = {"type": "object", "properties": {"brand": {"type": "string", "maxLength": 12},
+                                        "model": {"type": "string", "maxLength": 12},
+                                        "car_type": {"type": "string", "enum": ["sedan", "SUV", "Truck", "Coupe"]}},
+       "required": ["brand", "model", "car_type"], "additionalProperties": False}
+JSON_SCHEMA = {"type": "array", "items": CAR}
+
+
+def engine(directory: Path, dtype: str = "auto", max_num_seqs: int = 64, tokenizer: bool = False) -> LLM:
+    """An LLM sized for these jobs, every bucket compiled before anything is timed; `tokenizer` for the `json`
+    job (a grammar is compiled over the checkpoint's tokenizer)."""
     # buckets of 2 for decoding one sequence: XLA:CPU turns a one-row bf16 matmul into a convert of the whole
     # weight to f32 (2.3x slower), and a wider bucket computes padding
-    llm = LLM(directory, dtype=dtype, skip_tokenizer_init=True, num_blocks=4096, num_state_slots=160,
+    llm = LLM(directory, dtype=dtype, skip_tokenizer_init=not tokenizer, num_blocks=4096, num_state_slots=160,
               max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, max_model_len=ANCHOR + CANDIDATE_LEN + 16,
               mamba_block_size=BLOCK, token_buckets=(2, 16, 64, 128, 512, 1024),
               row_buckets=tuple(r for r in (2, 16, 64) if r <= max_num_seqs))
@@ -40,9 +51,11 @@ def score(llm: LLM, anchor: list[int], candidates: list[list[int]]) -> tuple[flo
     return time.perf_counter() - start, [c.token_logprobs for c in scores.candidates]
 
 
-def generate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-    """Seconds, and each prompt's greedy tokens."""
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+def generate(llm: LLM, prompts: list[list[int]], new_tokens: int, schema: dict | None = None
+             ) -> tuple[float, list[list[int]]]:
+    """Seconds, and each prompt's greedy tokens (under `schema`, JSON without whitespace, if given)."""
+    structured = None if schema is None else StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, structured_outputs=structured)
     start = time.perf_counter()
     generated = llm.generate(prompts, params, use_tqdm=False)
     return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in generated]

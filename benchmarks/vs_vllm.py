@@ -7,6 +7,8 @@ shared/reference/vllm_cpu_peer.md), through `vllm_peer.py`; that Python also wri
 
 Jobs, each a warm-up on other prompts and then REPEATS timed repeats on fresh prompts:
   gen_b{1,16,64}      B prompts of 128 tokens, 64 new tokens each (tokens/s);
+  json_b{16,64}       the same under a JSON schema (`peer_work.JSON_SCHEMA`, no whitespace), vLLM through its
+                      `guidance` backend (llguidance, as ours); jaxhybrid runs it on an engine with the tokenizer;
   score_n{16,64,256}  1 anchor of 512 tokens x N candidates of 64: the candidates' prompt logprobs
                       (candidates/s), each side at its best: vLLM reads its prefix cache (whole 384-token
                       blocks on this model), jaxhybrid starts each candidate from a checkpoint at the anchor;
@@ -54,7 +56,7 @@ from jaxhybrid.malloc import preload_tcmalloc
 
 HERE = Path(__file__).resolve().parent
 REPEATS, ROUNDS = 2, 2
-GEN_ROWS, SCORE_CANDIDATES, CONCURRENCY = (1, 16, 64), (16, 64, 256), (16, 64)
+GEN_ROWS, JSON_ROWS, SCORE_CANDIDATES, CONCURRENCY = (1, 16, 64), (16, 64), (16, 64, 256), (16, 64)
 TARGETS = {"gen_b1": 0.7, "gen_b16": 1.0, "gen_b64": 1.0, "score_n64": 3.0, "serve_c16": 1.0, "serve_c64": 1.0}
 BINDINGS = {"vllm_default": "auto", "vllm_both": "0-1"}
 
@@ -68,6 +70,10 @@ def jobs(vocab: int, seed: int) -> dict:
         prompts = lambda rows=rows: [ids(peer.PROMPT_LEN) for _ in range(rows)]
         work[f"gen_b{rows}"] = {"kind": "generate", "new_tokens": peer.NEW_TOKENS, "warmup": prompts(),
                                 "repeats": [prompts() for _ in range(REPEATS)]}
+    for rows in JSON_ROWS:
+        prompts = lambda rows=rows: [ids(peer.PROMPT_LEN) for _ in range(rows)]
+        work[f"json_b{rows}"] = {"kind": "json", "new_tokens": peer.NEW_TOKENS, "schema": peer.JSON_SCHEMA,
+                                 "warmup": prompts(), "repeats": [prompts() for _ in range(REPEATS)]}
     for n in SCORE_CANDIDATES:
         scoring = lambda n=n: {"anchor": ids(peer.ANCHOR), "candidates": [ids(peer.CANDIDATE_LEN) for _ in range(n)]}
         work[f"score_n{n}"] = {"kind": "score", "warmup": scoring(2), "repeats": [scoring() for _ in range(REPEATS)]}
@@ -101,13 +107,15 @@ def run_vllm(vllm_python: str, binding: str, directory: Path, work: dict, tmp: P
     return json.loads(out_path.read_text())
 
 
-def run_ours(llm, work: dict) -> dict:
+def run_ours(llm, work: dict, with_tokenizer) -> dict:
+    """Our side of each job; `with_tokenizer` is the engine the `json` jobs run on."""
     results = {}
     for name, job in tqdm(work.items(), desc="jaxhybrid", leave=False):
         if job["kind"] == "score":
             run = lambda w: peer.score(llm, w["anchor"], w["candidates"])
         else:
-            run = lambda w, job=job: peer.generate(llm, w, job["new_tokens"])
+            engine = with_tokenizer if job["kind"] == "json" else llm
+            run = lambda w, job=job, engine=engine: peer.generate(engine, w, job["new_tokens"], job.get("schema"))
         run(job["warmup"])
         results[name] = [dict(zip(("seconds", "values"), run(w), strict=True)) for w in job["repeats"]]
     return results
@@ -115,16 +123,20 @@ def run_ours(llm, work: dict) -> dict:
 
 def offline(args: argparse.Namespace, directory: Path, vocab: int, tmp: Path) -> tuple[list[dict], dict]:
     """A B A B: vLLM default, jaxhybrid, vLLM on both cores, jaxhybrid; a row per job."""
-    rounds = [jobs(vocab, seed) for seed in range(ROUNDS)]
+    rounds = [{name: job for name, job in jobs(vocab, seed).items() if not args.jobs or name in args.jobs}
+              for seed in range(ROUNDS)]
     start = time.perf_counter()
     llm = peer.engine(directory, dtype="bfloat16")
     compile_s = time.perf_counter() - start
+    with_tokenizer = None
+    if any(job["kind"] == "json" for job in rounds[0].values()):
+        with_tokenizer = peer.engine(directory, dtype="bfloat16", tokenizer=True)
     theirs, ours = {}, []
     for side, work in zip(BINDINGS, rounds, strict=True):
         print(f"{side} (VLLM_CPU_OMP_THREADS_BIND={BINDINGS[side]})", flush=True)
         theirs[side] = run_vllm(args.vllm_python, BINDINGS[side], directory, work, tmp)
         print("jaxhybrid", flush=True)
-        ours.append(run_ours(llm, work))
+        ours.append(run_ours(llm, work, with_tokenizer))
     rows = []
     for name, job in rounds[0].items():
         produced = units(job)
@@ -179,6 +191,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", required=True, help="a Python with vllm-cpu installed")
     parser.add_argument("--skip-serve", action="store_true", help="only the offline jobs")
+    parser.add_argument("--jobs", nargs="*", default=[],
+                        help="only these offline jobs (e.g. json_b16 json_b64), no servers, results in their own file")
     parser.add_argument("--server-timeout", type=float, default=1800.0, help="seconds to wait for /health")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="vs_vllm_") as tmp:
@@ -187,9 +201,10 @@ def main() -> None:
         params = int(subprocess.run([args.vllm_python, str(HERE / "hf_peer.py"), "write", str(directory), "moe"],
                                     check=True, capture_output=True, text=True).stdout.split()[-1])
         vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
-        floor = gemm_floor.run(directory, args.vllm_python)  # first, on a quiet machine; its torch is vLLM's
+        # first, on a quiet machine; its torch is vLLM's (a run of chosen jobs leaves it out)
+        floor = None if args.jobs else gemm_floor.run(directory, args.vllm_python)
         rows, meta = offline(args, directory, vocab, tmp)
-        if not args.skip_serve:
+        if not args.skip_serve and not args.jobs:
             rows += serving(args, directory, tmp)
     for row in rows:
         row["ratio_equal_cores"] = row["jaxhybrid"] / row["vllm_both"]
@@ -200,9 +215,11 @@ def main() -> None:
              "vllm_version": subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"],
                                             capture_output=True, text=True).stdout.strip()}
     report(rows, meta)
-    plot(rows, write_results("vs_vllm", rows, meta).with_suffix(".png"))
-    gemm_floor.report(floor)
-    write_results("gemm_floor", floor, {"torch_python": args.vllm_python})
+    name = "_".join(["vs_vllm", *args.jobs])  # a run of chosen jobs keeps the full run's results
+    plot(rows, write_results(name, rows, meta).with_suffix(".png"))
+    if floor is not None:
+        gemm_floor.report(floor)
+        write_results("gemm_floor", floor, {"torch_python": args.vllm_python})
 
 
 def report(rows: list[dict], meta: dict) -> None:

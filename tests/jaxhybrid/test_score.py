@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -92,6 +93,25 @@ def test_openai_batch_lines(llm):
     assert gen["response"]["body"]["choices"][0]["text"] == greedy
     assert chat["response"]["body"]["object"] == "chat.completion"
     assert chat["response"]["body"]["usage"]["completion_tokens"] == 3
+
+
+def test_openai_batch_lines_with_structured_outputs(llm):
+    """Structured outputs in the batch job: a regex on a completion, a choice on a chat line, and a grammar that
+    does not compile, which becomes that line's 400 while the others run."""
+    lines = [
+        {"custom_id": "regex", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": PROMPT, "max_tokens": 12, "seed": 0, "structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}},
+        {"custom_id": "choice", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "pick"}], "max_tokens": 8, "seed": 0,
+                  "structured_outputs": {"choice": ["left", "right"]}}},
+        {"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": PROMPT, "structured_outputs": {"regex": "(a"}}},
+    ]
+    regex, choice, bad = run_lines(llm, lines)
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", regex["response"]["body"]["choices"][0]["text"])
+    assert choice["response"]["body"]["choices"][0]["message"]["content"] in ("left", "right")
+    assert bad["response"] is None and bad["error"]["code"] == 400
+    assert bad["error"]["message"].startswith("structured_outputs.regex does not compile")
 
 
 def test_bad_lines_become_error_lines_and_the_job_goes_on(llm):

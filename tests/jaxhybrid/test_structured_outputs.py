@@ -146,22 +146,22 @@ CAR_PROMPT = "Generate a JSON with the brand, model and car_type of the most ico
 
 @pytest.mark.parametrize("k", [0, 3])
 def test_sampled_car_descriptions_validate(k):
-    """Temperature 1.0, a batch of 16 replies: every reply that ends is a CarDescription (json + jsonschema), and
+    """Temperature 1.0, a batch of 8 replies: every reply that ends is a CarDescription (json + jsonschema), and
     one cut at max_tokens is one the grammar still accepts. The schema's strings have no bound, so where a random
     model's reply ends is up to its strings: objects closed and whitespace off (vLLM's
     disable_additional_properties and disable_any_whitespace) leave them the only free part. Most replies end
-    (seeds 0-15: all but one at K = 0); `benchmarks/structured_outputs.py` counts 100 replies."""
-    engine = engine_for(default_model(), tokenizer=default_tokenizer(), k=k, max_num_seqs=16, max_model_len=512,
-                        num_blocks=600, num_state_slots=40)
+    within 256 tokens (their median is about 150); `benchmarks/structured_outputs.py` counts 100 replies."""
+    engine = engine_for(default_model(), tokenizer=default_tokenizer(), k=k, max_num_seqs=8, max_model_len=320,
+                        num_blocks=200, num_state_slots=24)
     structured = StructuredOutputsParams(json=CAR_DESCRIPTION, disable_any_whitespace=True,
                                          disable_additional_properties=True)
-    for i in range(16):
-        engine.add_request(str(i), prompt(CAR_PROMPT), SamplingParams(temperature=1.0, seed=i, max_tokens=490,
+    for i in range(8):
+        engine.add_request(str(i), prompt(CAR_PROMPT), SamplingParams(temperature=1.0, seed=i, max_tokens=256,
                                                                       structured_outputs=structured))
-    finished = run_to_completion(engine, max_steps=2000)
-    assert len(finished) == 16
+    finished = run_to_completion(engine, max_steps=1000)
+    assert len(finished) == 8
     ended = [output.outputs[0] for output in finished.values() if output.outputs[0].finish_reason == "stop"]
-    assert len(ended) >= 12
+    assert len(ended) >= 5
     for completion in ended:
         jsonschema.validate(json.loads(completion.text), CAR_DESCRIPTION)
     for output in finished.values():
