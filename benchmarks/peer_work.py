@@ -19,7 +19,9 @@ ANCHOR, CANDIDATE_LEN, PROMPT_LEN, NEW_TOKENS, BLOCK = 512, 64, 128, 64, 16
 
 
 def random_ids(rng: np.random.Generator, vocab: int, n: int) -> list[int]:
-    return rng.integers(1, vocab, n).tolist()
+    """Ids past the tokenizer's special ones (0-3: eos, the chat markers and the checkpoint marker, which an engine
+    that loads the tokenizer would read as a checkpoint)."""
+    return rng.integers(4, vocab, n).tolist()
 
 
 # the `json` job's schema: an array of car descriptions without bound, so with eos ignored every one of a row's

@@ -8,7 +8,8 @@ shared/reference/vllm_cpu_peer.md), through `vllm_peer.py`; that Python also wri
 Jobs, each a warm-up on other prompts and then REPEATS timed repeats on fresh prompts:
   gen_b{1,16,64}      B prompts of 128 tokens, 64 new tokens each (tokens/s);
   json_b{16,64}       the same under a JSON schema (`peer_work.JSON_SCHEMA`, no whitespace), vLLM through its
-                      `guidance` backend (llguidance, as ours); jaxhybrid runs it on an engine with the tokenizer;
+                      `guidance` backend (llguidance, as ours); with these jobs both sides load the tokenizer
+                      (a grammar is compiled over it) and generate on that engine;
   score_n{16,64,256}  1 anchor of 512 tokens x N candidates of 64: the candidates' prompt logprobs
                       (candidates/s), each side at its best: vLLM reads its prefix cache (whole 384-token
                       blocks on this model), jaxhybrid starts each candidate from a checkpoint at the anchor;
@@ -107,15 +108,13 @@ def run_vllm(vllm_python: str, binding: str, directory: Path, work: dict, tmp: P
     return json.loads(out_path.read_text())
 
 
-def run_ours(llm, work: dict, with_tokenizer) -> dict:
-    """Our side of each job; `with_tokenizer` is the engine the `json` jobs run on."""
+def run_ours(llm, work: dict) -> dict:
     results = {}
     for name, job in tqdm(work.items(), desc="jaxhybrid", leave=False):
         if job["kind"] == "score":
             run = lambda w: peer.score(llm, w["anchor"], w["candidates"])
         else:
-            engine = with_tokenizer if job["kind"] == "json" else llm
-            run = lambda w, job=job, engine=engine: peer.generate(engine, w, job["new_tokens"], job.get("schema"))
+            run = lambda w, job=job: peer.generate(llm, w, job["new_tokens"], job.get("schema"))
         run(job["warmup"])
         results[name] = [dict(zip(("seconds", "values"), run(w), strict=True)) for w in job["repeats"]]
     return results
@@ -126,17 +125,15 @@ def offline(args: argparse.Namespace, directory: Path, vocab: int, tmp: Path) ->
     rounds = [{name: job for name, job in jobs(vocab, seed).items() if not args.jobs or name in args.jobs}
               for seed in range(ROUNDS)]
     start = time.perf_counter()
-    llm = peer.engine(directory, dtype="bfloat16")
+    # one engine per process: a second one's programs would pass the host's memory-map limit
+    llm = peer.engine(directory, dtype="bfloat16", tokenizer=any(job["kind"] == "json" for job in rounds[0].values()))
     compile_s = time.perf_counter() - start
-    with_tokenizer = None
-    if any(job["kind"] == "json" for job in rounds[0].values()):
-        with_tokenizer = peer.engine(directory, dtype="bfloat16", tokenizer=True)
     theirs, ours = {}, []
     for side, work in zip(BINDINGS, rounds, strict=True):
         print(f"{side} (VLLM_CPU_OMP_THREADS_BIND={BINDINGS[side]})", flush=True)
         theirs[side] = run_vllm(args.vllm_python, BINDINGS[side], directory, work, tmp)
         print("jaxhybrid", flush=True)
-        ours.append(run_ours(llm, work, with_tokenizer))
+        ours.append(run_ours(llm, work))
     rows = []
     for name, job in rounds[0].items():
         produced = units(job)

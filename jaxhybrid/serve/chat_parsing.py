@@ -11,6 +11,7 @@ delta, the last delta adding what the parsers held back.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -155,7 +156,11 @@ class _NamedTool:
         self._name, self._id = name, None
 
     def whole(self, content: str | None) -> tuple[str | None, list[ToolCall]]:
-        if content is None or not content.strip():
+        """No call unless the arguments are whole JSON: cut at max_tokens, the reply has no tool_calls (vLLM,
+        OpenAI)."""
+        try:
+            json.loads(content or "")
+        except (ValueError, RecursionError):
             return None, []
         return None, [ToolCall(function=FunctionCall(name=self._name, arguments=content))]
 

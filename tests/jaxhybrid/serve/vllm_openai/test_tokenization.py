@@ -1,8 +1,10 @@
-"""Port of vLLM's tests/entrypoints/openai/test_tokenization.py (its tools case is out of scope, SKIPS.md):
-/tokenize of a prompt and of chats (generation prompt, continued final message, special tokens),
-token_strs, /detokenize, and /tokenizer_info's schema, all against the reference tokenizer. vLLM's
-max_model_len of 8192 is the session `LLM`'s (conftest.MAX_MODEL_LEN); vLLM serves /tokenizer_info only
-with --enable-tokenizer-info-endpoint, which every module's server has (conftest.SERVER_FLAGS)."""
+"""Port of vLLM's tests/entrypoints/openai/test_tokenization.py: /tokenize of a prompt and of chats (generation
+prompt, continued final message, special tokens, tools), token_strs, /detokenize, and /tokenizer_info's schema,
+all against the reference tokenizer. The embedded chat template does not read `tools`, so the reference
+rendering of a chat with tools is the one without them, as HuggingFace's would be (that tools reach a template
+that reads them is tests/jaxhybrid/serve/test_agents.py's). vLLM's max_model_len of 8192 is the session `LLM`'s
+(conftest.MAX_MODEL_LEN); vLLM serves /tokenizer_info only with --enable-tokenizer-info-endpoint, which every
+module's server has (conftest.SERVER_FLAGS)."""
 
 from __future__ import annotations
 
@@ -54,6 +56,31 @@ def test_tokenize_chat(server, tokenizer):
                                                     "continue_final_message": continue_final,
                                                     "add_special_tokens": add_special, "messages": conversation,
                                                     "model": MODEL_NAME})
+                assert result["tokens"] == tokens
+                assert result["count"] == len(tokens)
+                assert result["max_model_len"] == MAX_MODEL_LEN
+                assert result["token_strs"] is None
+
+
+def test_tokenize_chat_with_tools(server, tokenizer):
+    for add_generation in [False, True]:
+        for add_special in [False, True]:
+            conversation = [{"role": "user", "content": "What's the weather like in Paris today?"}]
+            tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+                "type": "object", "properties": {"location": {"type": "string"}}}}}]
+            for continue_final in [False, True]:
+                if add_generation and continue_final:
+                    continue
+                if continue_final:
+                    conversation.append({"role": "assistant", "content": "Sure,"})
+
+                prompt = render_chat(conversation, add_generation, continue_final)
+                tokens = tokenizer.encode(prompt, add_special_tokens=add_special).ids
+
+                result = _post(server, "tokenize", {"add_generation_prompt": add_generation,
+                                                    "continue_final_message": continue_final,
+                                                    "add_special_tokens": add_special, "messages": conversation,
+                                                    "model": MODEL_NAME, "tools": tools})
                 assert result["tokens"] == tokens
                 assert result["count"] == len(tokens)
                 assert result["max_model_len"] == MAX_MODEL_LEN

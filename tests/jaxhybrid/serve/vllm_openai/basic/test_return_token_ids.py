@@ -1,13 +1,25 @@
-"""Port of vLLM's tests/entrypoints/openai/basic/test_return_token_ids.py (its tool-use case is out of
-scope, SKIPS.md): return_token_ids adds the prompt's and the completion's token ids to completions and
-chat, plain and streamed, and they agree with the text, the logprobs (return_tokens_as_token_ids) and the
-reference tokenizer."""
+"""Port of vLLM's tests/entrypoints/openai/basic/test_return_token_ids.py: return_token_ids adds the prompt's and
+the completion's token ids to completions and chat, plain and streamed, and they agree with the text, the
+logprobs (return_tokens_as_token_ids) and the reference tokenizer. vLLM's server for its tool-use case parses
+tool calls, so the module's server runs with --enable-auto-tool-choice --tool-call-parser hermes (requests
+without tools are as before); whether the random model writes a tool call is its own affair, as in vLLM, where
+the asserts on a call hold only if one was made."""
 
 from __future__ import annotations
 
-from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, decode
+import pytest
+
+from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, SERVER_FLAGS, InProcessServer, decode
 
 EMOJI_PROMPT = "Complete this sentence with emojis: I love coding 🚀"
+
+
+@pytest.fixture(scope="module")
+def server(session_llm):
+    """The module's server, parsing tool calls (the one server of the module: one engine loop on the engine)."""
+    process = InProcessServer(session_llm, SERVER_FLAGS, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    yield process
+    process.stop()
 
 
 def test_basic_completion_with_emoji(client, tokenizer):
@@ -126,3 +138,43 @@ def test_chat_completion_with_emoji_and_token_ids(client, tokenizer):
     assert len(collected_content) > 0
     assert len(collected_token_ids) > 0
     assert len(decode(tokenizer, collected_token_ids)) > 0
+
+
+WEATHER_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a given location",
+    "parameters": {"type": "object", "properties": {
+        "location": {"type": "string", "description": "The city and state, e.g. San Francisco, CA"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "description": "The unit of temperature"}},
+        "required": ["location"]}}}]
+WEATHER_MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
+                    {"role": "user", "content": "What's the weather like in Paris?"}]
+
+
+def test_chat_completion_with_tool_use(client, tokenizer):
+    response = client.chat.completions.create(model=MODEL_NAME, messages=WEATHER_MESSAGES, tools=WEATHER_TOOLS,
+                                              tool_choice="auto", max_tokens=100, temperature=0, logprobs=True,
+                                              extra_body={"return_token_ids": True})
+
+    assert response.choices[0].token_ids is not None
+    assert isinstance(response.choices[0].token_ids, list)
+    assert response.prompt_token_ids is not None
+    assert isinstance(response.prompt_token_ids, list)
+
+    prompt_text = decode(tokenizer, response.prompt_token_ids)
+    assert "You are a helpful assistant" in prompt_text
+    assert "What's the weather like in Paris?" in prompt_text
+
+    response_text = decode(tokenizer, response.choices[0].token_ids)
+    assert len(response_text) > 0
+    assert response.choices[0].message.content is not None
+
+    if response.choices[0].message.tool_calls:
+        assert len(response.choices[0].message.tool_calls) > 0
+        assert response.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+    response_without = client.chat.completions.create(model=MODEL_NAME, messages=WEATHER_MESSAGES,
+                                                      tools=WEATHER_TOOLS, tool_choice="auto", max_tokens=100,
+                                                      temperature=0, logprobs=True,
+                                                      extra_body={"return_token_ids": False})
+    assert response_without.choices[0].token_ids is None
+    assert response_without.prompt_token_ids is None
