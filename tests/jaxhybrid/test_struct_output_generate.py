@@ -1,19 +1,19 @@
-"""Port of vLLM's tests/v1/entrypoints/llm/test_struct_output_generate.py: structured outputs through `LLM.generate`
-on the embedded model, one LLM per setting for the module. vLLM's backend x model x speculative matrix becomes
-K = 0 and the MTP head drafting K = 3 (where vLLM runs ngram or EAGLE drafts); our one backend is llguidance
-(vLLM's "guidance", with the `disable_any_whitespace` vLLM turns on for it). Cases about other backends,
-structural tags and Mistral tokenizers are listed in tests/jaxhybrid/STRUCT_OUTPUT_SKIPS.md.
+"""Port of vLLM's tests/v1/entrypoints/llm/test_struct_output_generate.py: structured outputs through `LLM.generate` on
+the embedded model, one LLM per setting for the module. vLLM's backend x model x speculative matrix becomes K = 0
+here (the MTP head drafting K = 3, where vLLM runs ngram or EAGLE drafts, is the `llm` fixture's note); our one
+backend is llguidance (vLLM's "guidance", with the `disable_any_whitespace` vLLM turns on for it). Cases about other
+backends, structural tags and Mistral tokenizers are listed in tests/jaxhybrid/STRUCT_OUTPUT_SKIPS.md.
 
 The embedded model's text is random by design, so every assert about the constraint is kept (json.loads and
-jsonschema, re.fullmatch, choice membership, the SQL grammars' sixteen sentences enumerated here since `lark`
-is not installed) and what only a real model's judgement gives is not asserted: the SQL grammars allow col_1 or
-col_2, table_1 or table_2, 1 or 2, so "the SQL is SELECT col_1 from table_1 where col_1 = 1" is dropped (the
-output is one of the sentences), and so are "12,742" (a fact about the Earth) and John Smith's name and age.
-JSON that only a model that ends its strings would finish is bounded: the employee and the xgrammar-unsupported
-schemas get lengths, counts and number ranges (a narrowing of vLLM's schema: outputs are validated against both),
-objects are closed (vLLM's `disable_additional_properties`), a JSON object of any shape gets a logit_bias toward
-closing its strings and braces (tests/jaxhybrid/serve/test_agents.py), and every sampled request is seeded, so each case
-is the same on every run and ends with finish_reason "stop".
+jsonschema, re.fullmatch, choice membership, the SQL grammars' sixteen sentences enumerated here since `lark` is not
+installed) and what only a real model's judgement gives is not asserted: the SQL grammars allow col_1 or col_2,
+table_1 or table_2, 1 or 2, so "the SQL is SELECT col_1 from table_1 where col_1 = 1" is dropped (the output is one
+of the sentences), and so are "12,742" (a fact about the Earth) and John Smith's name and age. JSON that only a
+model that ends its strings would finish is bounded: the employee and the xgrammar-unsupported schemas get lengths,
+counts and number ranges (a narrowing of vLLM's schema: outputs are validated against both), objects are closed
+(vLLM's `disable_additional_properties`), a JSON object of any shape gets a logit_bias toward closing its strings
+and braces (tests/jaxhybrid/serve/test_agents.py), and every sampled request is seeded, so each case is the same on
+every run and ends with finish_reason "stop".
 """
 
 from __future__ import annotations
@@ -50,14 +50,12 @@ def make_llm(k: int, tokenizer: str | None = None, reasoning_parser: str | None 
     return LLM(speculative_config=spec, tokenizer=tokenizer, reasoning_parser=reasoning_parser, **SMALL)
 
 
-@pytest.fixture(scope="module", params=[0, 3], ids=["K=0", "K=3"])
-def llm(request) -> LLM:
-    """vLLM's test_structured_output matrix: no drafts, and speculative decoding (the MTP head drafting 3)."""
-    return make_llm(request.param)
-
-
 @pytest.fixture(scope="module")
-def llm_k0() -> LLM:
+def llm() -> LLM:
+    """vLLM's test_structured_output matrix runs each case with and without speculative decoding; here the cases
+    run without drafts (the suite's time), and the same constraints with the MTP head drafting 3 run in
+    tests/jaxhybrid/test_structured_outputs.py (greedy output equal to K = 0, sampled outputs valid) and in the
+    reasoning matrix below."""
     return make_llm(0)
 
 
@@ -358,7 +356,7 @@ def test_structured_output_with_reasoning_matrices(tmp_path_factory, reasoning_p
     jsonschema.validate(instance=output_json, schema=REASONING_SCHEMA)
 
 
-def test_structured_output_auto_mode(llm_k0, unsupported_json_schema):
+def test_structured_output_auto_mode(llm, unsupported_json_schema):
     """vLLM's backend "auto" falls back from xgrammar; here the one backend takes the schema, and the same
     SamplingParams serve a second generate unchanged."""
     schema = bounded_unsupported(unsupported_json_schema)
@@ -367,15 +365,15 @@ def test_structured_output_auto_mode(llm_k0, unsupported_json_schema):
     before = copy.deepcopy(params)
     prompt = ("Give an example JSON object for a grade that fits this schema: "
               f"{unsupported_json_schema}. Make the response as short as possible.")
-    outputs = llm_k0.generate(prompt, params, use_tqdm=False)
-    outputs.extend(llm_k0.generate(prompt, params, use_tqdm=False))
+    outputs = llm.generate(prompt, params, use_tqdm=False)
+    outputs.extend(llm.generate(prompt, params, use_tqdm=False))
     assert params == before
     first, second = texts(outputs)
     assert first == second  # seeded
     jsonschema.validate(instance=json.loads(first), schema=unsupported_json_schema)
 
 
-def test_no_additional_properties(llm_k0):
+def test_no_additional_properties(llm):
     """vLLM's test_guidance_no_additional_properties: asked for a1 ... a20, a closed object holds a1, a2, a3
     only. The greedy model's strings run on, so they get a length (outputs are validated against vLLM's schema
     too); the open schema would have let a4 in: the grammar is checked after the three keys, both ways."""
@@ -390,14 +388,14 @@ def test_no_additional_properties(llm_k0):
               "Make the response as short as possible.<|im_end|>\n<|im_start|>assistant\n")
     params = SamplingParams(temperature=0, max_tokens=256, structured_outputs=StructuredOutputsParams(
         json=bounded, disable_any_whitespace=True, disable_additional_properties=True))
-    (generated_text,) = texts(llm_k0.generate(prompt, params, use_tqdm=False))
+    (generated_text,) = texts(llm.generate(prompt, params, use_tqdm=False))
     generated = json.loads(generated_text)
     jsonschema.validate(instance=generated, schema=bounded)
     jsonschema.validate(instance=generated, schema=schema)
     assert set(generated) == {"a1", "a2", "a3"}
 
-    tokenizer = llm_k0.get_tokenizer()
-    compiler = GrammarCompiler(tokenizer.to_json(), llm_k0.model.config.vocab_size, [tokenizer.eos_token_id])
+    tokenizer = llm.get_tokenizer()
+    compiler = GrammarCompiler(tokenizer.to_json(), llm.model.config.vocab_size, [tokenizer.eos_token_id])
     three_keys, fourth_key = tokenizer.encode('{"a1":"b1","a2":"b2","a3":"b3"'), tokenizer.encode(',"a4"')
     closed = StructuredOutputsParams(json=schema, disable_any_whitespace=True, disable_additional_properties=True)
     open_ = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
@@ -407,7 +405,7 @@ def test_no_additional_properties(llm_k0):
         assert matcher.validate_tokens(fourth_key) == accepted
 
 
-def test_structured_output_batched_with_non_guided_requests(llm_k0, sample_json_schema):
+def test_structured_output_batched_with_non_guided_requests(llm, sample_json_schema):
     """A constrained and an unconstrained request in one batch: the JSON holds, and the greedy free text is the
     full forward's continuation (vLLM asks for "12,742", a fact a random model does not know), which is no
     JSON."""
@@ -420,7 +418,7 @@ def test_structured_output_batched_with_non_guided_requests(llm_k0, sample_json_
             json=schema, disable_any_whitespace=True)),
         SamplingParams(seed=42, temperature=0, top_p=1.0, ignore_eos=True),  # no max_tokens: vLLM's 16
     ]
-    outputs = llm_k0.generate([guided_prompt, non_guided_prompt], sampling_params, use_tqdm=False)
+    outputs = llm.generate([guided_prompt, non_guided_prompt], sampling_params, use_tqdm=False)
     guided = outputs[0].outputs[0]
     assert guided.finish_reason == "stop" and "\n" not in guided.text
     output_json = json.loads(guided.text)
@@ -428,6 +426,6 @@ def test_structured_output_batched_with_non_guided_requests(llm_k0, sample_json_
     jsonschema.validate(instance=output_json, schema=sample_json_schema)
 
     free = outputs[1]
-    assert free.outputs[0].token_ids == greedy_continuation(llm_k0.model, tuple(free.prompt_token_ids), 16)
+    assert free.outputs[0].token_ids == greedy_continuation(llm.model, tuple(free.prompt_token_ids), 16)
     with pytest.raises(ValueError):
         json.loads(free.outputs[0].text)
