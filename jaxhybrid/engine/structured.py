@@ -33,7 +33,6 @@ class StructuredOutputs:
         self._tokenizer, self._vocab_size, self._eos = tokenizer, vocab_size, tuple(eos_token_ids)
         self.num_spec_tokens, self.reasoning_end = num_spec_tokens, reasoning_end
         self.grammars: dict[str, SequenceGrammar] = {}
-        self._executor: llguidance.LLExecutor | None = None
 
     @functools.cached_property
     def compiler(self) -> GrammarCompiler:
@@ -41,6 +40,11 @@ class StructuredOutputs:
         if self._tokenizer is None:
             raise ValueError("structured outputs need the checkpoint's tokenizer; this engine has none")
         return GrammarCompiler(self._tokenizer.to_json(), self._vocab_size, self._eos)
+
+    @functools.cached_property
+    def _executor(self) -> llguidance.LLExecutor:
+        """llguidance's mask threads, started on the first constrained step."""
+        return llguidance.LLExecutor()
 
     def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A matcher for `params` (GrammarError, a ValueError, naming the field). Thread-safe."""
@@ -89,8 +93,6 @@ class StructuredOutputs:
             drafts = real_tokens(plan.draft_token_ids[r], previous, k) if verify else ()
             rows.append(MaskRow(grammar, int(plan.cu_logits[r + 1]) - 1 - len(drafts), drafts))
         masks = np.full((plan.logits_bucket, words), -1, np.int32)
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
         fill_token_masks(self._executor, rows, masks, self.reasoning_end)
         return masks
 

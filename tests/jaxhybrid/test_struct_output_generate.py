@@ -65,33 +65,36 @@ def sample_regex() -> str:
     return r"((25[0-5]|(2[0-4]|1\d|[1-9]|)\d)\.){3}(25[0-5]|(2[0-4]|1\d|[1-9]|)\d)"
 
 
+SAMPLE_JSON_SCHEMA = {  # vLLM's sample_json_schema fixture
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "skills": {"type": "array", "items": {"type": "string"}},
+        "grade": {"type": "string", "pattern": "^[A-D]$"},
+        "email": {"type": "string", "pattern": "^[a-zA-Z0-9._%+-]+@[a-zA-Z0-9.-]+\\.[a-zA-Z]{2,}$"},
+        "work_history": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"company": {"type": "string"},
+                               "duration": {"type": "number", "minimum": 0.0, "maximum": 100.0},
+                               "position": {"type": "string"}},
+                "required": ["company", "duration", "position"],
+                "additionalProperties": False,
+            },
+            "minItems": 0,
+            "maxItems": 3,
+        },
+    },
+    "required": ["name", "age", "skills", "grade", "email", "work_history"],
+    "additionalProperties": False,
+}
+
+
 @pytest.fixture
 def sample_json_schema() -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string"},
-            "age": {"type": "integer"},
-            "skills": {"type": "array", "items": {"type": "string"}},
-            "grade": {"type": "string", "pattern": "^[A-D]$"},
-            "email": {"type": "string", "pattern": "^[a-zA-Z0-9._%+-]+@[a-zA-Z0-9.-]+\\.[a-zA-Z]{2,}$"},
-            "work_history": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {"company": {"type": "string"},
-                                   "duration": {"type": "number", "minimum": 0.0, "maximum": 100.0},
-                                   "position": {"type": "string"}},
-                    "required": ["company", "duration", "position"],
-                    "additionalProperties": False,
-                },
-                "minItems": 0,
-                "maxItems": 3,
-            },
-        },
-        "required": ["name", "age", "skills", "grade", "email", "work_history"],
-        "additionalProperties": False,
-    }
+    return copy.deepcopy(SAMPLE_JSON_SCHEMA)
 
 
 @pytest.fixture

@@ -37,12 +37,12 @@ def test_tokenize_completions(server, tokenizer):
         assert result["token_strs"] is None
 
 
-def test_tokenize_chat(server, tokenizer):
+def _check_tokenize_chat(server, tokenizer, first_turns: list[dict], extra: dict) -> None:
+    """vLLM's loop over add_generation_prompt x add_special_tokens x continue_final_message: /tokenize of the
+    conversation (with `extra` fields) gives the reference tokenizer's ids of the rendered chat."""
     for add_generation in [False, True]:
         for add_special in [False, True]:
-            conversation = [{"role": "user", "content": "Hi there!"},
-                            {"role": "assistant", "content": "Nice to meet you!"},
-                            {"role": "user", "content": "Can I ask a question? vllm1"}]
+            conversation = list(first_turns)
             for continue_final in [False, True]:
                 if add_generation and continue_final:
                     continue
@@ -55,36 +55,24 @@ def test_tokenize_chat(server, tokenizer):
                 result = _post(server, "tokenize", {"add_generation_prompt": add_generation,
                                                     "continue_final_message": continue_final,
                                                     "add_special_tokens": add_special, "messages": conversation,
-                                                    "model": MODEL_NAME})
+                                                    "model": MODEL_NAME, **extra})
                 assert result["tokens"] == tokens
                 assert result["count"] == len(tokens)
                 assert result["max_model_len"] == MAX_MODEL_LEN
                 assert result["token_strs"] is None
+
+
+def test_tokenize_chat(server, tokenizer):
+    _check_tokenize_chat(server, tokenizer, [{"role": "user", "content": "Hi there!"},
+                                             {"role": "assistant", "content": "Nice to meet you!"},
+                                             {"role": "user", "content": "Can I ask a question? vllm1"}], {})
 
 
 def test_tokenize_chat_with_tools(server, tokenizer):
-    for add_generation in [False, True]:
-        for add_special in [False, True]:
-            conversation = [{"role": "user", "content": "What's the weather like in Paris today?"}]
-            tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-                "type": "object", "properties": {"location": {"type": "string"}}}}}]
-            for continue_final in [False, True]:
-                if add_generation and continue_final:
-                    continue
-                if continue_final:
-                    conversation.append({"role": "assistant", "content": "Sure,"})
-
-                prompt = render_chat(conversation, add_generation, continue_final)
-                tokens = tokenizer.encode(prompt, add_special_tokens=add_special).ids
-
-                result = _post(server, "tokenize", {"add_generation_prompt": add_generation,
-                                                    "continue_final_message": continue_final,
-                                                    "add_special_tokens": add_special, "messages": conversation,
-                                                    "model": MODEL_NAME, "tools": tools})
-                assert result["tokens"] == tokens
-                assert result["count"] == len(tokens)
-                assert result["max_model_len"] == MAX_MODEL_LEN
-                assert result["token_strs"] is None
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"location": {"type": "string"}}}}}]
+    _check_tokenize_chat(server, tokenizer, [{"role": "user", "content": "What's the weather like in Paris today?"}],
+                         {"tools": tools})
 
 
 def test_tokenize_with_return_token_strs(server, tokenizer):

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, SERVER_FLAGS, InProcessServer
+from tests.jaxhybrid.test_struct_output_generate import SAMPLE_JSON_SCHEMA
 
 TOOLS = [
     {"type": "function", "function": {
@@ -59,25 +60,6 @@ MESSAGES = [
     {"role": "user", "content": "Can you tell me what the current weather is in Berlin and the forecast for the next "
                                 "5 days, in fahrenheit?"},
 ]
-SAMPLE_JSON_SCHEMA = {  # vLLM's sample_json_schema fixture
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "age": {"type": "integer"},
-        "skills": {"type": "array", "items": {"type": "string"}},
-        "grade": {"type": "string", "pattern": "^[A-D]$"},
-        "email": {"type": "string", "pattern": "^[a-zA-Z0-9._%+-]+@[a-zA-Z0-9.-]+\\.[a-zA-Z]{2,}$"},
-        "work_history": {"type": "array", "items": {
-            "type": "object",
-            "properties": {"company": {"type": "string"},
-                           "duration": {"type": "number", "minimum": 0.0, "maximum": 100.0},
-                           "position": {"type": "string"}},
-            "required": ["company", "duration", "position"], "additionalProperties": False},
-            "minItems": 0, "maxItems": 3},
-    },
-    "required": ["name", "age", "skills", "grade", "email", "work_history"],
-    "additionalProperties": False,
-}
 
 
 @pytest.fixture(scope="module")
