@@ -3,7 +3,7 @@
 For each preset, tensor-parallel size (1, 2, 4, 8; a mixer whose heads tp does not divide is replicated, as
 the engine does, so it runs the TP 1 kernels and is not compiled again) and activation dtype, every public
 op the preset's mixers use is compiled ahead of time (`pallas_kernels.aot`) at the launch parameters it picks
-on that device: conv1d prefill, GDN / SSD prefill, decode, verify, verify with snapshots and materialise,
+on that device: conv1d prefill, GDN / SSD prefill, decode, verify, verify with snapshots and materialize,
 attention prefill and decode. One line per kernel: ok or the reason, registers, spills, stack, shared memory
 against the 232,448 B limit, threads and grid. Exits 1 on a compile error, a spill, or registers or shared
 memory over the limit.
@@ -31,8 +31,8 @@ from jaxhybrid.models.tensor_parallel import head_shards, local_heads
 from pallas_kernels import aot
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.conv1d import conv1d_prefill
-from pallas_kernels.gdn import gdn_decode, gdn_materialise, gdn_prefill, gdn_verify, gdn_verify_snapshots
-from pallas_kernels.mamba2 import ssd_decode, ssd_materialise, ssd_prefill, ssd_verify, ssd_verify_snapshots
+from pallas_kernels.gdn import gdn_decode, gdn_materialize, gdn_prefill, gdn_verify, gdn_verify_snapshots
+from pallas_kernels.mamba2 import ssd_decode, ssd_materialize, ssd_prefill, ssd_verify, ssd_verify_snapshots
 
 PRESETS = Path(__file__).parents[1] / "configs" / "models"
 RESULTS = Path(__file__).parent / "results"
@@ -97,7 +97,7 @@ def gdn_cases(cfg, act):
     snapshots = _spec(F32, SLOTS, hv, ENTRIES, dk, dv)
     yield "gdn_verify_snapshots", _pallas(gdn_verify_snapshots), (
         *tokens(VERIFY_TOKENS), cu, pool, snapshots, slots, *_trackers(ROWS))
-    yield "gdn_materialise", _pallas(gdn_materialise), (pool, *rings, slots, slots, slots, slots)
+    yield "gdn_materialize", _pallas(gdn_materialize), (pool, *rings, slots, slots, slots, slots)
 
 
 def ssd_cases(cfg, act):
@@ -117,7 +117,7 @@ def ssd_cases(cfg, act):
     snapshots = _spec(F32, SLOTS, nh, ENTRIES, p, n)
     yield "ssd_verify_snapshots", _pallas(ssd_verify_snapshots), (
         *tokens(VERIFY_TOKENS), cu, pool, snapshots, slots, *_trackers(ROWS))
-    yield "ssd_materialise", _pallas(ssd_materialise), (pool, *rings, _spec(F32, nh), slots, slots, slots, slots)
+    yield "ssd_materialize", _pallas(ssd_materialize), (pool, *rings, _spec(F32, nh), slots, slots, slots, slots)
 
 
 def attention_cases(cfg, act):

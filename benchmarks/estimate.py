@@ -32,7 +32,7 @@ that only gathers from an operand is charged the slices it gathers, where XLA ch
 embedding table; at small batches a MoE layer's whole expert stack, gathered tile by tile). Compiled, not
 lowered: the lowered module counts every unfused op's operands and outputs (8.75 GB against 3.38 on qwen3_5_0_8b's
 (8, 8, 256, 8) bucket, FLOPs within 1.3%) and at TP > 1 is the global program. XLA's model is static: a while
-loop's body counts once (materialisation, grouped prefill's second phase).
+loop's body counts once (materialization, grouped prefill's second phase).
 
 Depth. The step is compiled unrolled (`scan_layers=False`: XLA counts a loop's body once), and a compile of the
 whole stack takes 5-8 min a bucket on two busy cores. XLA's cost is linear in the layers, so the step is compiled

@@ -8,7 +8,7 @@ gated-attention layer (16 q heads, 2 kv heads, head dim 256, block 16); `--scale
 tokens for a quick run. Prints a table and writes benchmarks/results/kernels_<platform>.json.
 
 `--gpu`: every op at Qwen3-Next-80B-A3B and Nemotron-H-8B shapes (TP 1 and TP 4 heads per rank, 8k-token
-prefill, batch 64 decode/verify/materialise, 8k-context attention decode) in bf16, the Pallas kernel next
+prefill, batch 64 decode/verify/materialize, 8k-context attention decode) in bf16, the Pallas kernel next
 to the XLA reference on the same GPU: time, TFLOP/s, GB/s and the fraction of the H200 roofline, against
 the targets (>= 60% of HBM bandwidth for decode-type ops, >= 35% of bf16 peak for GDN/SSD prefill). Writes
 kernels_gpu_roofline.json and a roofline plot. `--gpu --kernel-backend interpret --divide 64` is a CPU
@@ -27,8 +27,8 @@ from common import figure, write_results  # benchmarks/ is sys.path[0]
 
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.conv1d import conv1d_prefill, conv1d_replay
-from pallas_kernels.gdn import gdn_decode, gdn_materialise, gdn_prefill, gdn_verify
-from pallas_kernels.mamba2 import ssd_decode, ssd_materialise, ssd_prefill, ssd_verify
+from pallas_kernels.gdn import gdn_decode, gdn_materialize, gdn_prefill, gdn_verify
+from pallas_kernels.mamba2 import ssd_decode, ssd_materialize, ssd_prefill, ssd_verify
 
 H200_HBM_BYTES_PER_S = 4.8e12
 
@@ -38,7 +38,7 @@ class Case(NamedTuple):
     shape: str
     run: object  # () -> device result, through the public op
     baseline: object  # () -> the same maths in NumPy
-    tokens: int  # tokens (or materialised slots) processed per call
+    tokens: int  # tokens (or materialized slots) processed per call
     state_bytes: int = 0  # recurrent state read + written per call (decode-type ops; 0 = not memory-bound)
 
 
@@ -207,9 +207,9 @@ def gdn_cases(rng, backend, tokens, rows, heads, dim=128, width=8, drafts=3):
         )  # fmt: skip
     dst, starts, entries = slots + rows, np.zeros(rows, np.int32), np.full(rows, width // 2, np.int32)
     yield Case(
-        "gdn_materialise", f"M={rows} entries={width // 2}",
+        "gdn_materialize", f"M={rows} entries={width // 2}",
         lambda: with_rings.call(
-            lambda sp, *r: (None, gdn_materialise(sp, *r, slots, dst, starts, entries, backend=backend), *r)
+            lambda sp, *r: (None, gdn_materialize(sp, *r, slots, dst, starts, entries, backend=backend), *r)
         ),
         lambda: np_fold_gdn_ring(pool[slots], *(r[slots] for r in rings), 2, width // 2), rows, state_bytes,
     )  # fmt: skip
@@ -267,9 +267,9 @@ def ssd_cases(rng, backend, tokens, rows, heads, head_dim=64, state=128, groups=
     )  # fmt: skip
     dst, starts, entries = slots + rows, np.zeros(rows, np.int32), np.full(rows, width // 2, np.int32)
     yield Case(
-        "ssd_materialise", f"M={rows} entries={width // 2}",
+        "ssd_materialize", f"M={rows} entries={width // 2}",
         lambda: with_rings.call(
-            lambda sp, *r: (None, ssd_materialise(sp, *r, a, slots, dst, starts, entries, backend=backend), *r)
+            lambda sp, *r: (None, ssd_materialize(sp, *r, a, slots, dst, starts, entries, backend=backend), *r)
         ),
         lambda: np_fold_ssd_ring(pool[slots], *(r[slots] for r in rings), a, heads // groups, width // 2), rows,
         state_bytes,

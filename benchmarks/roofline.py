@@ -25,8 +25,8 @@ from jaxhybrid.models.hf_config import load_config
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.conv1d import conv1d_prefill
 from pallas_kernels.cost import kernel_cost
-from pallas_kernels.gdn import gdn_decode, gdn_materialise, gdn_prefill, gdn_verify
-from pallas_kernels.mamba2 import ssd_decode, ssd_materialise, ssd_prefill, ssd_verify
+from pallas_kernels.gdn import gdn_decode, gdn_materialize, gdn_prefill, gdn_verify
+from pallas_kernels.mamba2 import ssd_decode, ssd_materialize, ssd_prefill, ssd_verify
 
 PRESETS = Path(__file__).parents[1] / "configs" / "models"
 H200 = dict(bf16_flops=989e12, hbm_bytes=4.8e12)
@@ -106,7 +106,7 @@ def conv_cases(inputs: Inputs, model: str, conv_dim: int, kernel: int, tokens: i
 
 
 def gdn_cases(inputs: Inputs, model: str, cfg, tp: int, tokens: int, batch: int, width=8, drafts=3):
-    """Rings of E = W + 1 + K entries; verify rows commit W / 2 of them and materialise folds E // 2, as the
+    """Rings of E = W + 1 + K entries; verify rows commit W / 2 of them and materialize folds E // 2, as the
     kernels' estimates assume (`pallas_kernels.common.folded_entries`)."""
     h, hv = _per_rank(cfg.num_k_heads, tp), _per_rank(cfg.num_v_heads, tp)
     dk, dv = cfg.head_k_dim, cfg.head_v_dim
@@ -138,8 +138,8 @@ def gdn_cases(inputs: Inputs, model: str, cfg, tp: int, tokens: int, batch: int,
     )  # fmt: skip
     dst, starts, live = slots + batch, np.zeros(batch, np.int32), np.full(batch, entries // 2, np.int32)
     yield kernel_case(
-        "gdn_materialise", f"{shape} M={batch} entries={entries // 2}",
-        lambda b, p: (gdn_materialise(p, *rings, slots, dst, starts, live, backend=b),), [pool], "hbm",
+        "gdn_materialize", f"{shape} M={batch} entries={entries // 2}",
+        lambda b, p: (gdn_materialize(p, *rings, slots, dst, starts, live, backend=b),), [pool], "hbm",
     )  # fmt: skip
 
 
@@ -178,8 +178,8 @@ def ssd_cases(inputs: Inputs, model: str, cfg, tp: int, tokens: int, batch: int,
     )  # fmt: skip
     dst, starts, live = slots + batch, np.zeros(batch, np.int32), np.full(batch, entries // 2, np.int32)
     yield kernel_case(
-        "ssd_materialise", f"{shape} M={batch} entries={entries // 2}",
-        lambda b, p: (ssd_materialise(p, *rings, a, slots, dst, starts, live, backend=b),), [pool], "hbm",
+        "ssd_materialize", f"{shape} M={batch} entries={entries // 2}",
+        lambda b, p: (ssd_materialize(p, *rings, a, slots, dst, starts, live, backend=b),), [pool], "hbm",
     )  # fmt: skip
 
 

@@ -5,12 +5,12 @@ Scenarios (all with the real scheduler and ReplaySSM bookkeeping):
                           one decode (k = 0) or verify row of 1 + k tokens each (a serving steady state);
   decode256_synchronized  the same with 256 identical-length prompts admitted together: their
                           decode crosses each block boundary within a few steps of each other, a
-                          worst case for the per-boundary work (log, publish, materialise);
+                          worst case for the per-boundary work (log, publish, materialize);
   decode256_queue10k      decode256 with 10,000 more requests waiting behind the full batch (an
                           offline scoring job): a step must not cost more with a long queue;
   mixed                   ~128 decoding requests plus a stream of new 300-1100 token prompts (chunked
                           prefill under a 2048-token budget, prefix hits on shared prefixes,
-                          decode-time materialisations);
+                          decode-time materializations);
   rows64/256/1024         k = 3 decode at 64, 256 and 1,024 rows (contexts 64-512): the cost per
                           running request, which must stay flat as the batch grows.
 Baseline, measured in the same run: what a naive functional scheduler pays just to rebuild 256

@@ -1,4 +1,4 @@
-"""Offline scoring of 1 anchor x N candidates: `LLM.score_candidates` (what `python -m jaxhybrid.score` runs) with
+"""Offline scoring of 1 anchor x N candidates: `LLM.score_candidates` (what `python -m jaxhybrid.run_batch` runs) with
 checkpoint reuse, without it, and HuggingFace transformers' full forwards, on one random ~40M-parameter
 Qwen3-Next checkpoint.
 

@@ -37,11 +37,11 @@ CANDIDATES = {
     "gdn_prefill": grid(state_block_v=(16, 32, 64), output_block_v=(32, 64), **WARPS),
     "gdn_decode": grid(block_v=(16, 32, 64), **WARPS),
     "gdn_verify": grid(block_v=(16, 32, 64), **WARPS),
-    "gdn_materialise": grid(block_v=(16, 32, 64), **WARPS),
+    "gdn_materialize": grid(block_v=(16, 32, 64), **WARPS),
     "ssd_prefill": grid(block_p=(16, 32, 64), block_t=(16, 32, 64), state_parts=(1, 2), **WARPS),
     "ssd_decode": grid(block_p=(16, 32, 64), **WARPS),
     "ssd_verify": grid(block_p=(16, 32, 64), **WARPS),
-    "ssd_materialise": grid(block_p=(16, 32, 64), **WARPS),
+    "ssd_materialize": grid(block_p=(16, 32, 64), **WARPS),
     "ragged_paged_attention": grid(block_m=(16, 32, 64), **WARPS),
 }
 TIMED_OP = {"attention_prefill": "ragged_paged_attention", "attention_decode": "ragged_paged_attention"}

@@ -1,6 +1,6 @@
 """`EngineArgs`: every engine setting, declared once with its default and its help.
 
-`LLM(model, **kwargs)` takes the fields as keywords. `python -m jaxhybrid.serve` and `python -m jaxhybrid.score`
+`LLM(model, **kwargs)` takes the fields as keywords. `python -m jaxhybrid.serve` and `python -m jaxhybrid.run_batch`
 get one flag per field (vLLM's names; `--max-num-seqs` and `--max_num_seqs`; `--no-` forms for booleans) and
 read the same names from a YAML `--config` file; the command line wins. `CLI_DEFAULTS` lists what the programs
 start with differently, and why.

@@ -1,7 +1,7 @@
 """Data parallel batch jobs on Ray Data: one engine per actor of a `map_batches` actor pool.
 
 In a pipeline of your own, turn each input line into a row `{"index": line number, "line": JSON text}` (the
-formats of `jaxhybrid.score`; the index names ids and seeds, so a line's output does not depend on the
+formats of `jaxhybrid.run_batch`; the index names ids and seeds, so a line's output does not depend on the
 replica that runs it) and map batches of rows through `ScoreReplica`:
 
     import functools, ray
@@ -14,7 +14,7 @@ replica that runs it) and map batches of rows through `ScoreReplica`:
                                  fn_constructor_kwargs={"make_llm": functools.partial(LLM, "path/to/model")})
     for row in scored.iter_rows(): ...   # {"index", "output": the output line's JSON text, "counters"}
 
-Each batch runs as one window of the job (`ScoreJob`). `python -m jaxhybrid.score --ray --num-replicas R`
+Each batch runs as one window of the job (`BatchJob`). `python -m jaxhybrid.run_batch --ray --num-replicas R`
 does this for a JSONL file; its rows are whole windows aligned to line numbers, so every line meets the
 same neighbours as in a one-process run and the output file is byte-identical to it (and resumable).
 """
@@ -28,17 +28,17 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from jaxhybrid.llm import LLM
-from jaxhybrid.score import ScoreJob
+from jaxhybrid.run_batch import BatchJob
 
 
 class ScoreReplica:
-    """A Ray Data actor: one `LLM` from `make_llm()`, a `ScoreJob` over it (`job_options` are its keyword
+    """A Ray Data actor: one `LLM` from `make_llm()`, a `BatchJob` over it (`job_options` are its keyword
     arguments). A batch of line rows (`index`, `line`) is one window; a batch of window rows (`first`,
     `lines`) is one window per row. Returns line rows: `index`, `output` (the output line, newline
-    included) and `counters` (JSON of what the window counted, `ScoreJob.counters`, on its last line)."""
+    included) and `counters` (JSON of what the window counted, `BatchJob.counters`, on its last line)."""
 
     def __init__(self, make_llm: Callable[[], LLM], **job_options) -> None:
-        self.job = ScoreJob(make_llm(), **job_options)
+        self.job = BatchJob(make_llm(), **job_options)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         index, output, counters = [], [], []
@@ -68,7 +68,7 @@ def replica_resources() -> dict:
 
 def score_windows(lines: Iterator[tuple[int, str]], window: int, *, num_replicas: int, make_llm: Callable[[], LLM],
                   job_options: dict, address: str | None = None) -> Iterator[tuple[list[str], Counter]]:
-    """`ScoreJob.run` over `num_replicas` engines: per window (aligned to line numbers), in input order, its
+    """`BatchJob.run` over `num_replicas` engines: per window (aligned to line numbers), in input order, its
     output lines and what it counted. The driver holds the input lines' text."""
     import ray
 

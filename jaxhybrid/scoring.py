@@ -1,5 +1,5 @@
 """Scoring candidates given a prompt: one request per candidate, all sharing the prompt's checkpoint, and
-their prompt logprobs read back as scores (`LLM.score_candidates`, the scoring lines of `python -m jaxhybrid.score`)."""
+their prompt logprobs read back as scores (`LLM.score_candidates`, the scoring lines of the batch job)."""
 
 from __future__ import annotations
 

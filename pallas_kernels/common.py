@@ -398,7 +398,7 @@ def store_snapshots(state_pool, snapshots, checkpoint, states, cu_seqlens, slots
 
 
 @functools.partial(jax.jit, donate_argnames="state_pool")
-def snapshot_materialise(state_pool, snapshots, src_slots, dst_slots, ring_start, num_entries) -> jax.Array:
+def snapshot_materialize(state_pool, snapshots, src_slots, dst_slots, ring_start, num_entries) -> jax.Array:
     """state_pool[dst] = the state of src after num_entries entries (`snapshot_at`): a whole-state copy,
     so XLA on every backend. dst 0 = skip; src and snapshots untouched."""
     return scatter_slots(state_pool, dst_slots, snapshot_at(state_pool, snapshots, src_slots, ring_start, num_entries))

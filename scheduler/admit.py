@@ -5,7 +5,7 @@ reserved checkpoint slot for a producer, KV blocks for its first chunk), so admi
 half-succeeds and never preempts a running request.
 
 Waiting requests are taken first come, first served, with one exception that keeps one client from
-starving the others: a request whose group (`Request.group`, the n samples and prompts of one client
+starving the others: a request whose group (`SequenceSpec.group`, the n samples and prompts of one client
 request) already holds its fair share of the rows, max_num_seqs over the groups running or waiting, waits
 behind the requests of other groups; it is admitted in the same step if rows and budget are left after them.
 """
@@ -177,7 +177,7 @@ def _checkpoint_role(p: Pass, hashes: list[int], c: int, hit: PrefixHit, num_cac
     if status is CheckpointStatus.PRODUCING:
         return None  # consumer waits for READY without blocking anyone else
     if status is CheckpointStatus.ABSENT and key in edit.slots.hash_to_slot:
-        return None  # an unmarked request or a materialisation writes this very state in this step
+        return None  # an unmarked request or a materialization writes this very state in this step
     if status is CheckpointStatus.UNREADY:
         return _pair(p, key, c)
     if status is CheckpointStatus.READY:
@@ -227,7 +227,7 @@ _ADMISSION_COLUMNS = [NUM_COMPUTED, NUM_BLOCKS, PUBLISHED, NUM_TOKENS, PREFILL_E
 
 def _claim_row(p: Pass, rid: str, hit: PrefixHit, prefill_end: int, slot: int) -> int:
     edit, request, cfg = p.edit, p.edit.requests[rid], p.edit.cfg
-    params, num_prompt = request.sampling_params, request.num_prompt_tokens
+    params, num_prompt = request.stop_params, request.num_prompt_tokens
     row, rows = free_row(edit), edit.rows
     eos = -1 if params.stopping_eos is None else params.stopping_eos
     checkpoint = (request.checkpoint_position or 0) if cfg.align else 0

@@ -40,7 +40,7 @@ class SchedulerConfig:
         max_num_logits: most logits one step asks for (each belongs to a token, so at most
             max_num_batched_tokens, the default); prompt-logprob chunks are cut to fit.
         logits_buckets: allowed padded sizes of a BatchPlan's `logits_indices`; `()` picks powers of two.
-        row_data_bytes: size of each request's opaque per-row record (`Request.row_data`: its sampling
+        row_data_bytes: size of each request's opaque per-row record (`SequenceSpec.row_data`: its sampling
             settings, packed by the engine), handed to the device as `BatchPlan.row_data`.
     """
 

@@ -19,7 +19,7 @@ import numpy as np
 from scheduler.config import SchedulerConfig
 from scheduler.lifecycle import abort_request, add_request, preempt_request
 from scheduler.plan import BatchPlan, StepResult
-from scheduler.request import Request, SamplingParams, StepOutputs
+from scheduler.request import SequenceSpec, StepOutputs, StopParams
 from scheduler.resolve import resolve
 from scheduler.schedule import schedule
 from scheduler.state import SchedulerState, init_state
@@ -54,7 +54,7 @@ class EventLog:
         self.config = config
         self.events: list[dict] = []
 
-    def add_request(self, state: SchedulerState, request: Request) -> SchedulerState:
+    def add_request(self, state: SchedulerState, request: SequenceSpec) -> SchedulerState:
         state = add_request(state, request)  # a refused request changes nothing and is not logged
         self.events.append({"add": _request_to_json(request)})
         return state
@@ -156,16 +156,16 @@ def _result_from_json(data: dict) -> StepResult:
                                                                      "draft_token_ids")))
 
 
-def _request_to_json(request: Request) -> dict:
-    params = dataclasses.asdict(request.sampling_params)
+def _request_to_json(request: SequenceSpec) -> dict:
+    params = dataclasses.asdict(request.stop_params)
     return {"request_id": request.request_id, "prompt_token_ids": [int(t) for t in request.prompt_token_ids],
-            "sampling_params": params, "checkpoint_position": request.checkpoint_position,
+            "stop_params": params, "checkpoint_position": request.checkpoint_position,
             "cache_salt": request.cache_salt, "logits_from": request.logits_from, "row_data": request.row_data.hex(),
             "group": request.group}
 
 
-def _request_from_json(data: dict) -> Request:
-    params = dict(data["sampling_params"], stop_token_ids=tuple(data["sampling_params"]["stop_token_ids"]))
-    return Request(data["request_id"], tuple(data["prompt_token_ids"]), SamplingParams(**params),
+def _request_from_json(data: dict) -> SequenceSpec:
+    params = dict(data["stop_params"], stop_token_ids=tuple(data["stop_params"]["stop_token_ids"]))
+    return SequenceSpec(data["request_id"], tuple(data["prompt_token_ids"]), StopParams(**params),
                    data["checkpoint_position"], data["cache_salt"], data["logits_from"],
                    bytes.fromhex(data["row_data"]), data.get("group"))

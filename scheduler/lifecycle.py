@@ -1,4 +1,4 @@
-"""Request lifecycle outside the step: add (validated), abort, preempt, and freeing what a request holds."""
+"""SequenceSpec lifecycle outside the step: add (validated), abort, preempt, and freeing what a request holds."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.history import park_tails
 from scheduler.prefix_cache import root_hash
 from scheduler.publish import publish_full_blocks
-from scheduler.request import Request, SamplingParams, is_int, is_int_type
+from scheduler.request import SequenceSpec, StopParams, is_int, is_int_type
 from scheduler.slots import NULL_SLOT
 from scheduler.state import (
     COMMITTED,
@@ -24,7 +24,7 @@ from scheduler.state import (
 from scheduler.transaction import StateEdit
 
 
-def add_request(state: SchedulerState, request: Request) -> SchedulerState:
+def add_request(state: SchedulerState, request: SequenceSpec) -> SchedulerState:
     """Queue a request; raises ValueError (state unchanged) if it is malformed or can never fit."""
     _validate_request(state, request)
     with StateEdit(state) as edit:
@@ -36,15 +36,15 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
         return edit.freeze()
 
 
-def _validate_request(state: SchedulerState, request: Request) -> None:
+def _validate_request(state: SchedulerState, request: SequenceSpec) -> None:
     cfg, rid, num_prompt = state.config, request.request_id, request.num_prompt_tokens
     if not isinstance(rid, str):
         raise ValueError(f"request_id must be a str, got {rid!r}")
     if rid in state.requests:
         raise ValueError(f"request_id {rid!r} is already in use")
-    if not isinstance(request.sampling_params, SamplingParams):
-        raise ValueError(f"request {rid!r}: sampling_params must be a SamplingParams, got "
-                         f"{request.sampling_params!r:.60}")
+    if not isinstance(request.stop_params, StopParams):
+        raise ValueError(f"request {rid!r}: stop_params must be a StopParams, got "
+                         f"{request.stop_params!r:.60}")
     if num_prompt == 0:
         raise ValueError(f"request {rid!r}: prompt_token_ids is empty")
     if num_prompt >= cfg.max_model_len:
@@ -72,7 +72,7 @@ def _is_utf8_str(value) -> bool:
     return True
 
 
-def _validate_token_ids(request: Request, vocab_size: int | None) -> None:
+def _validate_token_ids(request: SequenceSpec, vocab_size: int | None) -> None:
     kinds = set(map(type, request.prompt_token_ids))  # one C-level pass; a bool is an int to numpy
     if not all(map(is_int_type, kinds)):
         raise ValueError(f"request {request.request_id!r}: prompt_token_ids must be integers, got "
@@ -84,7 +84,7 @@ def _validate_token_ids(request: Request, vocab_size: int | None) -> None:
         raise ValueError(f"request {request.request_id!r}: token id {bad} is out of vocabulary [0, {high})")
 
 
-def _validate_logits_and_row_data(request: Request, row_data_bytes: int) -> None:
+def _validate_logits_and_row_data(request: SequenceSpec, row_data_bytes: int) -> None:
     f, c, rid = request.logits_from, request.checkpoint_position, request.request_id
     if f is not None and (not is_int(f) or not 0 <= f < request.num_prompt_tokens):
         raise ValueError(f"request {rid!r}: logits_from {f!r} must be an integer prompt position in "
@@ -96,7 +96,7 @@ def _validate_logits_and_row_data(request: Request, row_data_bytes: int) -> None
         raise ValueError(f"request {rid!r}: row_data must be {row_data_bytes} bytes, got {request.row_data!r:.40}")
 
 
-def _validate_checkpoint(request: Request, unit: int) -> None:
+def _validate_checkpoint(request: SequenceSpec, unit: int) -> None:
     c = request.checkpoint_position
     if c is not None and (not is_int(c) or c <= 0 or c >= request.num_prompt_tokens or c % unit):
         raise ValueError(f"request {request.request_id!r}: checkpoint_position {c!r} must be a positive integer "
@@ -172,7 +172,7 @@ def release_rows(edit: StateEdit, request_ids: list[str]) -> None:
     rows.clear(row_ids)
 
 
-def logits_from(request: Request, prefill_end: int) -> int:
+def logits_from(request: SequenceSpec, prefill_end: int) -> int:
     """The first prefill position that asks for a logit: the prompt-logprobs start, else only the
     sampling position (also for a resumed request, whose prompt logits went out before preemption)."""
     if request.logits_from is None or prefill_end > request.num_prompt_tokens:
@@ -180,13 +180,13 @@ def logits_from(request: Request, prefill_end: int) -> int:
     return request.logits_from
 
 
-def max_len(cfg: SchedulerConfig, request: Request) -> int:
+def max_len(cfg: SchedulerConfig, request: SequenceSpec) -> int:
     """Tokens the request may reach (prompt + outputs): where it stops with reason LENGTH."""
-    return min(request.num_prompt_tokens + request.sampling_params.max_tokens, cfg.max_model_len)
+    return min(request.num_prompt_tokens + request.stop_params.max_tokens, cfg.max_model_len)
 
 
 def _keep_materializations(edit: StateEdit, request_ids: list[str], cols: np.ndarray) -> None:
-    """A boundary crossed in a request's last steps is still materialised: its running slot stays with the
+    """A boundary crossed in a request's last steps is still materialized: its running slot stays with the
     ask until the next step has read it (asks whose ring entries are gone are dropped)."""
     index = {rid: i for i, rid in enumerate(request_ids)}
     asks = []

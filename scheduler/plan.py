@@ -14,7 +14,7 @@ Conventions used everywhere:
     the bonus token: the row emits `sampled_token_ids[r, :num_accepted[r] + 1]`, where the first
     `num_accepted[r]` equal the drafts and the last one is the bonus/correction token.
   * Order of state operations inside the step (the scheduler relies on it):
-      1. materialise (reads running slots' S0 + ring, writes cache slots),
+      1. materialize (reads running slots' S0 + ring, writes cache slots),
       2. hit copies (cache slot -> running slot, whole page),
       3. layers; in each recurrent layer phase 1 rows run first, then the pair copies (producer
          running slot -> consumer running slot, that layer's state only), then phase 2 rows;
@@ -70,7 +70,7 @@ class BatchPlan(NamedTuple):
     cu_logits: np.ndarray                 # [R+1] int32: row r's logits are entries cu_logits[r]..cu_logits[r+1]
     logits_indices: np.ndarray            # [L] int32 packed token index of each logit; unused 0. A sampling
                                           # row samples from its last logit(s): the last 1 (+K) of its entries
-    row_data: np.ndarray                  # [R, D] uint8 each row's opaque Request.row_data; padding 0
+    row_data: np.ndarray                  # [R, D] uint8 each row's opaque SequenceSpec.row_data; padding 0
     lookahead_token_ids: np.ndarray       # [R, Lw] int32 the next known tokens after a prefill chunk; padding 0
     num_lookahead_tokens: np.ndarray      # [R] int32 valid entries of lookahead_token_ids
     # ReplaySSM trackers of verify/decode rows (prefill rows: 0, 0, False -> they reset the ring)

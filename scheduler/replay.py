@@ -1,4 +1,4 @@
-"""ReplaySSM trackers: the flush rule, commit/rollback after acceptance, and materialisation counts.
+"""ReplaySSM trackers: the flush rule, commit/rollback after acceptance, and materialization counts.
 
 Per running slot the device keeps a checkpoint state S0 and a ring of the last inputs; the scheduler
 owns two trackers per row: `ring_start` (ring index of the first committed entry) and `committed`

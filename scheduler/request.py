@@ -1,4 +1,4 @@
-"""Request and SamplingParams (frozen, cold per-request data) and the StepOutputs that update emits."""
+"""SequenceSpec and StopParams (frozen, cold per-sequence data) and the StepOutputs that update emits."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ def is_int_type(kind: type) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingParams:
+class StopParams:
     """Stop conditions the scheduler enforces (the runner does the sampling itself, from the settings
-    the engine packs into `Request.row_data`).
+    the engine packs into `SequenceSpec.row_data`).
 
     max_tokens: most output tokens; 0 scores the prompt only (the request ends with its prefill).
     eos_token_id: stops generation unless ignore_eos.
@@ -36,14 +36,14 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 0:
-            raise ValueError(f"SamplingParams.max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+            raise ValueError(f"StopParams.max_tokens must be an integer >= 0, got {self.max_tokens!r}")
         if self.eos_token_id is not None and (not is_int(self.eos_token_id) or self.eos_token_id < 0):
-            raise ValueError(f"SamplingParams.eos_token_id must be an integer >= 0 or None, got {self.eos_token_id!r}")
+            raise ValueError(f"StopParams.eos_token_id must be an integer >= 0 or None, got {self.eos_token_id!r}")
         if not isinstance(self.stop_token_ids, tuple) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids must be a tuple of integers >= 0, "
+            raise ValueError(f"StopParams.stop_token_ids must be a tuple of integers >= 0, "
                              f"got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise ValueError(f"StopParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
     def stopping_eos(self) -> int | None:
@@ -57,8 +57,8 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
-class Request:
-    """One generation request as the scheduler sees it.
+class SequenceSpec:
+    """One sequence as the scheduler sees it (the engine makes one per sample of a client request).
 
     prompt_token_ids: the prompt with any checkpoint marker already stripped.
     checkpoint_position: the declared checkpoint `c` (a multiple of the hash unit, 0 < c < len), from
@@ -74,7 +74,7 @@ class Request:
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    sampling_params: SamplingParams = SamplingParams()
+    stop_params: StopParams = StopParams()
     checkpoint_position: int | None = None
     cache_salt: str | None = None
     logits_from: int | None = None
@@ -86,7 +86,7 @@ class Request:
         try:
             prompt = tuple(self.prompt_token_ids)
         except TypeError:
-            raise TypeError(f"Request.prompt_token_ids must be a sequence of token ids, "
+            raise TypeError(f"SequenceSpec.prompt_token_ids must be a sequence of token ids, "
                             f"got {self.prompt_token_ids!r:.60}") from None
         object.__setattr__(self, "prompt_token_ids", prompt)
 
@@ -105,7 +105,7 @@ class FinishReason(enum.Enum):
     ABORT = "abort"    # abort_request
 
 
-class RequestOutput(NamedTuple):
+class SequenceOutput(NamedTuple):
     """Tokens one request gained in one step; `finish_reason` is None while it keeps running."""
 
     request_id: str
@@ -129,7 +129,7 @@ class StepOutputs:
     token_ids: [n, 1+K] int32 read-only; entry i's new tokens are token_ids[i, :num_new_tokens[i]].
     num_new_tokens: [n] int32 read-only, >= 1 (0 for a request with max_tokens = 0, ending with its prefill).
     finish_codes: [n] int8 read-only index into FINISH_REASONS; 0 while the request keeps running.
-    Indexing or iterating builds the per-request `RequestOutput` views on demand: a step with 256
+    Indexing or iterating builds the per-request `SequenceOutput` views on demand: a step with 256
     decode rows costs a few array operations, not 256 Python objects, unless a caller asks for them.
     """
 
@@ -141,11 +141,11 @@ class StepOutputs:
     def __len__(self) -> int:
         return len(self.request_ids)
 
-    def __getitem__(self, i: int) -> RequestOutput:
+    def __getitem__(self, i: int) -> SequenceOutput:
         tokens = tuple(self.token_ids[i, :self.num_new_tokens[i]].tolist())
-        return RequestOutput(self.request_ids[i], tokens, FINISH_REASONS[self.finish_codes[i]])
+        return SequenceOutput(self.request_ids[i], tokens, FINISH_REASONS[self.finish_codes[i]])
 
-    def __iter__(self) -> Iterator[RequestOutput]:
+    def __iter__(self) -> Iterator[SequenceOutput]:
         return map(self.__getitem__, range(len(self)))
 
     def __eq__(self, other: object) -> bool:

@@ -3,7 +3,7 @@
 The overlapped engine schedules step N+1 before it has read step N's tokens (DESIGN "One engine step").
 Right after dispatching N it applies `update(state, plan, placeholder_result(plan, K))`: everything a step
 changes that does not depend on which tokens came out (computed counts, ReplaySSM trackers, prefill ends,
-materialisation asks, READY slots and checkpoints, the end at max_len) happens then. Row r of step N emits
+materialization asks, READY slots and checkpoints, the end at max_len) happens then. Row r of step N emits
 one token, the placeholder P(r, 0) = -(1 + r * (1 + K)), accepts no draft and drafts P(r, 1..K). The next
 plan carries these placeholders wherever N's tokens are inputs; the device replaces P(r, 0) with the last
 token row r emitted and P(r, j) with its draft j, both kept on device.
@@ -121,7 +121,7 @@ def _cut_fast(edit: StateEdit, rows: np.ndarray, tokens: np.ndarray, accepted: n
 def _cut_one(edit: StateEdit, rid: str, tokens: np.ndarray, accepted: int) -> tuple[int, int]:
     request, row = edit.requests[rid], edit.row_of.get(rid)
     limit = max_len(edit.cfg, request) if row is None else int(edit.rows.max_len[row])
-    hits = np.isin(tokens, list(request.sampling_params.stop_ids))[None]
+    hits = np.isin(tokens, list(request.stop_params.stop_ids))[None]
     keep, codes = cut_at_stops(hits, np.array([accepted + 1]), np.array([edit.num_tokens(rid) - 1]),
                                np.array([limit]))
     return int(keep[0]), int(codes[0])

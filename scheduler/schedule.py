@@ -1,10 +1,10 @@
-"""schedule(state) -> (state, BatchPlan): decode rows, materialisations, prefill chunks, admission.
+"""schedule(state) -> (state, BatchPlan): decode rows, materializations, prefill chunks, admission.
 
 Theory of operation. One pass spends the token budget in a fixed order:
   1. running decode/verify rows (vectorised, 1 + K tokens each, oldest first), leaving the oldest
      running prefill its reserve (below); if their new KV blocks do not fit, the newest running
      request is preempted (recompute) until they do;
-  2. materialisations asked for by the last `update` (pure slot work, no tokens);
+  2. materializations asked for by the last `update` (pure slot work, no tokens);
   3. running prefill rows, oldest first, each cut by the align split (`split.py`);
   4. waiting requests, FCFS: prefix hit or checkpoint role first, then the split, then capacity.
      A consumer whose checkpoint is still PRODUCING, or a request whose longer prefix state is
@@ -182,7 +182,7 @@ def _issue_materializations(p: Pass) -> None:
     dsts = edit.slots.allocate_many(SlotKind.PENDING, len(chosen), [m.key for m in chosen])
     p.materializes += [(m.running_slot, dst, m.ring_start, m.count) for m, dst in zip(chosen, dsts, strict=True)]
     p.ready_slots += dsts
-    for m in asks:  # materialise reads them first thing in the step, before anything can write them
+    for m in asks:  # materialize reads them first thing in the step, before anything can write them
         if m.released:
             edit.slots.release(m.running_slot)
 

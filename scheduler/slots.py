@@ -5,7 +5,7 @@ Slot kinds:
   RUNNING   a running request's live state (its ring and trackers live in the same page).
   CACHED    a READY prefix state, hit-able and LRU-evictable; I1: keyed by the hash of tokens [0, p),
             it holds exactly the state after p tokens.
-  PENDING   a prefix state that the in-flight step writes (publish or materialise); it becomes CACHED
+  PENDING   a prefix state that the in-flight step writes (publish or materialize); it becomes CACHED
             in `update`, so nobody can hit a state whose writing step has not run.
   RESERVED  held by a checkpoint producer until its chunk reaches the checkpoint.
 Like `blocks.py`, the pool is part of the single-use scheduler state, written in place: `begin` keeps

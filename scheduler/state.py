@@ -13,7 +13,7 @@ globals, no clocks), so a log of events replays every decision bit for bit (repl
     O(requests);
   * token histories (`TokenLog`) are append-only; a running request's newest tokens sit in the row
     table's tail until they fill a log block (history.py);
-  * cold per-request data are frozen `Request` values.
+  * cold per-request data are frozen `SequenceSpec` values.
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ class StateData:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.requests = UndoMap()            # request id -> Request: every live request, waiting or running
+        self.requests = UndoMap()            # request id -> SequenceSpec: every live request, waiting or running
         self.waiting: tuple[str, ...] = ()   # FCFS; preempted requests go back to the front
         self.running: tuple[str, ...] = ()   # admission order; the newest is preempted first
         self.running_rows = frozen(np.zeros(0, np.int64))  # [len(running)] the row of each running request
@@ -303,7 +303,7 @@ class StateData:
                               request_id)
 
     def has_work(self) -> bool:
-        """Requests to serve, or a finished one's boundary state still to materialise."""
+        """Requests to serve, or a finished one's boundary state still to materialize."""
         return bool(self.requests or self.materializations)
 
 

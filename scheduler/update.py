@@ -6,7 +6,7 @@ bonus token; rejected drafts are a ReplaySSM cursor move), then prefill rows. A 
 KV blocks are published under their chained keys here; the blocks decode fills are published right
 before the next prefix lookup or their release (`publish_full_blocks`), so every lookup sees every
 full block while a steady decode batch hashes nothing. A verify row whose accepted tokens cross a
-Mamba block boundary asks the next `schedule` to materialise that boundary's state. Rows of requests
+Mamba block boundary asks the next `schedule` to materialize that boundary's state. Rows of requests
 aborted (or ended by `resolve`) while the step was in flight count what the step computed but commit
 and emit no token; they are released last, publishing their computed blocks and states.
 Per-row work is vectorised over the step's rows: the outputs are one `StepOutputs` of arrays and new
@@ -162,7 +162,7 @@ def _cut(edit: StateEdit, live: _Live, before: np.ndarray, max_len: np.ndarray, 
     """Kept token counts and finish codes when some row reaches max_len or samples a stop token."""
     hits = eos_hits.copy()
     for j in edit.rows.has_stop[live.rows].nonzero()[0].tolist():  # extra stop ids: rare, per row
-        hits[j] |= np.isin(sampled[j], list(edit.requests[live.rids[j]].sampling_params.stop_ids))
+        hits[j] |= np.isin(sampled[j], list(edit.requests[live.rids[j]].stop_params.stop_ids))
     return cut_at_stops(hits, counts, before, max_len)
 
 
@@ -218,7 +218,7 @@ def _finish_rows(edit: StateEdit, outputs: StepOutputs) -> None:
         for i in outputs.finish_codes.nonzero()[0].tolist():
             rid = outputs.request_ids[i]
             if outputs.num_new_tokens[i] and outputs.token_ids[i, 0] < 0:  # reached max_len on a placeholder
-                edit.unresolved_ends[rid] = edit.requests[rid].sampling_params.stop_ids
+                edit.unresolved_ends[rid] = edit.requests[rid].stop_params.stop_ids
             forget(edit, rid)
 
 

@@ -121,7 +121,7 @@ class Engine:
         for index in range(request.params.n):
             sequence_id = str(next(self._ids))
             try:
-                self.scheduler = scheduler.add_request(self.scheduler, table.scheduler_request(
+                self.scheduler = scheduler.add_request(self.scheduler, table.scheduler_sequence(
                     sequence_id, request, request.seed + index))
             except ValueError as error:
                 for queued in request.sequences:
@@ -285,7 +285,7 @@ class Engine:
         for request in list(self.table.requests.values()):
             if request.metrics.first_scheduled_time is None:
                 for index, sequence_id in enumerate(request.sequences):
-                    self.scheduler = scheduler.add_request(self.scheduler, self.table.scheduler_request(
+                    self.scheduler = scheduler.add_request(self.scheduler, self.table.scheduler_sequence(
                         sequence_id, request, request.seed + index))
                 continue
             for sequence_id, output in zip(request.sequences, request.outputs, strict=True):

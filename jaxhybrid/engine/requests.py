@@ -45,7 +45,7 @@ class Request:
     cache_salt: str | None
     prompt_logprobs_from: int = 0
     num_cached_tokens: int = 0
-    group: str | None = None  # the client request it is part of (`scheduler.Request.group`); None: its own
+    group: str | None = None  # the client request it is part of (`scheduler.SequenceSpec.group`); None: its own
 
     def logits_from(self) -> int | None:
         """The first prompt position whose logits the request needs: prompt token p's logprob comes from the
@@ -160,16 +160,16 @@ class RequestTable:
                     first.append(request)
         return first
 
-    def scheduler_request(self, sequence_id: str, request: Request, seed: int) -> scheduler.Request:
+    def scheduler_sequence(self, sequence_id: str, request: Request, seed: int) -> scheduler.SequenceSpec:
         prompt, params = request.prompt, request.params
         eos = self.model.config.eos_token_id
         room = self.config.max_model_len - len(prompt.token_ids)
         max_tokens = room if params.max_tokens is None else params.max_tokens
         limits = params.scheduler_params(max(max_tokens, 0), eos[0] if eos else None)
         if not params.ignore_eos:  # the checkpoint's other eos ids stop it too, unless eos is ignored
-            limits = scheduler.SamplingParams(limits.max_tokens, limits.eos_token_id,
+            limits = scheduler.StopParams(limits.max_tokens, limits.eos_token_id,
                                               limits.stop_token_ids + tuple(eos[1:]), limits.ignore_eos)
-        return scheduler.Request(sequence_id, prompt.token_ids, limits, request.readable_checkpoint(),
+        return scheduler.SequenceSpec(sequence_id, prompt.token_ids, limits, request.readable_checkpoint(),
                                  request.cache_salt, request.logits_from(),
                                  params.row_data(seed, len(prompt.token_ids)), request.group)
 

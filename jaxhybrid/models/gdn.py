@@ -16,7 +16,7 @@ from jaxhybrid.models.plan_transfer import DevicePlan
 from jaxhybrid.models.pools import RecurrentPool
 from jaxhybrid.models.recurrent import Conv, MixerCore, recurrent_layer, ring_verify
 from jaxhybrid.models.tensor_parallel import recurrent_pool_specs
-from pallas_kernels.gdn import gdn_materialise, gdn_verify, gdn_verify_snapshots
+from pallas_kernels.gdn import gdn_materialize, gdn_verify, gdn_verify_snapshots
 
 
 class GatedDeltaNet(nn.Module):
@@ -81,6 +81,6 @@ def _core(cfg: GDNConfig, ops: ModelOps, g: jax.Array, beta: jax.Array, out_shap
         prefill=lambda mixed, cu, state, slots, has_initial: ops.gdn_prefill(
             *heads(mixed), cu, state, slots, has_initial, backend=backend),
         verify=ring_verify(gdn_verify, gdn_verify_snapshots, heads, backend),
-        materialise=lambda state, rings, *copies, max_committed: gdn_materialise(
+        materialize=lambda state, rings, *copies, max_committed: gdn_materialize(
             state, *rings, *copies, max_committed=max_committed, backend=backend),
         out=out_shape)

@@ -16,7 +16,7 @@ from jaxhybrid.models.plan_transfer import DevicePlan
 from jaxhybrid.models.pools import RecurrentPool
 from jaxhybrid.models.recurrent import Conv, MixerCore, recurrent_layer, ring_verify
 from jaxhybrid.models.tensor_parallel import recurrent_pool_specs
-from pallas_kernels.mamba2 import ssd_materialise, ssd_prefill, ssd_verify, ssd_verify_snapshots
+from pallas_kernels.mamba2 import ssd_materialize, ssd_prefill, ssd_verify, ssd_verify_snapshots
 
 
 class Mamba2Mixer(nn.Module):
@@ -87,6 +87,6 @@ def _core(cfg: Mamba2Config, ops: ModelOps, dt: jax.Array, a: jax.Array, d: jax.
         prefill=lambda mixed, cu, state, slots, has_initial: ssd_prefill(
             *inputs(mixed), cu, state, slots, has_initial, chunk_size=cfg.chunk_size, backend=backend),
         verify=ring_verify(ssd_verify, ssd_verify_snapshots, inputs, backend),
-        materialise=lambda state, rings, *copies, max_committed: ssd_materialise(
+        materialize=lambda state, rings, *copies, max_committed: ssd_materialize(
             state, *rings, a, *copies, max_committed=max_committed, backend=backend),
         out=out_shape)

@@ -1,6 +1,6 @@
 """One recurrent layer (GDN or Mamba2) on its slot pool, in the order `scheduler/plan.py` documents.
 
-Materialisations and hit copies first, then the layer's rows: decode and verify rows (the first rows of
+Materializations and hit copies first, then the layer's rows: decode and verify rows (the first rows of
 every plan) through the ReplaySSM ops with their ring trackers, prefill rows through the chunked prefill
 ops in two phases around the pair copies, and last the publishes. Each step touches only this layer's
 pages, so running that order layer by layer equals running it over all layers at once.
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from jaxhybrid.models.plan_transfer import DevicePlan
 from jaxhybrid.models.pools import RecurrentPool, copy_pages, for_each_entry, has_snapshots
-from pallas_kernels.common import snapshot_materialise
-from pallas_kernels.conv1d import conv1d_materialise, conv1d_prefill, conv1d_replay
+from pallas_kernels.common import snapshot_materialize
+from pallas_kernels.conv1d import conv1d_materialize, conv1d_prefill, conv1d_replay
 from pallas_kernels.grouped_prefill import grouped_prefill
 from scheduler.plan import RowKind
 from scheduler.replay import max_committed
@@ -33,7 +33,7 @@ class MixerCore(NamedTuple):
     #   -> (out, state_pool, rings); the static bounds of every row's tokens and committed entries
     verify: Callable
     # (state_pool, rings, src, dst, ring_start, count, *, max_committed) -> state_pool; snapshots need no family op
-    materialise: Callable
+    materialize: Callable
     out: jax.ShapeDtypeStruct  # the outputs' [T, ...] shape and dtype
 
 
@@ -62,7 +62,7 @@ def recurrent_layer(conv_in: jax.Array, conv: Conv, core: MixerCore, plan: Devic
     # Each stage reads pages that the next one writes: the barriers order them, or XLA copies whole pools
     # to keep the old values alive. For the same reason decode rows run unconditionally (cheap: at most
     # W + 1 + K entries per row); only the prefill path sits behind a cond.
-    pool = jax.lax.optimization_barrier(_materialise(core, plan, pool))
+    pool = jax.lax.optimization_barrier(_materialize(core, plan, pool))
     pool = jax.lax.optimization_barrier(copy_pages(pool, plan.hit_copy_src, plan.hit_copy_dst, plan.num_hit_copies))
     decode = plan.row_kind >= RowKind.DECODE
     num_decode = jnp.sum(decode, dtype=jnp.int32)  # decode and verify rows come first in every plan
@@ -83,11 +83,11 @@ def _max_committed(plan: DevicePlan, pool: RecurrentPool) -> int:
     return max_committed(pool.rings[0].shape[2], plan.draft_token_ids.shape[1])
 
 
-def _materialise(core: MixerCore, plan: DevicePlan, pool: RecurrentPool) -> RecurrentPool:
+def _materialize(core: MixerCore, plan: DevicePlan, pool: RecurrentPool) -> RecurrentPool:
     def one(pool: RecurrentPool, *entry) -> RecurrentPool:
-        state = (snapshot_materialise(pool.state, *pool.rings, *entry) if has_snapshots(pool.rings)
-                 else core.materialise(pool.state, pool.rings, *entry, max_committed=_max_committed(plan, pool)))
-        return pool._replace(state=state, window=conv1d_materialise(pool.window, pool.conv_ring, *entry))
+        state = (snapshot_materialize(pool.state, *pool.rings, *entry) if has_snapshots(pool.rings)
+                 else core.materialize(pool.state, pool.rings, *entry, max_committed=_max_committed(plan, pool)))
+        return pool._replace(state=state, window=conv1d_materialize(pool.window, pool.conv_ring, *entry))
 
     return for_each_entry(plan.num_materializations, one, pool, plan.materialize_src, plan.materialize_dst,
                           plan.materialize_ring_start, plan.materialize_count)

@@ -138,9 +138,9 @@ class SamplingParams:
         return [f"SamplingParams.{name} must be {rule}, got {_shown(getattr(self, name))}" for name, ok, rule in checks
                 if not ok]
 
-    def scheduler_params(self, max_tokens: int, eos_token_id: int | None) -> scheduler.SamplingParams:
+    def scheduler_params(self, max_tokens: int, eos_token_id: int | None) -> scheduler.StopParams:
         """The stop conditions the scheduler enforces; `max_tokens` resolved by the engine (None: what fits)."""
-        return scheduler.SamplingParams(max_tokens=max_tokens, eos_token_id=eos_token_id,
+        return scheduler.StopParams(max_tokens=max_tokens, eos_token_id=eos_token_id,
                                         stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
 
     def row_data(self, seed: int, prompt_len: int) -> bytes:

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from scheduler import BatchPlan, SchedulerConfig
@@ -15,33 +13,6 @@ def plan_shapes(config: SchedulerConfig) -> list[tuple[int, int, int, int]]:
     """Every (T, R, B, L) bucket a plan can have: `scheduler.buckets.bucket_shapes` with each block-table width."""
     return [(tokens, rows, width, logits) for tokens, rows, logits in bucket_shapes(config)
             for width in config.block_table_buckets]
-
-
-def memory_maps() -> tuple[int, int] | None:
-    """(memory maps this process holds, the most the kernel allows it), or None where Linux's /proc is not."""
-    try:
-        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
-        with open("/proc/self/maps", "rb") as maps:
-            return sum(1 for _ in maps), limit
-    except OSError:
-        return None
-
-
-def check_maps_suffice(before: tuple[int, int] | None, after: tuple[int, int] | None, remaining: int) -> None:
-    """Raise if `remaining` more compiled steps, each mapping what the one between `before` and `after` did,
-    would pass the process's memory-map limit: XLA:CPU maps every kernel of a compiled step (~1,400 maps for
-    an 8-layer model), and past Linux's default 65,530 the next compile dies with SIGSEGV."""
-    if before is None or after is None:
-        return
-    held, limit = after
-    per_step = held - before[0]
-    needed = held + per_step * remaining
-    if needed > limit:
-        raise RuntimeError(
-            f"compiling {remaining + 1} step shapes needs about {needed:,} memory maps ({per_step:,} per step for "
-            f"this model), over this host's vm.max_map_count of {limit:,}: use fewer buckets (--bucket-growth, "
-            f"--token-buckets, --row-buckets, a smaller --max-num-seqs or --max-num-batched-tokens) or raise "
-            f"vm.max_map_count")
 
 
 def padding_plan(config: SchedulerConfig, tokens: int, rows: int, blocks: int, logits: int) -> BatchPlan:

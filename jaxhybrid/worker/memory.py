@@ -9,10 +9,12 @@ checkpoint it may reserve (so admission never waits on slots that cannot free), 
 budget for cached prefix states; the KV pool gets the rest. `max_num_seqs` is capped so that the
 running requests' own slots always fit. On a device with a memory limit the budget is what is left of
 `gpu_memory_utilization` after the weights and the largest step's temporaries (`runner.step_temporaries`).
+On a host, the compiled steps' memory maps are checked against the kernel's limit before precompiling.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -116,3 +118,30 @@ def param_bytes(params: Any, cfg: ModelConfig, mesh: Mesh | None) -> int:
     if mesh is None:
         return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
     return device_param_bytes(params, cfg, mesh)
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """(memory maps this process holds, the most the kernel allows it), or None where Linux's /proc is not."""
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps), limit
+    except OSError:
+        return None
+
+
+def check_maps_suffice(before: tuple[int, int] | None, after: tuple[int, int] | None, remaining: int) -> None:
+    """Raise if `remaining` more compiled steps, each mapping what the one between `before` and `after` did,
+    would pass the process's memory-map limit: XLA:CPU maps every kernel of a compiled step (~1,400 maps for
+    an 8-layer model), and past Linux's default 65,530 the next compile dies with SIGSEGV."""
+    if before is None or after is None:
+        return
+    held, limit = after
+    per_step = held - before[0]
+    needed = held + per_step * remaining
+    if needed > limit:
+        raise RuntimeError(
+            f"compiling {remaining + 1} step shapes needs about {needed:,} memory maps ({per_step:,} per step for "
+            f"this model), over this host's vm.max_map_count of {limit:,}: use fewer buckets (--bucket-growth, "
+            f"--token-buckets, --row-buckets, a smaller --max-num-seqs or --max-num-batched-tokens) or raise "
+            f"vm.max_map_count")

@@ -23,7 +23,8 @@ from jaxhybrid.models.plan_transfer import PlanLayout, pack_plan
 from jaxhybrid.models.pools import DeviceState, init_device_state
 from jaxhybrid.models.tensor_parallel import AXIS, param_shardings, state_shardings, to_tp_layout
 from jaxhybrid.sample.sampler import DEFAULT_CONSTRAINT_WIDTH, ROW_DTYPE, Logprobs, batch_constraints
-from jaxhybrid.worker.buckets import check_maps_suffice, memory_maps, padding_plan, plan_shapes
+from jaxhybrid.worker.buckets import padding_plan, plan_shapes
+from jaxhybrid.worker.memory import check_maps_suffice, memory_maps
 from jaxhybrid.worker.multihost import Message, PlanChannel, is_leader
 from jaxhybrid.worker.step import Carried, Forwarded, StepOutput, run_forward, run_sampling, run_step
 from scheduler import BatchPlan, SchedulerConfig, StepResult

@@ -1,6 +1,6 @@
 """The engine step on device, under the plan's own names.
 
-The layers run on the pools (each recurrent layer in the plan's order: materialise, hit copies, decode/verify
+The layers run on the pools (each recurrent layer in the plan's order: materialize, hit copies, decode/verify
 rows, two-phase prefill, publishes); logits are computed only at `logits_indices`; every row samples or verifies
 its drafts; with MTP the module drafts K tokens for every row; logprobs only in steps where a row asks.
 """
@@ -121,7 +121,7 @@ def with_carried(plan: DevicePlan, carried: Carried, k: int, block_size: int) ->
 
 
 def record_history(history: jax.Array, plan: DevicePlan) -> jax.Array:
-    """Each slot's token history after this step's copies and tokens, in the plan's order: materialised
+    """Each slot's token history after this step's copies and tokens, in the plan's order: materialized
     and hit pages copied in, phase-1 tokens written, pair copies, then everyone else's tokens."""
     history = copy_pages(history, plan.materialize_src, plan.materialize_dst, plan.num_materializations)
     history = copy_pages(history, plan.hit_copy_src, plan.hit_copy_dst, plan.num_hit_copies)

@@ -15,7 +15,7 @@ from pallas_kernels.common import resolve_backend
 from pallas_kernels.conv1d import pallas, reference
 from pallas_kernels.conv1d.reference import causal_conv1d
 
-__all__ = ["causal_conv1d", "conv1d_materialise", "conv1d_prefill", "conv1d_replay"]
+__all__ = ["causal_conv1d", "conv1d_materialize", "conv1d_prefill", "conv1d_replay"]
 
 
 def conv1d_prefill(
@@ -57,7 +57,7 @@ def conv1d_replay(x, weight, bias, cu_seqlens, window_pool, ring, slots, ring_st
     (`ring [S, 1, E, D]`, indexed like the mixer's rings). Each row convolves its tokens from the window after
     its `committed` live entries, appends its inputs at ring positions committed .. committed + T_r - 1 (mod
     E, from ring_start) and, where `flush`, stores that window as the new S0 window. Rejecting drafts is a
-    tracker move, and the window at any committed position stays rebuildable (`conv1d_materialise`).
+    tracker move, and the window at any committed position stays rebuildable (`conv1d_materialize`).
 
     Args:
       x, weight, bias, cu_seqlens, slots, activation: as in `conv1d_prefill`.
@@ -73,8 +73,8 @@ def conv1d_replay(x, weight, bias, cu_seqlens, window_pool, ring, slots, ring_st
                                    flush, activation=activation)
 
 
-def conv1d_materialise(window_pool, ring, src_slots, dst_slots, ring_start, num_entries, *, backend=None):
+def conv1d_materialize(window_pool, ring, src_slots, dst_slots, ring_start, num_entries, *, backend=None):
     """window_pool[dst] = the window of src after its first num_entries ring entries (dst 0 = skip), the conv
-    half of `gdn_materialise` / `ssd_materialise`. backend: accepted for symmetry (pure data movement)."""
+    half of `gdn_materialize` / `ssd_materialize`. backend: accepted for symmetry (pure data movement)."""
     resolve_backend(backend)
-    return reference.conv1d_materialise(window_pool, ring, src_slots, dst_slots, ring_start, num_entries)
+    return reference.conv1d_materialize(window_pool, ring, src_slots, dst_slots, ring_start, num_entries)

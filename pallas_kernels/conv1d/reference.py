@@ -2,7 +2,7 @@
 
 Slot pool page: `window_pool[s] = [Kc-1, D]`, the window (oldest first) at the slot's S0, and a ring of the
 pre-conv inputs after it (`ring[s] = [1, E, D]`), from which the window at any committed position is
-rebuilt (§1.9, §4.5 item 2): verify rows never overwrite a window that a later materialise needs.
+rebuilt (§1.9, §4.5 item 2): verify rows never overwrite a window that a later materialize needs.
 """
 
 import functools
@@ -122,7 +122,7 @@ def replay_window(window_pool, ring, slots, ring_start, count):
     """[R, Kc-1, D]: the last Kc-1 of (window ++ the first `count` ring entries) of each row's slot.
 
     window_pool: [S, Kc-1, D] the window at S0; ring: [S, 1, E, D] pre-conv inputs after S0, entry j at ring
-    index (ring_start + j) % E. The window after S0 plus `count` tokens, which a flush or a materialise keeps.
+    index (ring_start + j) % E. The window after S0 plus `count` tokens, which a flush or a materialize keeps.
     """
     width, entries = window_pool.shape[1], ring.shape[2]
     index = count[:, None] + jnp.arange(width)  # into window ++ entries
@@ -147,6 +147,6 @@ def conv1d_replay(x, weight, bias, cu_seqlens, window_pool, ring, slots, ring_st
 
 
 @functools.partial(jax.jit, donate_argnames="window_pool")
-def conv1d_materialise(window_pool, ring, src_slots, dst_slots, ring_start, num_entries):
+def conv1d_materialize(window_pool, ring, src_slots, dst_slots, ring_start, num_entries):
     """window[dst] = the window of src after its first num_entries ring entries; see __init__."""
     return scatter_slots(window_pool, dst_slots, replay_window(window_pool, ring, src_slots, ring_start, num_entries))

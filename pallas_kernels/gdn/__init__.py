@@ -29,7 +29,7 @@ REFERENCE_CHUNK = 16
 KERNEL_CHUNK = {jnp.dtype(jnp.bfloat16): 64, jnp.dtype(jnp.float16): 64, jnp.dtype(jnp.float32): 16}
 
 __all__ = [
-    "gdn_chunked", "gdn_decode", "gdn_materialise", "gdn_prefill", "gdn_recurrent", "gdn_verify",
+    "gdn_chunked", "gdn_decode", "gdn_materialize", "gdn_prefill", "gdn_recurrent", "gdn_verify",
     "gdn_verify_snapshots",
 ]
 
@@ -136,7 +136,7 @@ def gdn_verify_snapshots(
     rings: the live state (S0 advanced by `committed` entries) is read whole from the snapshot at
     (ring_start + committed - 1) % E, or S0 when nothing is committed; a flush writes it to S0; the
     state after each of the row's T_r tokens is stored at ring positions committed .. committed + T_r - 1
-    (mod E, from ring_start). Materialising is `pallas_kernels.common.snapshot_materialise`.
+    (mod E, from ring_start). Materializing is `pallas_kernels.common.snapshot_materialize`.
 
     Returns:
       o: [T, HV, V] in v.dtype, state_pool, snapshots.
@@ -151,7 +151,7 @@ def gdn_verify_snapshots(
                                        interpret=backend == "interpret", **launch)
 
 
-def gdn_materialise(state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ring_start, num_entries, *,
+def gdn_materialize(state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ring_start, num_entries, *,
                     max_committed=None, backend=None):
     """state_pool[dst] = S0 of src advanced by its first num_entries ring entries; src and rings untouched.
 
@@ -165,9 +165,9 @@ def gdn_materialise(state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ri
     args = (state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ring_start, num_entries)
     backend = resolve_backend(backend)
     if backend == "reference":
-        return reference.gdn_materialise(*args, max_committed=max_committed)
-    launch = _launch("gdn_materialise", pallas.gdn_materialise, state_pool, "block_v")
-    return pallas.gdn_materialise(*args, interpret=backend == "interpret", **launch)
+        return reference.gdn_materialize(*args, max_committed=max_committed)
+    launch = _launch("gdn_materialize", pallas.gdn_materialize, state_pool, "block_v")
+    return pallas.gdn_materialize(*args, interpret=backend == "interpret", **launch)
 
 
 def _launch(op, launcher, state_pool, *tiles, dtype=None):

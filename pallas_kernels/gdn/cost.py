@@ -47,8 +47,8 @@ def snapshots(q, k, v, g, beta, snapshots_pool, state_pool, num_rows: int) -> pl
     return cost(7 * tokens * _state_flops(state_pool), tokens * heads, moved)
 
 
-def materialise(ring_k, ring_u, ring_g, state_pool, num_entries: int) -> pl.CostEstimate:
-    """`_gdn_materialise_kernel`: each entry folds half its ring (E // 2) into a copy of its src state."""
+def materialize(ring_k, ring_u, ring_g, state_pool, num_entries: int) -> pl.CostEstimate:
+    """`_gdn_materialize_kernel`: each entry folds half its ring (E // 2) into a copy of its src state."""
     folded = num_entries * (ring_g.shape[2] // 2)
     moved = 2 * rows_bytes(state_pool, num_entries) + folded * _entry_bytes(ring_k, ring_u, ring_g)
     return cost(3 * folded * _state_flops(state_pool), folded * state_pool.shape[1], moved)

@@ -1,4 +1,4 @@
-"""Pallas (Triton backend) kernels for GDN decode, ReplaySSM verify and materialise.
+"""Pallas (Triton backend) kernels for GDN decode, ReplaySSM verify and materialize.
 
 One program per (row, value head, V tile): the [K, BV] state tile stays in registers while the ring
 entries and the row's tokens are applied (columns of the K-major state evolve independently). Ring
@@ -225,7 +225,7 @@ def gdn_decode(
     return zero_padding(o, cu_seqlens, v.dtype), state_pool
 
 
-def _gdn_materialise_kernel(
+def _gdn_materialize_kernel(
     src_ref,  # [M] i32
     dst_ref,  # [M] i32
     start_ref,  # [M] i32
@@ -253,24 +253,24 @@ def _gdn_materialise_kernel(
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "num_stages", "interpret"),
                    donate_argnames="state_pool")
-def gdn_materialise(
+def gdn_materialize(
     state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ring_start, num_entries,
     *, block_v=32, num_warps=4, num_stages=1, interpret=False,
 ):  # fmt: skip
-    """Pallas materialise; contract in `pallas_kernels.gdn.gdn_materialise` (dst slots must not be src)."""
+    """Pallas materialize; contract in `pallas_kernels.gdn.gdn_materialize` (dst slots must not be src)."""
     num_heads, head_v = state_pool.shape[1], state_pool.shape[3]
     block_v = dividing_tile(head_v, block_v, "block_v")
     operands = dict(
         src=src_slots, dst=dst_slots, ring_start=ring_start, count=num_entries,
         ring_k=ring_k, ring_u=ring_u, ring_g=ring_g, state=state_pool,
     )  # fmt: skip
-    kernel = functools.partial(_gdn_materialise_kernel, group=num_heads // ring_k.shape[1], block_v=block_v)
+    kernel = functools.partial(_gdn_materialize_kernel, group=num_heads // ring_k.shape[1], block_v=block_v)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype),
         grid=(src_slots.shape[0], num_heads, head_v // block_v),
         input_output_aliases={list(operands).index("state"): 0},
         **_launch(num_warps, num_stages, interpret),
-        cost_estimate=cost.materialise(ring_k, ring_u, ring_g, state_pool, src_slots.shape[0]),
-        name=f"gdn_materialise_{block_v=}",
+        cost_estimate=cost.materialize(ring_k, ring_u, ring_g, state_pool, src_slots.shape[0]),
+        name=f"gdn_materialize_{block_v=}",
     )(*operands.values())

@@ -334,7 +334,7 @@ def gdn_verify_snapshots(
 
 
 @functools.partial(jax.jit, static_argnames="max_committed", donate_argnames="state_pool")
-def gdn_materialise(state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ring_start, num_entries, *,
+def gdn_materialize(state_pool, ring_k, ring_u, ring_g, src_slots, dst_slots, ring_start, num_entries, *,
                     max_committed=None):
     """state_pool[dst] = state_pool[src] advanced by its first `num_entries` ring entries; see __init__."""
     state = state_pool[src_slots].astype(jnp.float32)

@@ -18,12 +18,12 @@ _f32 = jnp.float32
 
 
 def dot_nt(a, b, dots: Dots):
-    """a b^T without materialising b^T."""
+    """a b^T without materializing b^T."""
     return dots(a, b, ((1,), (1,)))
 
 
 def dot_tn(a, b, dots: Dots):
-    """a^T b without materialising a^T."""
+    """a^T b without materializing a^T."""
     return dots(a, b, ((0,), (0,)))
 
 

@@ -26,7 +26,7 @@ from pallas_kernels.mamba2 import pallas, pallas_prefill, reference
 from pallas_kernels.mamba2.reference import ssd_chunked, ssd_recurrent
 
 __all__ = [
-    "ssd_chunked", "ssd_decode", "ssd_materialise", "ssd_prefill", "ssd_recurrent", "ssd_verify",
+    "ssd_chunked", "ssd_decode", "ssd_materialize", "ssd_prefill", "ssd_recurrent", "ssd_verify",
     "ssd_verify_snapshots",
 ]
 
@@ -109,8 +109,8 @@ def ssd_verify_snapshots(
     """`ssd_verify` for the snapshot-every-position baseline: ring entry j is the full state after it.
 
     The same trackers and results as `ssd_verify` with `snapshots` [S, NH, E, P, N] f32 in place of the
-    rings (contract: `pallas_kernels.gdn.gdn_verify_snapshots`). Materialising is
-    `pallas_kernels.common.snapshot_materialise`.
+    rings (contract: `pallas_kernels.gdn.gdn_verify_snapshots`). Materializing is
+    `pallas_kernels.common.snapshot_materialize`.
 
     Returns:
       y: [T, NH, P] in x.dtype, state_pool, snapshots.
@@ -123,7 +123,7 @@ def ssd_verify_snapshots(
     return pallas.ssd_verify_snapshots(*args, interpret=backend == "interpret", **launch)
 
 
-def ssd_materialise(
+def ssd_materialize(
     state_pool, ring_x, ring_dt, ring_B, A, src_slots, dst_slots, ring_start, num_entries, *, max_committed=None,
     backend=None,
 ):
@@ -137,9 +137,9 @@ def ssd_materialise(
     args = (state_pool, ring_x, ring_dt, ring_B, A, src_slots, dst_slots, ring_start, num_entries)
     backend = resolve_backend(backend)
     if backend == "reference":
-        return reference.ssd_materialise(*args, max_committed=max_committed)
-    launch = _launch("ssd_materialise", pallas.ssd_materialise, state_pool, "block_p")
-    return pallas.ssd_materialise(*args, interpret=backend == "interpret", **launch)
+        return reference.ssd_materialize(*args, max_committed=max_committed)
+    launch = _launch("ssd_materialize", pallas.ssd_materialize, state_pool, "block_p")
+    return pallas.ssd_materialize(*args, interpret=backend == "interpret", **launch)
 
 
 def _launch(op, launcher, state_pool, *tiles, dtype=None):

@@ -49,8 +49,8 @@ def snapshots(x, dt, B, C, snapshots_pool, state_pool, num_rows: int) -> pl.Cost
     return cost(tokens * _token_flops(state_pool), tokens * heads, moved)
 
 
-def materialise(ring_x, ring_dt, ring_B, state_pool, num_entries: int) -> pl.CostEstimate:
-    """`_ssd_materialise_kernel`: each entry folds half its ring (E // 2) into a copy of its src state."""
+def materialize(ring_x, ring_dt, ring_B, state_pool, num_entries: int) -> pl.CostEstimate:
+    """`_ssd_materialize_kernel`: each entry folds half its ring (E // 2) into a copy of its src state."""
     folded = num_entries * (ring_dt.shape[2] // 2)
     moved = 2 * rows_bytes(state_pool, num_entries) + folded * _entry_bytes(ring_x, ring_dt, ring_B)
     return cost(folded * _fold_flops(state_pool), folded * state_pool.shape[1], moved)

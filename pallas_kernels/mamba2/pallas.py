@@ -1,4 +1,4 @@
-"""Pallas (Triton backend) Mamba2 SSD kernels: decode, ReplaySSM verify, materialise (prefill: pallas_prefill).
+"""Pallas (Triton backend) Mamba2 SSD kernels: decode, ReplaySSM verify, materialize (prefill: pallas_prefill).
 
 Grid: (row, head, P tile). Each program owns one [block_p, N] fp32 tile of one head's state and keeps it
 in registers while it walks its row's tokens, so no two programs share a state tile. Metadata
@@ -159,7 +159,7 @@ def _ssd_snapshot_kernel(
         )  # fmt: skip
 
 
-def _ssd_materialise_kernel(
+def _ssd_materialize_kernel(
     src_slots_ref,  # [M] i32
     dst_slots_ref,  # [M] i32, 0 = skip
     ring_start_ref,  # [M] i32
@@ -300,24 +300,24 @@ def ssd_verify_snapshots(
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames="state_pool")
-def ssd_materialise(
+def ssd_materialize(
     state_pool, ring_x, ring_dt, ring_B, A, src_slots, dst_slots, ring_start, num_entries, *, block_p=16,
     num_warps=4, num_stages=1, interpret=False,
 ):  # fmt: skip
-    """Same contract as `reference.ssd_materialise`, computed in place.
+    """Same contract as `reference.ssd_materialize`, computed in place.
 
-    No dst slot may be another entry's src (the engine materialises into fresh cache slots): programs
+    No dst slot may be another entry's src (the engine materializes into fresh cache slots): programs
     of different entries run concurrently on the one pool.
     """
     block_p = check_tiles(state_pool, block_p)
     metadata = int32(src_slots, dst_slots, ring_start, num_entries)
     operands = [*metadata, A.astype(_f32), ring_x, ring_dt, ring_B, state_pool]
     kernel = functools.partial(
-        _ssd_materialise_kernel, heads_per_group=state_pool.shape[1] // ring_B.shape[1], block_p=block_p
+        _ssd_materialize_kernel, heads_per_group=state_pool.shape[1] // ring_B.shape[1], block_p=block_p
     )
     (state_pool,) = pool_call(
         kernel, operands, (state_pool,), num_rows=src_slots.shape[0], block_p=block_p, interpret=interpret,
-        name=f"ssd_materialise_{block_p=}", num_warps=num_warps, num_stages=num_stages,
-        cost_estimate=cost.materialise(ring_x, ring_dt, ring_B, state_pool, src_slots.shape[0]),
+        name=f"ssd_materialize_{block_p=}", num_warps=num_warps, num_stages=num_stages,
+        cost_estimate=cost.materialize(ring_x, ring_dt, ring_B, state_pool, src_slots.shape[0]),
     )  # fmt: skip
     return state_pool

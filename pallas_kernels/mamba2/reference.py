@@ -273,7 +273,7 @@ def ssd_verify_snapshots(x, dt, A, B, C, D, cu_seqlens, state_pool, snapshots, s
 
 
 @functools.partial(jax.jit, static_argnames="max_committed", donate_argnames="state_pool")
-def ssd_materialise(state_pool, ring_x, ring_dt, ring_B, A, src_slots, dst_slots, ring_start, num_entries, *,
+def ssd_materialize(state_pool, ring_x, ring_dt, ring_B, A, src_slots, dst_slots, ring_start, num_entries, *,
                     max_committed=None):
     """state_pool[dst] = state_pool[src] advanced by its first `num_entries` ring entries; see __init__."""
     fold = _fold_rows(ring_dt.shape[2], max_committed)

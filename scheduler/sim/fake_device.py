@@ -3,7 +3,7 @@
 Every slot holds a tag instead of a tensor: the token count its checkpoint state S0 represents, a
 fingerprint of exactly those tokens (a hash chain, so a state computed over different tokens gets a
 different tag), and a ReplaySSM ring of token entries. The device follows the plan's operation
-order (materialise, hit copies, phase 1, pair copies, phase 2, publishes) and checks that every
+order (materialize, hit copies, phase 1, pair copies, phase 2, publishes) and checks that every
 state it reads is the state after exactly `context_len` tokens of that request. In particular every
 cache hit is checked against I1, and every hit copy must read a READY (CACHED) slot.
 """

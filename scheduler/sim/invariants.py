@@ -4,7 +4,7 @@ Returns a list of human-readable violations (empty when the state is consistent)
 counts equal the live block-table references, free counts match, no block twice in one table, one
 distinct RUNNING slot per running row, the hash maps are inverse and point at slots of a caching
 kind, PENDING slots and UNREADY claims exist only while a step is in flight, PRODUCING claims are
-held by running requests, the queues partition the live requests, and no row or materialisation
+held by running requests, the queues partition the live requests, and no row or materialization
 counts more committed ring entries than the reference ops fold (`replay.max_committed`).
 """
 
@@ -52,7 +52,7 @@ def _blocks(state: SchedulerState) -> list[str]:
 def _slots(state: SchedulerState) -> list[str]:
     rows, pool, errors = state.rows, state.slots, []
     running = [int(rows.running_slot[row]) for row in _live_rows(state)]
-    running += [m.running_slot for m in state.materializations if m.released]  # held until materialised
+    running += [m.running_slot for m in state.materializations if m.released]  # held until materialized
     if len(set(running)) != len(running) or NULL_SLOT in running:
         errors.append(f"running slots {running} repeat or use the null slot")
     kinds = pool.kind

@@ -17,7 +17,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.events import load_logs, replay, save_logs
 from scheduler.lifecycle import add_request
 from scheduler.plan import StepResult
-from scheduler.request import Request, SamplingParams
+from scheduler.request import SequenceSpec, StopParams
 from scheduler.schedule import schedule
 from scheduler.sim.simulator import Report, Workload, run_seed
 from scheduler.state import init_state
@@ -61,7 +61,7 @@ def config_from(args: argparse.Namespace) -> SchedulerConfig:
 
 def trace(cfg: SchedulerConfig, prompt_len: int) -> int:
     """One request of `prompt_len` tokens; print each step's chunk end. Exit 1 if it never finishes."""
-    state = add_request(init_state(cfg), Request("trace", tuple(range(3, prompt_len + 3)), SamplingParams(1)))
+    state = add_request(init_state(cfg), SequenceSpec("trace", tuple(range(3, prompt_len + 3)), StopParams(1)))
     k = cfg.num_spec_tokens
     for step in range(1, 4 * prompt_len + 8):
         state, plan = schedule(state)

@@ -32,7 +32,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.events import EventLog
 from scheduler.plan import BatchPlan, RowKind, StepResult
 from scheduler.replay import ring_rows
-from scheduler.request import Request, SamplingParams, StepOutputs
+from scheduler.request import SequenceSpec, StepOutputs, StopParams
 from scheduler.resolve import placeholder_result
 from scheduler.sim.fake_device import FakeDevice, device_plan
 from scheduler.sim.invariants import check_drained, check_invariants
@@ -82,19 +82,19 @@ def _tokens(rng: random.Random, count: int) -> list[int]:
 
 
 def make_request(rng: random.Random, cfg: SchedulerConfig, w: Workload, families: list[list[int]],
-                 rid: str) -> Request:
+                 rid: str) -> SequenceSpec:
     family = rng.choice(families)
     unit = cfg.mamba_block_size
     suffix = _tokens(rng, rng.randrange(1, unit * w.max_prompt_blocks // 2 + 2))
     prompt = family[:rng.randrange(1, len(family) + 1)] + suffix if rng.random() < 0.3 else family + suffix
-    params = SamplingParams(max_tokens=rng.randrange(1, 40), eos_token_id=EOS if rng.random() < 0.5 else None,
+    params = StopParams(max_tokens=rng.randrange(1, 40), eos_token_id=EOS if rng.random() < 0.5 else None,
                             stop_token_ids=(3,) if rng.random() < 0.2 else ())
     prompt = prompt[:cfg.max_model_len - 2]
     if rng.random() < w.checkpoint_fraction and len(family) < len(prompt) and len(family) >= cfg.hash_unit:
         marked = prompt[:len(family)] + [MARKER] + prompt[len(family):]
         parsed = parse_checkpoint_marker(marked, MARKER, cfg.hash_unit)
-        return Request(rid, parsed.token_ids, params, parsed.checkpoint_position)
-    return Request(rid, tuple(prompt), params)
+        return SequenceSpec(rid, parsed.token_ids, params, parsed.checkpoint_position)
+    return SequenceSpec(rid, tuple(prompt), params)
 
 
 def fake_result(rng: np.random.Generator, plan: BatchPlan, k: int) -> StepResult:
@@ -212,12 +212,12 @@ class Run:
 
     def _maybe_follow_up(self, step: int, turn: list[int]) -> None:
         """Multi-turn chat: prompt = the whole previous turn (prompt + output) + a new message, so
-        decode-time materialised states get hit."""
+        decode-time materialized states get hit."""
         if step >= self.w.steps or self.rng.random() >= self.w.follow_up_rate:
             return
         message = _tokens(self.rng, self.rng.randrange(1, 20))
         prompt = (turn + message)[:self.cfg.max_model_len - 2]
-        request = Request(f"r{self.next_id}", tuple(prompt), SamplingParams(max_tokens=self.rng.randrange(1, 40)))
+        request = SequenceSpec(f"r{self.next_id}", tuple(prompt), StopParams(max_tokens=self.rng.randrange(1, 40)))
         self.next_id += 1
         self.state = self.log.add_request(self.state, request)
         self.report.total += 1

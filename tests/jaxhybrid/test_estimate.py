@@ -61,7 +61,7 @@ def test_bytes_by_kind_add_up_to_xla_and_the_kernels():
     assert sum(found.values()) == 60.0 + 28.0
 
 
-@pytest.mark.parametrize(("name", "kind"), [("gdn_materialise_block_v=32", STATE), ("ssd_verify_block_p=64", STATE),
+@pytest.mark.parametrize(("name", "kind"), [("gdn_materialize_block_v=32", STATE), ("ssd_verify_block_p=64", STATE),
                                             ("conv1d_prefill_block_t=32_block_d=128", STATE),
                                             ("ragged_paged_attention_block_m=16_group=8_num_splits=1", KV),
                                             ("something_else", OTHER)])

@@ -11,8 +11,8 @@ from jaxhybrid.engine.requests import Prompt
 from jaxhybrid.engine_args import CLI_DEFAULTS, EngineArgs
 from jaxhybrid.models.pools import RecurrentPool, init_device_state, layer_pools
 from jaxhybrid.sample.params import SamplingParams
-from jaxhybrid.worker.buckets import memory_maps, plan_shapes
-from jaxhybrid.worker.memory import size_pools, slot_bytes
+from jaxhybrid.worker.buckets import plan_shapes
+from jaxhybrid.worker.memory import memory_maps, size_pools, slot_bytes
 from jaxhybrid.worker.runner import Runner, step_temporaries
 from scheduler import SchedulerConfig
 from scheduler.replay import ring_rows

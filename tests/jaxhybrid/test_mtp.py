@@ -23,7 +23,7 @@ def test_each_first_draft_is_the_mtp_heads_argmax(family):
     state = scheduler.init_state(runner.config)
     sequences = {f"p{n}": [int(t) for t in np.random.default_rng(n).integers(0, 256, n)] for n in (9, 37, 50)}
     for rid, prompt in sequences.items():
-        request = scheduler.Request(rid, tuple(prompt), scheduler.SamplingParams(max_tokens=8), row_data=pack_row())
+        request = scheduler.SequenceSpec(rid, tuple(prompt), scheduler.StopParams(max_tokens=8), row_data=pack_row())
         state = scheduler.add_request(state, request)
     checked = 0
     for _ in range(100):

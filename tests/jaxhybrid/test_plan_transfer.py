@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxhybrid.models.plan_transfer import DevicePlan, pack_plan, unpack_plan
-from scheduler import Request, SamplingParams
+from scheduler import SequenceSpec, StopParams
 from tests.scheduler.helpers import Driver, make_config
 
 
@@ -17,7 +17,7 @@ def test_every_device_field_survives_one_packed_transfer(row_data_bytes, k):
     rng = np.random.default_rng(0)
     for i in range(3):
         data = rng.integers(0, 256, row_data_bytes, dtype=np.uint8).tobytes()
-        driver.add(Request(f"r{i}", tuple(range(1 + i, 40 + 7 * i)), SamplingParams(max_tokens=5), row_data=data))
+        driver.add(SequenceSpec(f"r{i}", tuple(range(1 + i, 40 + 7 * i)), StopParams(max_tokens=5), row_data=data))
     unpack = jax.jit(functools.partial(unpack_plan, row_data_bytes=row_data_bytes), static_argnums=1)
     layouts = set()
     for _ in range(6):

@@ -41,7 +41,7 @@ def test_vllm_constraint_fields_are_kept_normalised():
 def test_the_scheduler_gets_stop_conditions_and_the_device_a_record():
     p = SamplingParams(temperature=0.7, top_p=0.9, top_k=-1, min_p=0.05, repetition_penalty=1.1,
                        presence_penalty=0.5, frequency_penalty=-0.25, stop_token_ids=[5, 6], ignore_eos=True)
-    assert p.scheduler_params(12, eos_token_id=0) == scheduler.SamplingParams(12, 0, (5, 6), True)
+    assert p.scheduler_params(12, eos_token_id=0) == scheduler.StopParams(12, 0, (5, 6), True)
     record = np.frombuffer(p.row_data(seed=2**40 + 3, prompt_len=5), ROW_DTYPE)[0]
     assert record["top_k"] == 0 and (record["seed"], record["seed_high"]) == (3, 2**8)  # top_k -1: off, as 0
     rows = SamplingRows.from_records(np.frombuffer(p.row_data(seed=9, prompt_len=5), np.uint8).reshape(1, -1))

@@ -38,7 +38,7 @@ def test_a_decode_steps_kernels_are_each_layers_decode_kernels():
     jaxpr = Runner(model, config).trace((tokens, rows, blocks, 8)).jaxpr
     kinds = [kind for layer in cfg.layers for kind in layer]
     gdn_layers, attention_layers = kinds.count(GDN), kinds.count(ATTENTION)
-    # each GDN layer: materialise (its loop counted once) and the decode rows' replay; prefill path: conv1d and the
+    # each GDN layer: materialize (its loop counted once) and the decode rows' replay; prefill path: conv1d and the
     # three chunked-prefill calls
     decode, with_prefill = kernel_cost(jaxpr, min), kernel_cost(jaxpr)
     assert decode.kernels == 2 * gdn_layers + attention_layers
@@ -56,11 +56,11 @@ def test_a_decode_steps_kernels_are_each_layers_decode_kernels():
     qk, v = spec(decode_tokens, g.num_k_heads, g.head_k_dim), spec(decode_tokens, g.num_v_heads, g.head_v_dim)
     gates = spec(decode_tokens, g.num_v_heads)
     replay = gdn_cost.replay(qk, qk, v, gates, gates, pool, *rings, rows, write_final=False)
-    materialise = gdn_cost.materialise(*rings, pool, 1)
+    materialize = gdn_cost.materialize(*rings, pool, 1)
     attention = attention_cost.attention(spec(tokens, heads.num_heads, heads.head_dim),
                                          spec(config.num_blocks, config.block_size, heads.num_kv_heads, heads.head_dim),
                                          spec(rows, blocks, dtype=jnp.int32), 1)
-    per_op = [(gdn_layers, replay), (gdn_layers, materialise), (attention_layers, attention)]
+    per_op = [(gdn_layers, replay), (gdn_layers, materialize), (attention_layers, attention)]
     assert decode.flops == sum(n * c.flops for n, c in per_op)
     assert decode.transcendentals == sum(n * c.transcendentals for n, c in per_op)
 

@@ -1,9 +1,9 @@
-"""The GDN ops as a `replay_sim.ReplayOp`: verify/decode/materialise against plain recurrent decoding."""
+"""The GDN ops as a `replay_sim.ReplayOp`: verify/decode/materialize against plain recurrent decoding."""
 
 import numpy as np
 import replay_sim
 
-from pallas_kernels.gdn import gdn_decode, gdn_materialise, gdn_recurrent, gdn_verify
+from pallas_kernels.gdn import gdn_decode, gdn_materialize, gdn_recurrent, gdn_verify
 
 H, HV, K, V, S = 1, 2, 8, 8, 6
 
@@ -51,6 +51,6 @@ class GdnReplay(replay_sim.ReplayOp):
     def decode(self, packed, cu, state_pool, slots):
         return gdn_decode(*packed, cu, state_pool, slots, backend=self.backend)
 
-    def materialise(self, pools, src, dst, ring_start, num_entries):
-        return gdn_materialise(*pools, src, dst, ring_start, num_entries,
+    def materialize(self, pools, src, dst, ring_start, num_entries):
+        return gdn_materialize(*pools, src, dst, ring_start, num_entries,
                                max_committed=self.max_committed, backend=self.backend)

@@ -19,12 +19,12 @@ class ReplayOp:
 
     Subclasses provide `num_slots` and `tokens(rng, n)`, `make_pools(width, rng)`, `oracle(stream, state,
     length) -> (out, final)`, `verify(packed, cu, pools, slots, ring_start, committed, flush) -> (out,
-    pools)`, `decode(packed, cu, state_pool, slots) -> (out, state_pool)` and `materialise(pools, src, dst,
+    pools)`, `decode(packed, cu, state_pool, slots) -> (out, state_pool)` and `materialize(pools, src, dst,
     ring_start, num_entries) -> state_pool`.
     """
 
     def __init__(self, backend="reference", max_query_len=None, max_committed=None):
-        # verify's static bounds on a row's tokens and on its committed entries (materialise's too)
+        # verify's static bounds on a row's tokens and on its committed entries (materialize's too)
         self.backend, self.max_query_len, self.max_committed = backend, max_query_len, max_committed
 
 
@@ -92,7 +92,7 @@ def simulate(op, width, max_drafts, seed, garbage_seed, steps, window=None):
     rng = np.random.default_rng(seed)
     pools = op.make_pools(width, rng)
     initial = [p.copy() for p in pools]
-    slots = rng.permutation(np.arange(1, op.num_slots))  # random running slots; the ones left over get materialisations
+    slots = rng.permutation(np.arange(1, op.num_slots))  # random running slots; the ones left over get materializations
     rows = [Row(slot=int(s), stream=op.tokens(rng, STREAM)) for s in slots[:NUM_ROWS]]
     pools = run_steps(op, rows, pools, width, max_drafts, steps, rng, np.random.default_rng(garbage_seed), NUM_TOKENS,
                       window)
@@ -105,11 +105,11 @@ def check_verify_matches_recurrent_decoding(op, max_drafts, seed, data, width=4,
         out_ref, _ = op.oracle(row.stream, initial[0][row.slot], STREAM)
         for position, out in row.outputs:
             TOL.check(out, out_ref[position])
-    # materialise(n) == the state after exactly n more tokens than the checkpoint, source untouched
+    # materialize(n) == the state after exactly n more tokens than the checkpoint, source untouched
     entries = [data.draw(st.integers(0, r.committed)) for r in rows]
     free = np.setdiff1d(np.arange(1, op.num_slots), [r.slot for r in rows])
     src = np.array([r.slot for r in rows], np.int32)
-    out = np.asarray(op.materialise(
+    out = np.asarray(op.materialize(
         [p.copy() for p in pools], src, np.append(free, 0).astype(np.int32),
         np.array([r.ring_start for r in rows], np.int32), np.array(entries, np.int32),
     ))  # fmt: skip
@@ -153,5 +153,5 @@ def check_width_one_is_bit_identical_to_plain_decoding(op):
         out_plain, plain = op.decode(tokens, cu, plain, slots)
         np.testing.assert_array_equal(out[:2], out_plain[:2])
         committed = np.array([1, 1, 0], np.int32)
-    state = op.materialise(pools, slots, np.array([2, 5, 0], np.int32), np.zeros(3, np.int32), committed)
+    state = op.materialize(pools, slots, np.array([2, 5, 0], np.int32), np.zeros(3, np.int32), committed)
     np.testing.assert_array_equal(np.asarray(state)[[2, 5]], np.asarray(plain)[[3, 1]])

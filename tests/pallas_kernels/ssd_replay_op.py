@@ -1,9 +1,9 @@
-"""The Mamba2 ops as a `replay_sim.ReplayOp`: verify/decode/materialise against plain recurrent decoding."""
+"""The Mamba2 ops as a `replay_sim.ReplayOp`: verify/decode/materialize against plain recurrent decoding."""
 
 import numpy as np
 import replay_sim
 
-from pallas_kernels.mamba2 import ssd_decode, ssd_materialise, ssd_recurrent, ssd_verify
+from pallas_kernels.mamba2 import ssd_decode, ssd_materialize, ssd_recurrent, ssd_verify
 
 NH, P, G, N, S = 4, 8, 2, 8, 6
 _RNG = np.random.default_rng(0)
@@ -60,6 +60,6 @@ class SsdReplay(replay_sim.ReplayOp):
         x, dt, b, c = packed
         return ssd_decode(x, dt, A, b, c, D, cu, state_pool, slots, backend=self.backend)
 
-    def materialise(self, pools, src, dst, ring_start, num_entries):
-        return ssd_materialise(*pools, A, src, dst, ring_start, num_entries,
+    def materialize(self, pools, src, dst, ring_start, num_entries):
+        return ssd_materialize(*pools, A, src, dst, ring_start, num_entries,
                                max_committed=self.max_committed, backend=self.backend)

@@ -1,12 +1,12 @@
 """Conv1d on the window slot pool: prefill read/write; ReplaySSM verify rows that replay the window from S0
-and the ring of pre-conv inputs, and materialise the window at any committed position."""
+and the ring of pre-conv inputs, and materialize the window at any committed position."""
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from varlen_inputs import cu_seqlens, row_lengths
 
-from pallas_kernels.conv1d import causal_conv1d, conv1d_materialise, conv1d_prefill, conv1d_replay
+from pallas_kernels.conv1d import causal_conv1d, conv1d_materialize, conv1d_prefill, conv1d_replay
 from scheduler.replay import commit, flush_flags
 from tests.tolerances import Float32
 
@@ -41,10 +41,10 @@ def test_prefill_reads_and_writes_slots(lengths, seed):
 
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 2**16))
-def test_replayed_rows_follow_the_accepted_stream_and_materialise_any_position(seed):
+def test_replayed_rows_follow_the_accepted_stream_and_materialize_any_position(seed):
     """Two rows verify 1 + K tokens per step with random acceptance, under the scheduler's own tracker
     rules (flush, commit); outputs of accepted tokens equal one conv over the accepted stream, and
-    `conv1d_materialise` rebuilds the window after any committed count."""
+    `conv1d_materialize` rebuilds the window after any committed count."""
     rng = np.random.default_rng(seed)
     entries = W + 1 + K
     pool, ring = _pool(rng), rng.standard_normal((S, 1, entries, DIM), np.float32)  # stale ring contents
@@ -74,7 +74,7 @@ def test_replayed_rows_follow_the_accepted_stream_and_materialise_any_position(s
             Float32(depth=KC + 1).check(y, y_ref[position])  # KC taps and the bias
         for count in range(committed[r] + 1):  # S0 sits `committed` tokens before the row's position
             target = np.array([6], np.int32)
-            out = conv1d_materialise(np.asarray(pool).copy(), ring, slots[r:r + 1], target, start[r:r + 1],
+            out = conv1d_materialize(np.asarray(pool).copy(), ring, slots[r:r + 1], target, start[r:r + 1],
                                      np.array([count], np.int32))
             before = positions[r] - committed[r] + count
             np.testing.assert_array_equal(np.asarray(out)[6], history[before:before + KC - 1])

@@ -9,8 +9,8 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.conv1d import conv1d_prefill
 from pallas_kernels.cost import Cost, kernel_cost
-from pallas_kernels.gdn import gdn_decode, gdn_materialise, gdn_prefill, gdn_verify, gdn_verify_snapshots
-from pallas_kernels.mamba2 import ssd_decode, ssd_materialise, ssd_prefill, ssd_verify
+from pallas_kernels.gdn import gdn_decode, gdn_materialize, gdn_prefill, gdn_verify, gdn_verify_snapshots
+from pallas_kernels.mamba2 import ssd_decode, ssd_materialize, ssd_prefill, ssd_verify
 
 F32, I32 = jnp.float32, jnp.int32
 
@@ -66,9 +66,9 @@ def test_gdn_snapshots_write_a_whole_state_per_token():
     assert got.bytes_accessed >= (2 + 8) * STATE * 4  # two live states read, eight stored
 
 
-def test_gdn_materialise_folds_half_the_ring_per_entry():
+def test_gdn_materialize_folds_half_the_ring_per_entry():
     entries = spec(3, dtype=I32)
-    got = estimate(gdn_materialise, spec(SLOTS, HV, DK, DV), *gdn_rings(8), entries, entries, entries, entries)
+    got = estimate(gdn_materialize, spec(SLOTS, HV, DK, DV), *gdn_rings(8), entries, entries, entries, entries)
     assert got.flops == 3 * 3 * 4 * STATE  # 3 entries x E // 2 = 4 folds
     assert got.bytes_accessed == 2 * 3 * STATE * 4 + 3 * 4 * (H * DK + HV * DV + HV) * 4
 
@@ -105,10 +105,10 @@ def test_ssd_decode_and_verify_count_the_state_steps():
     assert got.flops == 8 * token + 2 * 2 * NH * (3 * P * N + P)  # each row folds (8 - 4) // 2 entries
 
 
-def test_ssd_materialise_folds_half_the_ring_per_entry():
+def test_ssd_materialize_folds_half_the_ring_per_entry():
     entries = spec(2, dtype=I32)
     rings = spec(SLOTS, NH, 6, P), spec(SLOTS, NH, 6), spec(SLOTS, G, 6, N)
-    got = estimate(ssd_materialise, spec(SLOTS, NH, P, N), *rings, spec(NH), entries, entries, entries, entries)
+    got = estimate(ssd_materialize, spec(SLOTS, NH, P, N), *rings, spec(NH), entries, entries, entries, entries)
     assert got.flops == 2 * 3 * NH * (3 * P * N + P)
 
 

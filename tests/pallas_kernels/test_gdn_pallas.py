@@ -15,7 +15,7 @@ from lowering import TRITON_CALL, lower_for_cuda
 from replay_sim import simulate
 from varlen_inputs import row_lengths
 
-from pallas_kernels.gdn import gdn_decode, gdn_materialise, gdn_prefill, gdn_verify, pallas
+from pallas_kernels.gdn import gdn_decode, gdn_materialize, gdn_prefill, gdn_verify, pallas
 from tests.tolerances import BFloat16, Float32
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -115,7 +115,7 @@ def test_verify_interpret_matches_reference(max_drafts, seed):
         pytest.param("pallas", marks=[pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")]),
     ],
 )
-def test_decode_and_materialise_match_reference(backend):
+def test_decode_and_materialize_match_reference(backend):
     rng = np.random.default_rng(5)
     pools = GdnReplay.make_pools(4, rng)
     tokens = GdnReplay.tokens(rng, 4)
@@ -125,8 +125,8 @@ def test_decode_and_materialise_match_reference(backend):
     TOL.check(o, o_ref)
     TOL.check(state, state_ref)
     args = (slots, np.array([2, 5, 0], np.int32), np.array([3, 1, 0], np.int32), np.array([4, 2, 0], np.int32))
-    expected = gdn_materialise(*[p.copy() for p in pools], *args, backend="reference")
-    TOL.check(gdn_materialise(*pools, *args, backend=backend), expected)
+    expected = gdn_materialize(*[p.copy() for p in pools], *args, backend="reference")
+    TOL.check(gdn_materialize(*pools, *args, backend=backend), expected)
 
 
 def test_width_one_interpret_is_bit_identical_to_plain_decoding():
@@ -179,8 +179,8 @@ def test_kernels_lower_for_cuda(num_heads):
     assert TRITON_CALL in lower_for_cuda(verify, *token_args, cu, *pools, per_row, per_row, per_row, flush)
     decode = functools.partial(pallas.gdn_decode, interpret=False)
     assert TRITON_CALL in lower_for_cuda(decode, *token_args, cu, pools[0], per_row)
-    materialise = functools.partial(pallas.gdn_materialise, interpret=False)
-    assert TRITON_CALL in lower_for_cuda(materialise, *pools, *(per_row,) * 4)
+    materialize = functools.partial(pallas.gdn_materialize, interpret=False)
+    assert TRITON_CALL in lower_for_cuda(materialize, *pools, *(per_row,) * 4)
 
 
 @pytest.mark.parametrize(("dtype", "chunk"), [(jnp.bfloat16, 64), (jnp.float32, 16)])

@@ -1,4 +1,4 @@
-"""GDN ReplaySSM verify/decode and materialise against plain recurrent decoding."""
+"""GDN ReplaySSM verify/decode and materialize against plain recurrent decoding."""
 
 import replay_sim
 from gdn_replay_op import GdnReplay

@@ -127,12 +127,12 @@ def test_width_one_verify_is_bit_identical_to_decode():
         y_plain, plain = pallas.ssd_decode(*args, plain, slots, interpret=True)
         np.testing.assert_array_equal(np.asarray(y)[:2], np.asarray(y_plain)[:2])
         committed = np.array([1, 1, 0, 0], np.int32)
-    state = pallas.ssd_materialise(**pools, A=A, src_slots=slots, dst_slots=np.array([2, 5, 0, 0], np.int32),
+    state = pallas.ssd_materialize(**pools, A=A, src_slots=slots, dst_slots=np.array([2, 5, 0, 0], np.int32),
                                    ring_start=np.zeros(R, np.int32), num_entries=committed, interpret=True)  # fmt: skip
     np.testing.assert_array_equal(np.asarray(state)[[2, 5]], np.asarray(plain)[[3, 1]])
 
 
-def _check_materialise(num_entries, seed, interpret):
+def _check_materialize(num_entries, seed, interpret):
     rng = np.random.default_rng(seed)
     pools, m = random_pools(rng), len(num_entries)
     slot_ids = rng.permutation(np.arange(1, S))
@@ -140,8 +140,8 @@ def _check_materialise(num_entries, seed, interpret):
     dst[rng.uniform(size=m) < 0.3] = 0  # dst 0: skip
     args = dict(A=A, src_slots=src, dst_slots=dst, ring_start=rng.integers(0, W, m).astype(np.int32),
                 num_entries=np.array(num_entries, np.int32))  # fmt: skip
-    expected = reference.ssd_materialise(**_named_pools(pools), **args)
-    state = pallas.ssd_materialise(**_named_pools(pools), **args, block_p=BLOCK_P, interpret=interpret)
+    expected = reference.ssd_materialize(**_named_pools(pools), **args)
+    state = pallas.ssd_materialize(**_named_pools(pools), **args, block_p=BLOCK_P, interpret=interpret)
     _assert_close(state, expected, F32)
     kept = np.setdiff1d(np.arange(S), dst)
     np.testing.assert_array_equal(np.asarray(state)[kept], pools[0][kept])
@@ -149,8 +149,8 @@ def _check_materialise(num_entries, seed, interpret):
 
 @settings(max_examples=5, deadline=None)
 @given(num_entries=st.lists(st.integers(0, W), min_size=3, max_size=3), seed=st.integers(0, 2**16))
-def test_materialise_interpret_matches_reference(num_entries, seed):
-    _check_materialise(num_entries, seed, interpret=True)
+def test_materialize_interpret_matches_reference(num_entries, seed):
+    _check_materialize(num_entries, seed, interpret=True)
 
 
 def _check_prefill(lengths, seed, dtype, interpret, block_t=CHUNK, state_parts=1, **overrides):
@@ -268,10 +268,10 @@ def test_decode_lowers_for_cuda_at_model_shapes(dtype):
     assert TRITON_CALL in lower_for_cuda(functools.partial(pallas.ssd_decode, block_p=16), *args)
 
 
-def test_materialise_lowers_for_cuda_at_model_shapes():
+def test_materialize_lowers_for_cuda_at_model_shapes():
     entries = [_spec(4, dtype=jnp.int32)] * 4
     args = [_spec(NEMO_S, NEMO_NH, NEMO_P, NEMO_N), *_nemotron_rings(8), _spec(NEMO_NH), *entries]
-    assert TRITON_CALL in lower_for_cuda(functools.partial(pallas.ssd_materialise, block_p=32), *args)
+    assert TRITON_CALL in lower_for_cuda(functools.partial(pallas.ssd_materialize, block_p=32), *args)
 
 
 _PREFILL_ROWS = [_spec(NEMO_R, dtype=jnp.int32), _spec(NEMO_R, dtype=jnp.bool_)] + [_spec(NEMO_R, dtype=jnp.int32)] * 2
@@ -323,7 +323,7 @@ def test_prefill_rejects_tiles_too_small_for_triton_dots():
 def test_compiled_kernels_match_reference_on_gpu(rows, num_entries, lengths, seed):
     _check_verify(rows, seed, jnp.float32, interpret=False)
     _check_decode([1, 0, 1], seed, jnp.float32, interpret=False)
-    _check_materialise(num_entries, seed, interpret=False)
+    _check_materialize(num_entries, seed, interpret=False)
     _check_prefill(lengths, seed, jnp.float32, interpret=False)
     _check_prefill(lengths, seed, jnp.bfloat16, interpret=False)
 

@@ -1,4 +1,4 @@
-"""Mamba2 ReplaySSM verify/decode and materialise against plain recurrent decoding."""
+"""Mamba2 ReplaySSM verify/decode and materialize against plain recurrent decoding."""
 
 import replay_sim
 from hypothesis import given, settings

@@ -16,7 +16,7 @@ from ssd_replay_op import A as SSD_A
 from ssd_replay_op import D as SSD_D
 from ssd_replay_op import SsdReplay
 
-from pallas_kernels.common import snapshot_materialise
+from pallas_kernels.common import snapshot_materialize
 from pallas_kernels.gdn import gdn_verify_snapshots
 from pallas_kernels.gdn import pallas as gdn_pallas
 from pallas_kernels.mamba2 import pallas as ssd_pallas
@@ -35,8 +35,8 @@ class Snapshots:
         garbage[0] = 0
         return [state, garbage.astype(np.float32)]
 
-    def materialise(self, pools, src, dst, ring_start, num_entries):
-        return snapshot_materialise(*pools, src, dst, ring_start, num_entries)
+    def materialize(self, pools, src, dst, ring_start, num_entries):
+        return snapshot_materialize(*pools, src, dst, ring_start, num_entries)
 
 
 class GdnSnapshots(Snapshots, GdnReplay):

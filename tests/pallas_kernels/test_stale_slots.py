@@ -23,8 +23,8 @@ from ssd_replay_op import SsdReplay
 
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.conv1d import conv1d_prefill
-from pallas_kernels.gdn import gdn_materialise, gdn_prefill
-from pallas_kernels.mamba2 import ssd_materialise, ssd_prefill
+from pallas_kernels.gdn import gdn_materialize, gdn_prefill
+from pallas_kernels.mamba2 import ssd_materialize, ssd_prefill
 
 BACKENDS = ["reference", "interpret"]
 POISONS = [np.nan, np.inf, -np.inf]
@@ -95,7 +95,7 @@ def _poison_stale_pages(make_pools, poison):
 @pytest.mark.parametrize("poison", POISONS)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", [GdnReplay, SsdReplay])
-def test_verify_and_materialise_ignore_stale_ring_entries_and_unused_slots(op, backend, poison):
+def test_verify_and_materialize_ignore_stale_ring_entries_and_unused_slots(op, backend, poison):
     """Rows 1, 2 and 4 run verify steps with random acceptance over rings that start full of poison."""
 
     class Poisoned(op):
@@ -113,7 +113,7 @@ def test_verify_and_materialise_ignore_stale_ring_entries_and_unused_slots(op, b
         pools = replay_sim.run_steps(variant(backend), rows, pools, 4, 3, 6, rng, np.random.default_rng(1), 16)
         src = np.array([r.slot for r in rows], np.int32)
         trackers = (np.array([r.ring_start for r in rows], np.int32), np.array([r.committed for r in rows], np.int32))
-        state = variant(backend).materialise(pools, src, np.array([3, 5, 0], np.int32), *trackers)
+        state = variant(backend).materialize(pools, src, np.array([3, 5, 0], np.int32), *trackers)
         runs.append(([out for r in rows for _, out in r.outputs], np.asarray(state)[[1, 2, 3, 4, 5]]))
     (outputs, states), (outputs_clean, states_clean) = runs
     _assert_same(outputs, outputs_clean)
@@ -158,9 +158,9 @@ def test_attention_ignores_kv_outside_every_context(backend, num_splits, poison)
     _assert_same([run(poisoned)], [run(args)])
 
 
-def test_materialise_reads_only_the_entries_it_folds():
+def test_materialize_reads_only_the_entries_it_folds():
     """num_entries = 0 copies S0 and reads no ring entry at all."""
-    for replay, materialise in ((GdnReplay, gdn_materialise), (SsdReplay, ssd_materialise)):
+    for replay, materialize in ((GdnReplay, gdn_materialize), (SsdReplay, ssd_materialize)):
         pools = replay.make_pools(4, np.random.default_rng(0))
         for ring in pools[1:]:
             ring[1:] = np.nan
@@ -168,5 +168,5 @@ def test_materialise_reads_only_the_entries_it_folds():
         src, dst, ring_start = (np.array(a, np.int32) for a in ([1, 2], [3, 0], [1, 0]))
         args = (src, dst, ring_start, np.zeros(2, np.int32))
         for backend in BACKENDS:
-            out = np.asarray(materialise(*[p.copy() for p in pools], *extra, *args, backend=backend))
+            out = np.asarray(materialize(*[p.copy() for p in pools], *extra, *args, backend=backend))
             np.testing.assert_array_equal(out[3], pools[0][1])

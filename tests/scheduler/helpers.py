@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 from scheduler import (
-    Request,
     RowKind,
-    SamplingParams,
     SchedulerConfig,
+    SequenceSpec,
     StepResult,
+    StopParams,
     add_request,
     init_state,
     schedule,
@@ -27,8 +27,8 @@ def make_config(**overrides) -> SchedulerConfig:
     return SchedulerConfig(**base)
 
 
-def request(rid: str, tokens, max_tokens: int = 1, checkpoint: int | None = None, **params) -> Request:
-    return Request(rid, tuple(tokens), SamplingParams(max_tokens=max_tokens, **params), checkpoint)
+def request(rid: str, tokens, max_tokens: int = 1, checkpoint: int | None = None, **params) -> SequenceSpec:
+    return SequenceSpec(rid, tuple(tokens), StopParams(max_tokens=max_tokens, **params), checkpoint)
 
 
 def result_for(plan: BatchPlan, k: int, accepted: int = 0, token: int = 7) -> StepResult:
@@ -48,7 +48,7 @@ class Driver:
         self.device = FakeDevice(cfg.num_state_slots, ring_rows(cfg.ring_size, cfg.num_spec_tokens))
         self.outputs: list = []
 
-    def add(self, req: Request) -> None:
+    def add(self, req: SequenceSpec) -> None:
         self.state = add_request(self.state, req)
 
     def step(self, accepted: int = 0) -> BatchPlan:

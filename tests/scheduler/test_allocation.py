@@ -104,7 +104,7 @@ def test_c3_same_step_hit_on_a_pending_state_is_deferred_one_step():
     driver = Driver(make_config(num_spec_tokens=3, mamba_block_size=32, eagle_block_drop=False))
     driver.add(request("a", range(5, 35), max_tokens=12))
     driver.step()
-    driver.step(accepted=3)  # crosses 32: the next schedule materialises it (PENDING)
+    driver.step(accepted=3)  # crosses 32: the next schedule materializes it (PENDING)
     prefix = driver.state.token_ids("a")[:32] + [1, 2, 3]
     driver.add(request("b", prefix))
     state, plan = schedule(driver.state.snapshot())  # a look ahead, on a copy

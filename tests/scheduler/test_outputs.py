@@ -9,7 +9,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from scheduler import FinishReason, Request, RequestOutput, SamplingParams, StepOutputs, schedule, update
+from scheduler import FinishReason, SequenceOutput, SequenceSpec, StepOutputs, StopParams, schedule, update
 from scheduler.journal import frozen
 from scheduler.prefix_cache import ROOT_HASH, root_hash
 from scheduler.state import TokenLog
@@ -31,7 +31,7 @@ def test_update_reports_stop_reasons_through_step_outputs():
 def test_step_outputs_view_matches_arrays():
     outputs = StepOutputs(("x", "y"), np.array([[4, 5, 6], [7, 8, 9]], np.int32), np.array([2, 3], np.int32),
                           np.array([0, 1], np.int8))
-    assert list(outputs) == [RequestOutput("x", (4, 5), None), RequestOutput("y", (7, 8, 9), FinishReason.STOP)]
+    assert list(outputs) == [SequenceOutput("x", (4, 5), None), SequenceOutput("y", (7, 8, 9), FinishReason.STOP)]
     assert outputs.finished_ids == ["y"] and len(outputs) == 2 and outputs[1].finished
 
 
@@ -125,6 +125,6 @@ def test_a_crafted_cache_salt_does_not_hit_another_tenants_prefix():
     prompt = list(range(200, 260))
     driver.add(request("U", unit + prompt))
     driver.drain("the unsalted U caches its states")
-    driver.add(Request("S", tuple(prompt + [5, 6, 7]), SamplingParams(max_tokens=1), cache_salt=salt))
+    driver.add(SequenceSpec("S", tuple(prompt + [5, 6, 7]), StopParams(max_tokens=1), cache_salt=salt))
     plan = driver.step()
     assert plan.request_ids == ("S",) and plan.context_lens[0] == 0 and plan.num_hit_copies == 0

@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler import Request, SamplingParams, SchedulerConfig, add_request, init_state, schedule, update
+from scheduler import SchedulerConfig, SequenceSpec, StopParams, add_request, init_state, schedule, update
 from tests.scheduler.helpers import Driver, result_for
 
 
@@ -20,12 +20,12 @@ def _starvation_case(logits: bool) -> list[tuple[int, int]]:
     cfg = SchedulerConfig(block_size=16, mamba_block_size=16, max_num_seqs=48, num_spec_tokens=1,
                           max_num_batched_tokens=256 if logits else 20, max_num_logits=20)
     driver = Driver(cfg)
-    driver.add(Request("P", tuple(range(100, 164)), SamplingParams(4), logits_from=0 if logits else None))
+    driver.add(SequenceSpec("P", tuple(range(100, 164)), StopParams(4), logits_from=0 if logits else None))
     arrivals = itertools.count()
 
     def arrive(count: int) -> None:
         for i in itertools.islice(arrivals, count):
-            driver.add(Request(f"t{i}", tuple(range(3, 12)) if logits else (5 + i % 50,), SamplingParams(16)))
+            driver.add(SequenceSpec(f"t{i}", tuple(range(3, 12)) if logits else (5 + i % 50,), StopParams(16)))
     arrive(20)
     chunks = []
     for _ in range(30):
@@ -78,8 +78,8 @@ def test_a_running_prefill_is_scheduled_or_older_work_shrinks_in_every_step(cfg,
         for _ in range(data.draw(st.integers(0, 3))):
             prompt = int(rng.integers(1, 120))
             logits_from = int(rng.integers(0, prompt)) if rng.random() < 0.3 else None
-            state = add_request(state, Request(f"r{next_id}", tuple(rng.integers(3, 99, prompt).tolist()),
-                                               SamplingParams(int(rng.integers(0, 12))), logits_from=logits_from))
+            state = add_request(state, SequenceSpec(f"r{next_id}", tuple(rng.integers(3, 99, prompt).tolist()),
+                                               StopParams(int(rng.integers(0, 12))), logits_from=logits_from))
             next_id += 1
         prefills = [rid for rid in state.running if not state.rows.prefill_done[state.row_of[rid]]]
         before = {rid: _older_work(state, rid) for rid in prefills}

@@ -1,4 +1,4 @@
-"""ReplaySSM trackers and decode-time materialisation (reference §6 D and F, in this design's terms).
+"""ReplaySSM trackers and decode-time materialization (reference §6 D and F, in this design's terms).
 
 Here `accepted` in vLLM's tables is the number of committed tokens (1..k+1) = StepResult.num_accepted + 1.
 """
@@ -77,7 +77,7 @@ def test_d_boundary_crossing(computed, committed_tokens, boundary):
     assert crossed_boundary(np.array([computed]), after, 16)[0] == boundary
 
 
-def test_f4_materialisation_count():
+def test_f4_materialization_count():
     # ring_start 7, committed 2, computed_before 14, T = 4, 3 tokens committed -> committed 5, count 4
     flush, start, committed = _commit(7, 2, 4, 3)
     assert (flush, start, committed) == (False, 7, 5)
@@ -97,7 +97,7 @@ def test_prefill_rows_reset_the_ring_and_decode_rows_carry_trackers():
     assert seen[:3] == [(0, 0, False), (0, 4, False), (0, 8, True)]  # 8 + 4 > W = 8
 
 
-def test_decode_crossing_a_boundary_materialises_it_next_step_and_it_gets_hit():
+def test_decode_crossing_a_boundary_materializes_it_next_step_and_it_gets_hit():
     driver = Driver(make_config(num_spec_tokens=3, mamba_block_size=32, eagle_block_drop=False))
     driver.add(request("a", range(5, 35), max_tokens=12))  # 30 prompt tokens; decode crosses 32
     driver.step()
@@ -116,7 +116,7 @@ def test_decode_crossing_a_boundary_materialises_it_next_step_and_it_gets_hit():
 
 
 @pytest.mark.parametrize("k, prompt, max_tokens", [(3, 30, 5), (0, 31, 2)])
-def test_a_boundary_crossed_in_a_requests_last_step_is_materialised(k, prompt, max_tokens):
+def test_a_boundary_crossed_in_a_requests_last_step_is_materialized(k, prompt, max_tokens):
     """Finding 3: the verify step that finishes A crosses 32; its state used to be dropped with the row."""
     driver = Driver(make_config(num_spec_tokens=k, mamba_block_size=32, eagle_block_drop=False))
     tokens = list(range(5, 5 + prompt))

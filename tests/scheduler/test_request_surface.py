@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler import FinishReason, Request, SamplingParams, add_request, init_state
+from scheduler import FinishReason, SequenceSpec, StopParams, add_request, init_state
 from scheduler.sim.invariants import check_drained
 from tests.scheduler.helpers import Driver, make_config, request
 
@@ -31,7 +31,7 @@ def _logit_positions(plan) -> dict[str, list[int]]:
 def test_prompt_logits_cover_each_position_once_within_the_logits_budget(prompt, start, max_logits, k):
     logits_from = start.draw(st.integers(0, prompt - 1))
     driver = Driver(make_config(num_spec_tokens=k, max_num_logits=max(max_logits, 1 + k), max_num_batched_tokens=64))
-    driver.add(Request("p", tuple(range(1, prompt + 1)), SamplingParams(max_tokens=3), logits_from=logits_from))
+    driver.add(SequenceSpec("p", tuple(range(1, prompt + 1)), StopParams(max_tokens=3), logits_from=logits_from))
     driver.add(request("other", range(200, 230), max_tokens=6))
     seen = []
     for _ in range(200):
@@ -53,7 +53,7 @@ def test_a_prefix_hit_stops_at_the_first_position_asking_for_a_logit():
     driver.add(request("a", tokens))
     driver.drain("a caches states at 16, 32, 48 and 64, one chunk at a time")
     for rid, logits_from, hit in (("b", 40, 32), ("c", None, 64)):
-        driver.add(Request(rid, tuple(tokens), SamplingParams(max_tokens=1), logits_from=logits_from))
+        driver.add(SequenceSpec(rid, tuple(tokens), StopParams(max_tokens=1), logits_from=logits_from))
         plan = driver.step()
         assert plan.request_ids == (rid,) and plan.context_lens[0] == hit
         driver.drain(rid)
@@ -63,7 +63,7 @@ def test_row_data_rides_with_each_row_and_padding_is_zero():
     driver = Driver(make_config(row_data_bytes=8))
     records = {f"r{i}": np.array([i + 0.5, -i], np.float32).tobytes() for i in range(3)}
     for rid, data in records.items():
-        driver.add(Request(rid, (1, 2, 3, 4 + len(rid)), SamplingParams(max_tokens=3), row_data=data))
+        driver.add(SequenceSpec(rid, (1, 2, 3, 4 + len(rid)), StopParams(max_tokens=3), row_data=data))
     for _ in range(3):
         plan = driver.step()
         assert plan.row_data.shape == (plan.row_bucket, 8)
@@ -74,7 +74,7 @@ def test_row_data_rides_with_each_row_and_padding_is_zero():
 
 def test_max_tokens_zero_scores_the_prompt_and_ends_with_its_prefill():
     driver = Driver(make_config(num_spec_tokens=2))
-    driver.add(Request("s", tuple(range(1, 40)), SamplingParams(max_tokens=0), logits_from=0))
+    driver.add(SequenceSpec("s", tuple(range(1, 40)), StopParams(max_tokens=0), logits_from=0))
     positions = []
     for _ in range(10):
         if driver.state.has_work():
@@ -86,13 +86,13 @@ def test_max_tokens_zero_scores_the_prompt_and_ends_with_its_prefill():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (Request("f", (1, 2, 3), logits_from=3), "logits_from"),
-    (Request("g", (1, 2, 3), logits_from=1.0), "logits_from"),
-    (Request("c", tuple(range(40)), checkpoint_position=32, logits_from=20), "past logits_from"),
-    (Request("d", (1, 2, 3), row_data=b"\0" * 3), "row_data"),
+    (SequenceSpec("f", (1, 2, 3), logits_from=3), "logits_from"),
+    (SequenceSpec("g", (1, 2, 3), logits_from=1.0), "logits_from"),
+    (SequenceSpec("c", tuple(range(40)), checkpoint_position=32, logits_from=20), "past logits_from"),
+    (SequenceSpec("d", (1, 2, 3), row_data=b"\0" * 3), "row_data"),
 ])
 def test_bad_surface_fields_name_the_field(bad, message):
     state = init_state(make_config(row_data_bytes=4))
     with pytest.raises(ValueError, match=message):
         add_request(state, bad)
-    add_request(state, Request("ok", (1, 2), row_data=b"\0" * 4))
+    add_request(state, SequenceSpec("ok", (1, 2), row_data=b"\0" * 4))

@@ -11,11 +11,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from scheduler import (
-    Request,
     RowKind,
-    SamplingParams,
     SchedulerConfig,
+    SequenceSpec,
     StepResult,
+    StopParams,
     abort_request,
     add_request,
     init_state,
@@ -102,7 +102,7 @@ class Run:
         self.check_cached_states()
 
     def check_cached_states(self):
-        """Every READY cached state is the state after the tokens its key names: materialisations included,
+        """Every READY cached state is the state after the tokens its key names: materializations included,
         whether a request ever hits them or not."""
         unit, state = self.cfg.hash_unit, self.state
         for rid in state.requests:
@@ -158,9 +158,9 @@ def workload(seed: int, num: int):
     for i in range(num):
         prompt = families[i % 3][:int(rng.integers(8, 40))] + rng.integers(3, VOCAB, int(rng.integers(1, 20))).tolist()
         stop_ids = (int(rng.integers(3, VOCAB)),) if rng.random() < 0.3 else ()
-        params = SamplingParams(int(rng.integers(0, 40)), EOS, stop_ids, ignore_eos=bool(rng.random() < 0.2))
+        params = StopParams(int(rng.integers(0, 40)), EOS, stop_ids, ignore_eos=bool(rng.random() < 0.2))
         checkpoint = 16 if len(prompt) > 16 and rng.random() < 0.4 else None  # producers and consumers
-        requests.append(Request(f"r{i}", tuple(prompt), params, checkpoint))
+        requests.append(SequenceSpec(f"r{i}", tuple(prompt), params, checkpoint))
     aborts = {f"r{int(rng.integers(num))}": int(rng.integers(0, 6)) for _ in range(num // 4)}
     return requests, aborts
 
@@ -198,7 +198,7 @@ def test_one_step_ahead_emits_what_the_serial_loop_emits(seed, budget, num_block
 
 def test_a_stop_token_ends_the_request_and_the_step_in_flight_emits_nothing_more():
     cfg = make_config()
-    state = add_request(init_state(cfg), Request("a", (5, 6, 7), SamplingParams(10, EOS)))
+    state = add_request(init_state(cfg), SequenceSpec("a", (5, 6, 7), StopParams(10, EOS)))
     state, first = schedule(state)
     state, pending = update(state, first, placeholder_result(first, 0))
     assert pending.token_ids[0, 0] == -1 and state.rows.last_token[state.row_of["a"]] == -1
@@ -217,7 +217,7 @@ def test_accepted_drafts_are_added_a_step_late_and_end_the_request_at_max_tokens
     """K = 2: the host counts no accepted draft; `resolve` adds them, cut at max_tokens, while the next step
     (scheduled as if they were all accepted) is in flight; that step's update then emits nothing."""
     cfg = make_config(num_spec_tokens=2, ring_size=4)
-    state = add_request(init_state(cfg), Request("a", (3, 4, 5, 6, 7), SamplingParams(4)))
+    state = add_request(init_state(cfg), SequenceSpec("a", (3, 4, 5, 6, 7), StopParams(4)))
     state, prefill = schedule(state)
     state, first = update(state, prefill, placeholder_result(prefill, 2))
     state, verify = schedule(state)
@@ -241,7 +241,7 @@ def test_a_placeholder_in_a_full_log_block_is_resolved_and_rehashed():
     """With blocks of 16, the token at position 15 fills a log block: its key is chained over the real token."""
     cfg = make_config()
     prompt = tuple(range(3, 18))  # 15 tokens: the first output fills the block
-    state = add_request(init_state(cfg), Request("a", prompt, SamplingParams(3, EOS)))
+    state = add_request(init_state(cfg), SequenceSpec("a", prompt, StopParams(3, EOS)))
     state, plan = schedule(state)
     state, pending = update(state, plan, placeholder_result(plan, 0))
     log = state.logs["a"]
@@ -250,14 +250,14 @@ def test_a_placeholder_in_a_full_log_block_is_resolved_and_rehashed():
     result = StepResult(np.full((plan.row_bucket, 1), 40, np.int32), np.zeros(plan.row_bucket, np.int32),
                         np.zeros((plan.row_bucket, 0), np.int32))
     state, _ = resolve(state, pending, result)
-    expected = add_request(init_state(cfg), Request("b", prompt + (40,), SamplingParams(1))).logs["b"]
+    expected = add_request(init_state(cfg), SequenceSpec("b", prompt + (40,), StopParams(1))).logs["b"]
     assert state.logs["a"].slice(0, 16).tolist() == list(prompt) + [40]
     assert state.logs["a"].hashes == expected.hashes
 
 
 def test_a_placeholder_needs_a_result_that_has_its_row():
     cfg = make_config()
-    state = add_request(init_state(cfg), Request("a", (5, 6, 7), SamplingParams(4)))
+    state = add_request(init_state(cfg), SequenceSpec("a", (5, 6, 7), StopParams(4)))
     state, plan = schedule(state)
     state, pending = update(state, plan, placeholder_result(plan, 0))
     with pytest.raises(ValueError, match="placeholders name rows"):
@@ -268,7 +268,7 @@ def test_a_placeholder_needs_a_result_that_has_its_row():
 def test_resolving_no_outputs_with_an_abort_in_flight():
     """A prefill chunk emits nothing: resolve gets empty outputs while an aborted request's step runs."""
     cfg = SchedulerConfig(block_size=16, mamba_block_size=16, max_num_batched_tokens=16)
-    state = add_request(init_state(cfg), Request("a", tuple(range(1, 60)), SamplingParams(max_tokens=4)))
+    state = add_request(init_state(cfg), SequenceSpec("a", tuple(range(1, 60)), StopParams(max_tokens=4)))
     state, first = schedule(state)
     state, pending = update(state, first, placeholder_result(first, 0))
     state, second = schedule(state)
@@ -282,7 +282,7 @@ def test_resolving_no_outputs_with_an_abort_in_flight():
 def _ends_at_eos_before_max_tokens(state, cfg):
     """eos comes one token before max_tokens: resolve ends the request while the next step, which reaches
     max_tokens on a placeholder, is in flight."""
-    state = add_request(state, Request("x", (5, 6, 7), SamplingParams(max_tokens=2, eos_token_id=EOS)))
+    state = add_request(state, SequenceSpec("x", (5, 6, 7), StopParams(max_tokens=2, eos_token_id=EOS)))
     state, a = schedule(state)
     state, pending_a = update(state, a, placeholder_result(a, 0))
     state, b = schedule(state)
@@ -292,7 +292,7 @@ def _ends_at_eos_before_max_tokens(state, cfg):
 
 
 def _aborted_as_it_reaches_max_tokens(state, cfg):
-    state = add_request(state, Request("x", (5, 6, 7), SamplingParams(max_tokens=2)))
+    state = add_request(state, SequenceSpec("x", (5, 6, 7), StopParams(max_tokens=2)))
     state, a = schedule(state)
     state, pending_a = update(state, a, placeholder_result(a, 0))
     state, b = schedule(state)
@@ -303,7 +303,7 @@ def _aborted_as_it_reaches_max_tokens(state, cfg):
 
 
 def _aborted_as_its_prefill_samples_its_only_token(state, cfg):
-    state = add_request(state, Request("x", (5, 6, 7), SamplingParams(max_tokens=1)))
+    state = add_request(state, SequenceSpec("x", (5, 6, 7), StopParams(max_tokens=1)))
     state, a = schedule(state)
     state = abort_request(state, "x")
     state, pending = update(state, a, placeholder_result(a, 0))
@@ -330,7 +330,7 @@ def test_a_request_aborted_before_resolve_publishes_its_real_tokens_only():
     """The step in flight still computes the aborted request's last token: its block and boundary state are
     published, under the key of the real token, never the placeholder's."""
     cfg = make_config(block_size=4, mamba_block_size=4)
-    state = add_request(init_state(cfg), Request("a", (5, 6, 7), SamplingParams(max_tokens=8)))
+    state = add_request(init_state(cfg), SequenceSpec("a", (5, 6, 7), StopParams(max_tokens=8)))
     state, first = schedule(state)
     state, pending = update(state, first, placeholder_result(first, 0))
     state, second = schedule(state)
@@ -347,7 +347,7 @@ def test_a_stop_among_accepted_drafts_publishes_no_placeholder():
     """K = 2: resolve cuts at a stop token (the first of two accepted drafts) while the next step runs, so the
     request computed past its last token; that step's update must not commit its placeholder below the count."""
     cfg = make_config(block_size=4, mamba_block_size=4, num_spec_tokens=2, ring_size=4)
-    state = add_request(init_state(cfg), Request("a", (5, 6, 7, 8, 9), SamplingParams(20, EOS)))
+    state = add_request(init_state(cfg), SequenceSpec("a", (5, 6, 7, 8, 9), StopParams(20, EOS)))
 
     def result(plan, sampled, accepted):
         rows = plan.row_bucket
@@ -372,7 +372,7 @@ def test_a_resolve_that_raises_undoes_its_token_replacements(monkeypatch):
     a resolve that raises at its very end leaves the log as it was, and a retry then resolves it."""
     cfg = make_config()
     prompt = tuple(range(3, 18))
-    state = add_request(init_state(cfg), Request("a", prompt, SamplingParams(3, EOS)))
+    state = add_request(init_state(cfg), SequenceSpec("a", prompt, StopParams(3, EOS)))
     state, plan = schedule(state)
     state, pending = update(state, plan, placeholder_result(plan, 0))
     state, _ = schedule(state)
@@ -393,7 +393,7 @@ def test_a_resolve_that_raises_undoes_its_token_replacements(monkeypatch):
                                                       (0, 2, "sampled_token_ids")])
 def test_resolve_checks_its_result_as_update_does(accepted, width, message):
     cfg = make_config(num_spec_tokens=2, ring_size=4)
-    state = add_request(init_state(cfg), Request("a", (3, 4, 5), SamplingParams(8)))
+    state = add_request(init_state(cfg), SequenceSpec("a", (3, 4, 5), StopParams(8)))
     state, prefill = schedule(state)
     state, pending = update(state, prefill, placeholder_result(prefill, 2))
     state, _ = schedule(state)

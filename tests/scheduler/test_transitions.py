@@ -11,9 +11,9 @@ import pytest
 from scheduler import (
     CheckpointMarkerError,
     FinishReason,
-    Request,
     RowKind,
     SchedulerConfig,
+    SequenceSpec,
     StepResult,
     abort_request,
     add_request,
@@ -300,9 +300,9 @@ def test_plan_padding_points_at_the_null_slot_and_block():
     (lambda: request("st", [1, 2], stop_token_ids=(3, 4.0)), "stop_token_ids"),
     (lambda: request("eos", [1, 2], eos_token_id=-1), "eos_token_id"),
     (lambda: request("bool", (1, True, 3)), "prompt_token_ids"),
-    (lambda: Request("none", (1, 2), None), "sampling_params"),
-    (lambda: Request("dict", (1, 2), {"max_tokens": 3}), "sampling_params"),
-    (lambda: Request("surrogate", (1, 2), cache_salt="\ud800"), "cache_salt"),
+    (lambda: SequenceSpec("none", (1, 2), None), "stop_params"),
+    (lambda: SequenceSpec("dict", (1, 2), {"max_tokens": 3}), "stop_params"),
+    (lambda: SequenceSpec("surrogate", (1, 2), cache_salt="\ud800"), "cache_salt"),
 ])
 def test_request_fields_are_type_and_range_checked(make, message):
     """Finding 6: a float checkpoint used to wedge every later schedule; float ids were truncated."""
@@ -335,13 +335,13 @@ def test_the_slot_pool_minimum_cannot_deadlock_a_producer_with_a_hit():
 
 def test_a_request_keeps_its_own_copy_of_a_list_prompt():
     prompt = [1, 2, 3]
-    req = Request("a", prompt)
+    req = SequenceSpec("a", prompt)
     prompt.append(4)
     state = add_request(init_state(make_config()), req)
     prompt.append(5)
     assert req.prompt_token_ids == (1, 2, 3) and state.token_ids("a") == [1, 2, 3]
     with pytest.raises(TypeError, match="prompt_token_ids"):
-        Request("b", 5)
+        SequenceSpec("b", 5)
 
 
 def _state_arrays(state) -> dict:

@@ -1,7 +1,7 @@
 """Tensor parallelism on 4 host devices (a subprocess: the device count is fixed when JAX starts): TP = 2 and 4
 give TP = 1's greedy tokens and logprobs with the Pallas kernels (interpreted, in shard_map), and TP = 2 does
 with the reference ops, on a Qwen3-Next-style model (GDN, MTP) and a Nemotron-H-style one (Mamba2), through prefix
-hits, publishes and materialisations, with the weights and pools really split by heads (4 ways on a model
+hits, publishes and materializations, with the weights and pools really split by heads (4 ways on a model
 four heads wide); and the head-aligned conv layout, which needs no devices."""
 
 import dataclasses
@@ -34,7 +34,7 @@ def test_tp_gives_one_devices_tokens_and_logprobs(case):
     runs = tp_reports(case)
     one = runs["1"]
     assert one["state_devices"] == 1
-    # the slot-indexed page ops ran too: prefix hits copied in, states published and materialised
+    # the slot-indexed page ops ran too: prefix hits copied in, states published and materialized
     assert min(one["page_ops"].values()) > 0, one["page_ops"]
     for tp in CASES[case]:
         run = runs[tp]

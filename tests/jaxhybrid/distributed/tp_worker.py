@@ -22,7 +22,7 @@ from jaxhybrid.models.weights import DEFAULT_MODEL_DIR
 from pallas_kernels.conv1d import conv1d_prefill
 
 MODELS = {"qwen3_next": DEFAULT_MODEL_DIR, "nemotron_h": Path(__file__).parents[2] / "fixtures" / "hf" / "nemotron_h"}
-# with a state cached every 16 tokens: the second prompt's decode crosses 16 (a materialisation), the last one
+# with a state cached every 16 tokens: the second prompt's decode crosses 16 (a materialization), the last one
 # prefills in two chunks and publishes; the second call's prompt then starts from its cached 32-token prefix
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(100, 113)), list(range(30, 70))]
 REUSING_PROMPTS = [[*range(30, 66), 7, 8, 9]]
@@ -86,7 +86,7 @@ def settle_interpret_mode() -> None:
 
 def generate(llm: LLM) -> dict:
     """Greedy tokens and logprobs of PROMPTS then REUSING_PROMPTS, PROMPTS' prompt logprobs (which would skip the
-    prefix cache), how many slot pages the steps copied and materialised, and how the pools and weights are split."""
+    prefix cache), how many slot pages the steps copied and materialized, and how the pools and weights are split."""
     greedy = dict(temperature=0, max_tokens=6, logprobs=1, ignore_eos=True)
     first = llm.generate(PROMPTS, SamplingParams(**greedy, prompt_logprobs=1), use_tqdm=False)
     outputs = first + llm.generate(REUSING_PROMPTS, SamplingParams(**greedy), use_tqdm=False)

@@ -29,7 +29,7 @@ from jaxhybrid.engine.tokenizer import Tokenizer
 from jaxhybrid.engine_args import ParserSetupError
 from jaxhybrid.llm import LLM
 from jaxhybrid.parsers.reasoning import get_reasoning_parser
-from jaxhybrid.score import ScoreJob
+from jaxhybrid.run_batch import BatchJob
 from jaxhybrid.serve import render
 from jaxhybrid.serve.__main__ import parse_args
 from jaxhybrid.serve.app import ServerState, build_app
@@ -324,7 +324,7 @@ def test_reasoning_parser_splits_reasoning_from_content(serve):
 
 
 def test_batch_job_chat_lines_have_the_servers_message_fields(llm):
-    job = ScoreJob(llm, model_name="m", **TOOL_FLAGS)
+    job = BatchJob(llm, model_name="m", **TOOL_FLAGS)
     job.parsers = ChatParsers.from_flags(llm.tokenizer, "qwen3", **TOOL_FLAGS)  # as LLM(reasoning_parser="qwen3")
     bodies = [{"messages": ASK, "temperature": 0, "max_tokens": 40, "structured_outputs": {"regex": THOUGHT}},
               {"messages": ASK, "temperature": 0, "max_tokens": 200, "tools": TOOLS,

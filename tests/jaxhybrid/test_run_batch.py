@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxhybrid.llm import LLM
-from jaxhybrid.score import ScoreJob, main
+from jaxhybrid.run_batch import BatchJob, main
 from tests.tolerances import assert_close
 
 PROMPT = "import os\nimport sys\n\n\ndef read_config(path):\n    with open(path) as f:\n"
@@ -43,7 +43,7 @@ def assert_logprobs_close(llm: LLM, actual, tokens: list[int], start: int) -> No
 
 
 def run_lines(llm: LLM, lines: list, reuse: bool = True) -> list[dict]:
-    job = ScoreJob(llm, model_name="m", reuse=reuse)
+    job = BatchJob(llm, model_name="m", reuse=reuse)
     raw = [line if isinstance(line, str) else json.dumps(line) for line in lines]
     return [json.loads(text) for texts, _ in job.run(iter(enumerate(raw)), window=3) for text in texts]
 

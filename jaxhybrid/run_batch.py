@@ -1,4 +1,4 @@
-"""`python -m jaxhybrid.score`: offline batch jobs, JSONL in and JSONL out, in input order (docs/batch.md).
+"""`python -m jaxhybrid.run_batch`: offline batch jobs, JSONL in and JSONL out, in input order (docs/batch.md).
 
 Two line formats, told apart by their keys: the OpenAI batch lines of `vllm run-batch`, and scoring lines
 `{"id", "prompt", "candidates", "top_logprobs"?}`, whose prompt is computed once for all its candidates.
@@ -46,7 +46,7 @@ from jaxhybrid.serve.chat_parsing import ChatParsers
 from jaxhybrid.serve.errors import BadRequest
 from jaxhybrid.serve.protocol import ChatCompletionRequest, CompletionRequest
 
-log = logging.getLogger("jaxhybrid.score")
+log = logging.getLogger("jaxhybrid.run_batch")
 
 _BATCH_KEYS = {"custom_id", "method", "url", "body"}
 _SCORE_KEYS = {"id", "prompt", "candidates", "top_logprobs"}
@@ -119,13 +119,13 @@ class JobSummary:
 
     @classmethod
     def of(cls, counters: Counter, seconds: float) -> JobSummary:
-        """From `ScoreJob.counters`, summed over windows and replicas."""
+        """From `BatchJob.counters`, summed over windows and replicas."""
         return cls(counters["lines"], counters["errors"], counters["prompt_tokens"], counters["generated_tokens"],
                    seconds, counters["cached_tokens"] / max(counters["prefix_cache_queries"], 1),
                    counters["checkpoint_hits"] / max(counters["checkpoint_queries"], 1))
 
 
-class ScoreJob:
+class BatchJob:
     """Runs input lines through one `LLM`, a window at a time, and yields output lines in input order."""
 
     def __init__(self, llm: LLM, *, model_name: str, created: int = 0, seed: int = 0, reuse: bool = True,
@@ -267,7 +267,7 @@ _SCORE_FLAGS: dict[str, dict] = {
 
 def main(argv: list[str] | None = None) -> JobSummary:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = make_parser("python -m jaxhybrid.score", __doc__.splitlines()[0], _SCORE_FLAGS)
+    parser = make_parser("python -m jaxhybrid.run_batch", __doc__.splitlines()[0], _SCORE_FLAGS)
     args = parse_args(parser, argv)
     check_tool_flags(parser, args)
     log.info("non-default arguments: %s", non_default(parser, args))
@@ -289,9 +289,9 @@ def main(argv: list[str] | None = None) -> JobSummary:
                                 make_llm=functools.partial(build_llm, args), job_options=job_options)
     else:
         try:
-            job = ScoreJob(build_llm(args), **job_options)
+            job = BatchJob(build_llm(args), **job_options)
         except ParserSetupError as error:  # a parser flag the model's tokenizer cannot serve: one line
-            raise SystemExit(f"python -m jaxhybrid.score: error: {error}") from None
+            raise SystemExit(f"python -m jaxhybrid.run_batch: error: {error}") from None
         windows = job.run(lines, args.window)
     start, counters = time.perf_counter(), Counter()
     with output.open("a" if args.resume else "w") as out, tqdm(desc="score", unit="line", initial=done) as bar:
