@@ -1,8 +1,8 @@
 """The engine's whole jitted step compiled for an H100/H200 without a GPU, at a preset's real sizes.
 
 For each preset, TP size, MTP K and ReplaySSM window W (0: the snapshot baseline), the engine is built as
-`LLM` builds it on a GPU over ABSTRACT params (`abstract_params`: ShapeDtypeStructs, nothing allocated):
-`EngineArgs.scheduler_config` sizes the pools (`size_pools`) for `gpu_memory_utilization` of the target's HBM
+`build_engine` builds it on a GPU over ABSTRACT params (`abstract_params`: ShapeDtypeStructs, nothing allocated):
+`builder.scheduler_config` sizes the pools (`size_pools`) for `gpu_memory_utilization` of the target's HBM
 less the weights and less the largest step's temporaries (`runner.step_temporaries`, one extra compile).
 Its step is compiled (`Runner.lower`) for every bucket the engine compiles
 (`plan_shapes`). At TP > 1 the step is compiled for a multi-device deviceless topology ("1x1x<tp>").
@@ -30,7 +30,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.engine_args import EngineArgs
+from jaxhybrid.engine.args import EngineArgs
+from jaxhybrid.engine.builder import scheduler_config
 from jaxhybrid.models.config import ModelConfig
 from jaxhybrid.models.hf_config import load_config
 from jaxhybrid.models.model import Model, abstract_params
@@ -120,13 +121,13 @@ def build_runner(setup: Setup, target: str, args: argparse.Namespace,
     ops = ModelOps(backend="pallas", scan_layers=scan_layers)
     model = Model(cfg, params, ops=ops, block_size=engine_args.block_size)
 
-    def temporaries(config: SchedulerConfig) -> int:  # as LLM measures them on a GPU
+    def temporaries(config: SchedulerConfig) -> int:  # as build_engine measures them on a GPU
         with aot.lowering_for(target, topology):
             return step_temporaries(model, config, mesh)
 
     # pools resized after sizing need no room measured for them
-    config = engine_args.scheduler_config(cfg, lambda: budget, dtype=dtype,
-                                          step_temporaries=temporaries if resize is None else None)
+    config = scheduler_config(engine_args, cfg, lambda: budget, dtype=dtype,
+                              step_temporaries=temporaries if resize is None else None)
     config = config if resize is None else resize(config)
     pools = (f"budget {budget / GiB:.2f} GiB: {config.num_blocks} KV blocks, {config.num_state_slots} state slots, "
              f"max_num_seqs {config.max_num_seqs}, max_model_len {config.max_model_len}")

@@ -59,7 +59,7 @@ from jaxhybrid.worker.memory import slot_bytes
 from scheduler import RowKind
 
 TOKENIZER = Path(__file__).resolve().parent.parent / "jaxhybrid" / "assets" / "default_model"
-# vLLM's CPU peer's checkpoint (/work/shared/reference/vllm_cpu_peer.md): 40,752,352 parameters
+# vLLM's CPU peer's checkpoint (docs/benchmarks.md#the-vllm-cpu-peer): 40,752,352 parameters
 MOE_40M = dict(
     architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", dtype="bfloat16", vocab_size=4096,
     hidden_size=512, num_hidden_layers=8, hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False,

@@ -8,7 +8,7 @@ the table, the JSON (`tokens_per_s_per_tp_group`, `tokens_per_s_per_gpu`) and th
 per TP group / N.
 
 Step cost. For each (preset, TP, MTP drafts K, ReplaySSM window W) the engine is built as
-`benchmarks/aot_step.py` builds it (`build_runner`: abstract params, `EngineArgs.scheduler_config`, `Runner`) with
+`benchmarks/aot_step.py` builds it (`build_runner`: abstract params, `builder.scheduler_config`, `Runner`) with
 pools of the fewest pages (2 KV blocks, 4 state slots: XLA counts a scatter into a pool as reading and writing
 all of it, where the GPU updates the rows in place; the kernels' estimates count only the slots and blocks their
 rows touch, and no other shape depends on the pools). A bucket (T tokens, R rows, B block-table width, L logits)
@@ -40,7 +40,7 @@ for a model of one layer of each kind (Qwen3-Next: a GDN and an attention layer,
 model with one more layer of each kind, placed where it repeats no period (`depth_models`), and the full depth's
 cost is base + sum over kinds of (n_kind - 1) x (one more - base): 3 compiles of 2-3 layers (20-50 s each)
 instead of one of 48 layers. On Qwen3-Next-80B at TP 4, batch 256 it gave the bytes of the 4- and 8-layer
-models' compiled steps within 0.05% (before the stack was cut into scanned segments). The whole stack unrolled
+models' compiled steps within 0.05% (docs/benchmarks.md#gpu-estimate). The whole stack unrolled
 reads each layer's weights out of their stacked params as a copy, which the scanned engine does not (it reads
 them in place, `ModelOps.compiler_options`); the few-layer models repeat no period, so their params are not
 stacked. `--depth full` compiles the whole stack instead.
@@ -106,11 +106,11 @@ MODELS = {"qwen3_next_80b_a3b_instruct": 4, "nemotron_h_8b_base_8k": 1}  # prese
 UNITS = {"tokens_per_s_per_tp_group": "the batch's tokens over one device's step time: the TP group's rate",
          "tokens_per_s_per_gpu": "tokens_per_s_per_tp_group / TP", "bytes": "per device (one GPU) per step",
          "flops": "per device (one GPU) per step"}
-# The seeds' measured ratios, shown next to the estimated ratio each corresponds to.
+# Published measured ratios (vLLM pull requests), shown next to the estimated ratio each corresponds to.
 SEEDS = {
-    "mtp": ("seed 003, measured: 2.20x output tok/s, MTP 3 with ReplaySSM (W=16) against without, "
-            "Nemotron-Super-3 on GB300, batch 512 (vLLM #55688); compare MTP K=3 W=16 vs W=0", 2.20),
-    "checkpoint": ("seed 001, measured: 7.58x, one grouped prefill call against sequential per-range calls, "
+    "mtp": ("vLLM #55688, measured: 2.20x output tok/s, MTP 3 with ReplaySSM (W=16) against without, "
+            "Nemotron-Super-3 on GB300, batch 512; compare MTP K=3 W=16 vs W=0", 2.20),
+    "checkpoint": ("vLLM #55876, measured: 7.58x, one grouped prefill call against sequential per-range calls, "
                    "1 x 512 + N x 64 tokens on L40S (kernel level; no anchor recomputed); compare the checkpoint "
                    "ratios", 7.58),
 }

@@ -54,9 +54,9 @@ from tqdm import tqdm
 
 from jaxhybrid.models.hf_config import load_config
 from pallas_kernels.attention import ragged_paged_attention
-from pallas_kernels.common import copy_slots
 from pallas_kernels.gdn import gdn_decode, gdn_prefill, gdn_verify, gdn_verify_snapshots
 from pallas_kernels.grouped_prefill import grouped_prefill
+from pallas_kernels.pools import copy_slots
 from scheduler.replay import ring_rows
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -173,7 +173,7 @@ def decode_bench(inputs: Inputs, cfg, tp: int, rows: int) -> Bench:
 
 def verify_bench(inputs: Inputs, cfg, tp: int, rows: int, window: int, drafts: int) -> Bench:
     """MTP verify of 1 + K tokens a row. W > 0: the rows have W / 2 entries committed and do not flush (what the
-    kernels' estimates assume, `pallas_kernels.common.folded_entries`). W = 0: every step flushes, here after the
+    kernels' estimates assume, `pallas_kernels.estimates.folded_entries`). W = 0: every step flushes, here after the
     ~2 entries the last step accepted (1 + 0.7 + 0.49 + 0.34 expected at acceptance 0.7, less the bonus)."""
     h, hv, dk, dv = (_per_rank(cfg.num_k_heads, tp), _per_rank(cfg.num_v_heads, tp), cfg.head_k_dim,
                      cfg.head_v_dim)  # fmt: skip
@@ -204,7 +204,7 @@ def prefill_bench(inputs: Inputs, cfg, tp: int, tokens_count: int) -> Bench:
 
 def grouped_benches(inputs: Inputs, cfg, tp: int, anchor: int, candidates: int, candidate: int) -> Iterator[Bench]:
     """1 anchor + N candidates: one grouped call (the anchor, its state copied into each candidate's slot, then
-    every candidate), and the same rows in 1 + N calls (seed 001's per-range baseline)."""
+    every candidate), and the same rows in 1 + N calls (the per-range baseline)."""
     lengths = [anchor] + [candidate] * candidates
     tokens, pool = gdn_tokens(inputs, cfg, tp, sum(lengths)), state_pool(inputs, cfg, tp, candidates + 2)
     slots, has_initial = _slots(candidates + 1), np.arange(candidates + 1) > 0
@@ -380,7 +380,7 @@ def table(records: list[dict], peaks: dict) -> list[str]:
     by_op = {r["op"]: r for r in records if "s" in r}
     if {"grouped_prefill", "per-range prefill"} <= set(by_op):
         lines.append(f"# grouped prefill {by_op['per-range prefill']['s'] / by_op['grouped_prefill']['s']:.2f}x "
-                     f"faster than per-range calls (seed 001 measured 7.58x on an L40S)")
+                     f"faster than per-range calls (vLLM #55876 measured 7.58x on an L40S)")
     lines += [f"# {r['op']}: fla {r['fla_error']}" for r in records if "fla_error" in r]
     lines += [f"# {r['op']}: {r['note']}" for r in records if r.get("note")]
     return lines

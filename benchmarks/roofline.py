@@ -107,7 +107,7 @@ def conv_cases(inputs: Inputs, model: str, conv_dim: int, kernel: int, tokens: i
 
 def gdn_cases(inputs: Inputs, model: str, cfg, tp: int, tokens: int, batch: int, width=8, drafts=3):
     """Rings of E = W + 1 + K entries; verify rows commit W / 2 of them and materialize folds E // 2, as the
-    kernels' estimates assume (`pallas_kernels.common.folded_entries`)."""
+    kernels' estimates assume (`pallas_kernels.estimates.folded_entries`)."""
     h, hv = _per_rank(cfg.num_k_heads, tp), _per_rank(cfg.num_v_heads, tp)
     dk, dv = cfg.head_k_dim, cfg.head_v_dim
     shape = f"{model} tp{tp} H={h} HV={hv}"

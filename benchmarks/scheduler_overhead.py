@@ -14,10 +14,10 @@ Scenarios (all with the real scheduler and ReplaySSM bookkeeping):
   rows64/256/1024         k = 3 decode at 64, 256 and 1,024 rows (contexts 64-512): the cost per
                           running request, which must stay flat as the batch grows.
 Baseline, measured in the same run: what a naive functional scheduler pays just to rebuild 256
-frozen per-request records each step (`dataclasses.replace` on a 12-field slots dataclass), the
-cost STYLE.md warns about. Every scenario is reported as a ratio to it (mean to mean, p99 to p99,
-p99.9 to p99.9): absolute times on a shared VM swing with the machine's phase. The engine hides
-this cost by scheduling one step ahead of the device (DESIGN.md), so no absolute target is set.
+frozen per-request records each step (`dataclasses.replace` on a 12-field slots dataclass). Every
+scenario is reported as a ratio to it (mean to mean, p99 to p99, p99.9 to p99.9): absolute times on
+a shared VM swing with the machine's phase. The engine hides this cost by scheduling one step ahead
+of the device (docs/engine.md#one-step), so no absolute target is set.
 
 Each scenario runs `--repeats` times (fresh state, its own seed); the table shows the run with the
 median p99 and the range of p99 over the runs. Times are CPU time of the calling thread

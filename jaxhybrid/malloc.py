@@ -1,9 +1,8 @@
 """tcmalloc for the command-line programs: they re-execute themselves with it preloaded when it is installed.
 
 XLA:CPU allocates a step's temporaries afresh on every step. glibc's malloc serves blocks over 32 MiB with
-fresh mmaps, so every page of them faults in again on every step; tcmalloc keeps and reuses them. A batch-64
-decode step of the 40M Qwen3-Next MoE (2 cores, bf16) takes 83 ms with glibc and 52 ms with tcmalloc
-(docs/benchmarks.md). vLLM preloads tcmalloc on CPU for the same reason. Debian/Ubuntu ship it as
+fresh mmaps, so every page of them faults in again on every step; tcmalloc keeps and reuses them (the measured
+difference is in docs/benchmarks.md). vLLM preloads tcmalloc on CPU for the same reason. Debian/Ubuntu ship it as
 `libtcmalloc-minimal4`.
 
 `JAXHYBRID_TCMALLOC`: unset, the library is looked up; `0`, the process keeps its allocator; a path or a

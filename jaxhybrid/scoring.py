@@ -1,5 +1,6 @@
 """Scoring candidates given a prompt: one request per candidate, all sharing the prompt's checkpoint, and
-their prompt logprobs read back as scores (`LLM.score_candidates`, the scoring lines of the batch job)."""
+their prompt logprobs read back as scores (`LLM.score_candidates`, the scoring lines of the batch job). The
+requests come from an engine's `PromptPreparer`, so this module needs no `LLM`."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from jaxhybrid.engine.outputs import RequestOutput
+from jaxhybrid.engine.prompts import PromptPreparer
 from jaxhybrid.engine.requests import Prompt
-from jaxhybrid.llm import LLM
+from jaxhybrid.openai import render
+from jaxhybrid.openai.errors import BadRequest
 from jaxhybrid.sample.params import SamplingParams
-from jaxhybrid.serve import render
-from jaxhybrid.serve.errors import BadRequest
 
 
 @dataclass(frozen=True)
@@ -26,9 +27,9 @@ class PromptScores:
     top_logprobs: list[dict] | None  # [{"token_id", "token", "logprob"}] after the prompt, most likely first
 
 
-def _tokens(llm: LLM, value: Any, name: str) -> list[int]:
+def _tokens(prompts: PromptPreparer, value: Any, name: str) -> list[int]:
     if isinstance(value, str):
-        return render.require_tokenizer(llm, name).encode(value)
+        return render.require_tokenizer(prompts.tokenizer, name).encode(value)
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return value
     raise BadRequest(f"{name} must be a non-empty string or a non-empty list of token ids", name)
@@ -40,8 +41,8 @@ class ScoringRequests(NamedTuple):
     prompt_logprobs_from: int  # `Engine.add_request`'s: the candidates' positions, or (no reuse) all of them
 
 
-def scoring_requests(llm: LLM, prompt: str | list[int], candidates: list, top_logprobs: int | None = None,
-                     reuse: bool = True) -> ScoringRequests:
+def scoring_requests(prompts: PromptPreparer, prompt: str | list[int], candidates: list,
+                     top_logprobs: int | None = None, reuse: bool = True) -> ScoringRequests:
     """The requests that score `candidates` given `prompt`. Without reuse they ask for the logits of every
     prompt position, so that each computes its whole prompt (the baseline reuse is measured against)."""
     if not isinstance(candidates, list) or not candidates:
@@ -49,17 +50,17 @@ def scoring_requests(llm: LLM, prompt: str | list[int], candidates: list, top_lo
     if top_logprobs is not None and (not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool)
                                      or top_logprobs < 0):
         raise BadRequest("top_logprobs must be an integer >= 0", "top_logprobs")
-    context = _tokens(llm, prompt, "prompt")
-    unit = llm.config.hash_unit
+    context = _tokens(prompts, prompt, "prompt")
+    unit = prompts.hash_unit
     # the checkpoint stays before the prompt's last token: that token's logits score every first token
     checkpoint = (len(context) - 1) // unit * unit if reuse else 0
     # greedy: no token is drawn (max_tokens 0), so the step need not prepare a draw
     params = SamplingParams(max_tokens=0, temperature=0, prompt_logprobs=top_logprobs or 0)
     requests = []
     for i, candidate in enumerate(candidates):
-        tokens = context + _tokens(llm, candidate, f"candidates[{i}]")
+        tokens = context + _tokens(prompts, candidate, f"candidates[{i}]")
         prompt_ids = {"prompt_token_ids": tokens, "checkpoint_position": checkpoint or None}
-        requests.append((render.prompt_for(llm, prompt_ids, params), params))
+        requests.append((render.prompt_for(prompts, prompt_ids, params), params))
     return ScoringRequests(requests, len(context), len(context) if reuse else 0)
 
 

@@ -1,6 +1,6 @@
 """Compile Pallas kernels for an H100/H200 on a machine without a GPU and read back each kernel's resources.
 
-Deviceless AOT (reference/gpu_aot.md): with the CUDA plugin installed and `JAX_PLATFORMS=cpu
+Deviceless AOT (docs/kernels.md#compile-check-without-a-gpu): with the CUDA plugin installed and `JAX_PLATFORMS=cpu
 JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`, a GPU described by XLA's GpuTargetConfigProto text gives a topology whose
 devices jit can compile for. XLA's whole GPU pipeline runs (Triton, LLVM, PTX for sm_90a, ptxas), so a kernel
 that does not compile here does not compile on the GPU. The compile dumps each module's PTX and thunk

@@ -1,4 +1,4 @@
-"""Two-phase prefill for same-step checkpoint pairing (DESIGN "Application-directed checkpoints").
+"""Two-phase prefill for same-step checkpoint pairing (docs/kernels.md#grouped-prefill).
 
 Phase 1 runs every producer row in one packed call, which leaves each producer's checkpoint in a slot
 (its running slot when its chunk is cut at the checkpoint, else the op's `checkpoint_slots`). The
@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import copy_slots
+from pallas_kernels.pools import copy_slots
 
 # run(cu_seqlens, pool, slots, has_initial) -> (outputs [T, ...], pool): one op's pool-level prefill
 # with its token arrays and options bound, e.g. functools.partial over `gdn_prefill`; the pool may be a

@@ -1,21 +1,11 @@
-"""The bucket ladders, the bisect that picks a bucket, and the (tokens, rows, logits) buckets of a step."""
+"""The bisect that picks a bucket of a ladder, and the (tokens, rows, logits) buckets of a step (the ladders'
+defaults are `config.default_buckets`)."""
 
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from scheduler.config import SchedulerConfig
-
-
-def default_buckets(cap: int, smallest: int = 8, growth: int = 2) -> tuple[int, ...]:
-    """`smallest` times powers of `growth` up to the first one >= cap. Each bucket is one compiled step
-    per combination with the other ladders, so a coarser growth trades padding for warm-up time."""
-    buckets = [smallest]
-    while buckets[-1] < cap:
-        buckets.append(buckets[-1] * growth)
-    return tuple(buckets)
+from scheduler.config import SchedulerConfig
 
 
 def pick_bucket(buckets: tuple[int, ...], size: int) -> int:
@@ -31,8 +21,8 @@ def step_buckets(cfg: SchedulerConfig, num_tokens: int, num_rows: int, num_logit
 
     The token bucket also holds the rows (up to the largest), and the logits take one of two sizes per (tokens,
     rows) pair: the rows' (1 + K each, what decode rows ask for) or the tokens' (prompt logprobs). So a step's
-    shape is one of the few of `bucket_shapes`, each compiled, and finer token ladders stay affordable: a decode
-    step of 16 rows in a 32-token bucket took 20.5 ms against 14.9 in a 16-token one (docs/benchmarks.md)."""
+    shape is one of the few of `bucket_shapes`, each compiled, and finer token ladders stay affordable: token
+    padding costs a step more than row padding (docs/benchmarks.md#where-a-cpu-decode-step-goes)."""
     rows = pick_bucket(cfg.row_buckets, num_rows)
     tokens = pick_bucket(cfg.token_buckets, max(num_tokens, min(num_rows, cfg.token_buckets[-1])))
     low, high = _logits_sizes(cfg, tokens, rows)

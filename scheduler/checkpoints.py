@@ -33,8 +33,8 @@ def parse_checkpoint_marker(token_ids, marker_id: int, hash_unit: int,
                             placeholders=()) -> ParsedPrompt:
     """Strip the marker and return the prompt, the checkpoint position and shifted placeholders.
 
-    Rules (reference §3.2): no marker -> prompt unchanged, position None; the marker must occur
-    exactly once, with tokens on both sides, and not inside a multimodal placeholder range
+    Rules (docs/scheduler.md#application-directed-checkpoints): no marker -> prompt unchanged, position
+    None; the marker must occur exactly once, with tokens on both sides, and not inside a multimodal placeholder range
     `(offset, length)`; the position is the marker's index rounded down to `hash_unit` and must not
     round to 0; placeholders after the marker shift left by one. The input is never mutated.
     """

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.buckets import default_buckets
-
 CACHE_MODES = ("none", "align")
 
 
@@ -86,6 +84,15 @@ class SchedulerConfig:
     @property
     def max_blocks_per_request(self) -> int:
         return -(-(self.max_model_len + self.num_spec_tokens) // self.block_size)
+
+
+def default_buckets(cap: int, smallest: int = 8, growth: int = 2) -> tuple[int, ...]:
+    """`smallest` times powers of `growth` up to the first one >= cap. Each bucket is one compiled step
+    per combination with the other ladders, so a coarser growth trades padding for warm-up time."""
+    buckets = [smallest]
+    while buckets[-1] < cap:
+        buckets.append(buckets[-1] * growth)
+    return tuple(buckets)
 
 
 def _resolve_defaults(cfg: SchedulerConfig) -> None:

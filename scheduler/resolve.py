@@ -1,6 +1,6 @@
 """One step ahead of the device: `update` on placeholders now, `resolve` with the real tokens later.
 
-The overlapped engine schedules step N+1 before it has read step N's tokens (DESIGN "One engine step").
+The overlapped engine schedules step N+1 before it has read step N's tokens (docs/engine.md#one-step).
 Right after dispatching N it applies `update(state, plan, placeholder_result(plan, K))`: everything a step
 changes that does not depend on which tokens came out (computed counts, ReplaySSM trackers, prefill ends,
 materialization asks, READY slots and checkpoints, the end at max_len) happens then. Row r of step N emits

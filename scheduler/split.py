@@ -1,14 +1,15 @@
-"""Where a prefill chunk may end: the align-mode split with the seed-004 lookahead rules built in.
+"""Where a prefill chunk may end: the align-mode split with the MTP lookahead rules built in.
 
 Theory of operation. A recurrent state exists only at chunk ends, and align mode caches it only when
 the chunk ends on a Mamba block boundary (invariant I1: the state cached for tokens [0, p) is the
 state after exactly p tokens). So every non-final chunk ends on a boundary; a chunk that starts
 mid-block (a checkpoint hit, a sub-block step) stops at the next boundary; a chunk never runs past
 the last cacheable boundary (one block back under EAGLE/MTP block drop) or past a producer's declared
-checkpoint. Multi-module MTP additionally wants L known tokens after every chunk end. vLLM resolved
-that in a separate clamp that fought the split and livelocked (#61762); here the split resolves it
-itself (seed 004): finish the prefill if the budget allows and no boundary is crossed from a
-mid-block start, else stop at the last boundary at or before N - L, else keep the aligned end.
+checkpoint. Multi-module MTP additionally wants L known tokens after every chunk end; a separate clamp
+after the split can fight it and stall a request forever, so the split resolves the lookahead itself
+(docs/scheduler.md#align-mode-and-the-mtp-lookahead): finish the prefill if the budget allows and no
+boundary is crossed from a mid-block start, else stop at the last boundary at or before N - L, else
+keep the aligned end.
 """
 
 from __future__ import annotations

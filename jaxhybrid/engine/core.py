@@ -1,4 +1,4 @@
-"""The engine: requests in, `RequestOutput`s out, one `step()` at a time (DESIGN "One engine step").
+"""The engine: requests in, `RequestOutput`s out, one `step()` at a time (docs/engine.md#one-step).
 
 A step is `schedule -> runner.dispatch -> update`. By default the engine runs one step ahead of the device
 (`async_scheduling`, scheduler/resolve.py): it schedules and dispatches step N+1 before it reads step N's
@@ -34,14 +34,14 @@ import scheduler
 from jaxhybrid.engine.output_processor import OutputProcessor
 from jaxhybrid.engine.outputs import RequestOutput
 from jaxhybrid.engine.requests import Prompt, RequestTable
-from jaxhybrid.engine.stats import EngineLoad, EngineStats
+from jaxhybrid.engine.stats import EngineLoad, EngineStats, count_preemptions, num_deferred
 from jaxhybrid.engine.structured import StructuredOutputs
 from jaxhybrid.engine.tokenizer import Tokenizer
 from jaxhybrid.models.model import Model
 from jaxhybrid.sample.params import SamplingParams
 from jaxhybrid.sample.sampler import DEFAULT_CONSTRAINT_WIDTH
 from jaxhybrid.structured_output.grammar import ReasoningEnd
-from jaxhybrid.worker.runner import PendingStep, Runner
+from jaxhybrid.worker.runner import BackgroundCompile, PendingStep, Runner
 from jaxhybrid.worker.step import StepOutput
 from scheduler import BatchPlan, SchedulerConfig
 
@@ -95,6 +95,15 @@ class Engine:
         gc.collect()
         gc.freeze()
         return count
+
+    def start_background_compile(self) -> BackgroundCompile:
+        """Compile every bucket on a worker thread, smallest first, while the engine serves; returns at once
+        (`Runner.start_background_compile`). A step whose bucket is not compiled yet compiles that one bucket,
+        or waits for the worker's compile of it: nothing is compiled twice, and outputs are those of a
+        precompiled engine. What start-up allocated is frozen first, as `precompile` does."""
+        gc.collect()
+        gc.freeze()
+        return self.runner.start_background_compile()
 
     # -- requests -------------------------------------------------------------------------------------------
 
@@ -174,7 +183,8 @@ class Engine:
     def load(self) -> EngineLoad:
         state, config = self.scheduler, self.config
         return EngineLoad(len(state.running), len(state.waiting), 1 - state.blocks.num_free / (config.num_blocks - 1),
-                          1 - state.slots.num_free_or_cached / (config.num_state_slots - 1), state.num_preemptions)
+                          1 - state.slots.num_free_or_cached / (config.num_state_slots - 1), state.num_preemptions,
+                          num_deferred(state))
 
     # -- one step -------------------------------------------------------------------------------------------
 
@@ -266,7 +276,10 @@ class Engine:
             self.structured.drop(sequence_id)
 
     def _schedule(self) -> BatchPlan:
+        running, num_preemptions = self.scheduler.running, self.scheduler.num_preemptions
         self.scheduler, plan = scheduler.schedule(self.scheduler)
+        if self.scheduler.num_preemptions != num_preemptions:
+            count_preemptions(running, self.scheduler, num_preemptions, self.table)
         for request in self.table.note_scheduled(plan):
             self.stats.count_cache_query(request)
         return plan

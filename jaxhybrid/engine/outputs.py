@@ -37,6 +37,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    num_preemptions: int = 0  # times the scheduler preempted one of its sequences (recomputed since)
 
 
 @dataclass

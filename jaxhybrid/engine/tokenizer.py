@@ -75,7 +75,8 @@ class Tokenizer:
 
     def encode_prompt(self, text: str, hash_unit: int, add_special_tokens: bool = False) -> ParsedPrompt:
         """A prompt's token ids with the `<|mamba_checkpoint|>` marker stripped and its position recorded
-        (rounded down to `hash_unit`); a misplaced marker raises `CheckpointMarkerError` (a 400)."""
+        (rounded down to `hash_unit`); a misplaced marker raises `CheckpointMarkerError` (a 400). The primitive
+        of `engine.prompts.PromptPreparer`, where every entry point prepares its prompts."""
         ids, marker = self.encode(text, add_special_tokens), self.token_id(CHECKPOINT_MARKER)
         if marker is None:
             if CHECKPOINT_MARKER in text:

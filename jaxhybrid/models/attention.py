@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.models.config import AttentionConfig
-from jaxhybrid.models.layers import RMSNorm, apply_rotary
+from jaxhybrid.models.layers import Dense, RMSNorm, apply_rotary
 from jaxhybrid.models.ops import DEFAULT_OPS, ModelOps
 from jaxhybrid.models.plan_transfer import DevicePlan
 from jaxhybrid.models.pools import KVPool
@@ -25,7 +25,7 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, plan: DevicePlan, pool: KVPool) -> tuple[jax.Array, KVPool]:
         cfg, num_tokens = self.cfg, x.shape[0]
-        dense = lambda n, name: nn.Dense(n, use_bias=cfg.bias, dtype=x.dtype, name=name)
+        dense = lambda n, name: Dense(n, use_bias=cfg.bias, dtype=x.dtype, name=name)
         q_width = cfg.num_heads * cfg.head_dim * (2 if cfg.output_gate else 1)
         q = dense(q_width, "q_proj")(x).reshape(num_tokens, cfg.num_heads, -1)
         k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj")(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)

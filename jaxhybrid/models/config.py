@@ -86,6 +86,21 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class QuantConfig:
+    """An FP8 checkpoint's quantization: e4m3 weights, each with float32 scales (weight = fp8 value * scale).
+
+    `weight_block` is the (rows, columns) of the checkpoint's `[out, in]` weight that one scale covers
+    (Qwen's `weight_block_size`, partial blocks at the edges); None: the scale's own shape says (ModelOpt's
+    one scale per tensor). The loader keeps whichever weights are stored in FP8 as they are, so
+    `not_converted` (the modules the checkpoint left in 16 bits) is informative."""
+
+    method: str  # "fp8" (block-wise, Qwen) | "modelopt" (per tensor, NVIDIA ModelOpt)
+    weight_block: tuple[int, int] | None = None
+    activation_scheme: str = "dynamic"  # "static": the checkpoint also stores each input's scale (unused)
+    not_converted: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -104,6 +119,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     mtp_layers: tuple[tuple[str, ...], ...] = ()
     eos_token_id: tuple[int, ...] = ()
+    quantization: QuantConfig | None = None
 
     @property
     def num_layers(self) -> int:

@@ -30,6 +30,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.fp8_matmul import dequantize
+
 GATHER_BUDGET_BYTES = 256 * 2**20  # gathered expert weights per chunk of tiles
 MAX_TILE = 1024
 OVERFLOW_DEVIATIONS = 4  # capacity = mean load + this many sqrt(mean load)
@@ -44,21 +46,38 @@ class Machine(NamedTuple):
 
 
 # H100/H200: ~989 TFLOP/s of dense bf16 against ~3.4-4.8 TB/s. XLA:CPU, 2 cores, bf16, 512 x 256 experts
-# (benchmarks in docs/benchmarks.md): an expert's weights cost about 32 rows of its matmul (~80 us against
-# ~2.5 us a row), gathered or in place; a one-row bf16 matmul becomes a convert of the whole weight to f32
-# (32 one-row tiles took 17 ms, 32 two-row tiles 4.4 ms). A bf16 batched matmul with a bf16 result is slow on
-# XLA:CPU at few rows per expert; asking for f32 and rounding gives the same bits sooner: the whole gated MLP of 8
-# experts 512 x 256 at 4-64 rows each took 500-980 us against 840-1180 (AMX Xeon), but 2969 against 2591 at 320.
+# (docs/benchmarks.md#where-a-cpu-decode-step-goes): an expert's weights cost about 32 rows of its matmul,
+# gathered or in place; a one-row bf16 matmul becomes a convert of the whole weight to f32, so tiles hold 2+ rows.
+# A bf16 batched matmul with a bf16 result is slow on XLA:CPU at few rows per expert; asking for f32 and rounding
+# gives the same bits sooner, up to about 256 rows per expert.
 MACHINE = {"gpu": Machine(balance=200.0, bf16_min_rows=1, f32_result_rows=0),
            "cpu": Machine(balance=32.0, bf16_min_rows=2, f32_result_rows=256)}
 
 
 class ExpertWeights(NamedTuple):
-    """Stacked expert weights: up `[E, d, I]`, down `[E, I, d]`, gate `[E, d, I]` for a gated (SwiGLU) MLP."""
+    """Stacked expert weights: up `[E, d, I]`, down `[E, I, d]`, gate `[E, d, I]` for a gated (SwiGLU) MLP.
+
+    An FP8 checkpoint's are float8 `[E, blocks, block, out]` with float32 scales `[E, blocks, out]`
+    (`pallas_kernels.fp8_matmul`), dequantized only for the experts a step multiplies with."""
 
     up: jax.Array
     down: jax.Array
     gate: jax.Array | None = None
+    up_scale: jax.Array | None = None
+    down_scale: jax.Array | None = None
+    gate_scale: jax.Array | None = None
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """(experts E, model width d, intermediate width I)."""
+        return self.up.shape[0], self.down.shape[-1], self.up.shape[-1]
+
+    def dequantized(self, dtype: jnp.dtype) -> ExpertWeights:
+        """The weights in `dtype`, FP8 ones dequantized by their scales."""
+        _, dim, inter = self.sizes
+        full = lambda w, scale, rows: w.astype(dtype) if scale is None else dequantize(w, scale, rows, dtype)
+        gate = None if self.gate is None else full(self.gate, self.gate_scale, dim)
+        return ExpertWeights(full(self.up, self.up_scale, dim), full(self.down, self.down_scale, inter), gate)
 
 
 class Tiling(NamedTuple):
@@ -86,7 +105,7 @@ def plan_experts(num_tokens: int, top_k: int, weights: ExpertWeights, platform: 
     """The layouts for `num_tokens` tokens of `top_k` experts on `platform` ("cpu", "gpu"), costed in rows of a
     matmul: every tile, and every expert of the capacity layout, costs its rows plus reading its expert's
     weights. `tile` and `capacity` (0: tiles only) override the choices."""
-    num_experts, dim, inter = weights.up.shape
+    num_experts, dim, inter = weights.sizes
     machine = MACHINE.get(platform, MACHINE["cpu"])
     matrices = 2 if weights.gate is None else 3
     weight_bytes = matrices * dim * inter * weights.up.dtype.itemsize
@@ -119,7 +138,7 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, params:
     flat = experts.reshape(-1)
     tokens = jnp.arange(num_tokens * top_k) // top_k
     rows = x[tokens]  # one per assignment
-    sizes, within = _group_positions(flat, params.up.shape[0])
+    sizes, within = _group_positions(flat, params.sizes[0])
     mlp = lambda grouped, stacked: _expert_mlp(grouped, stacked, activation, x.dtype, tiling.f32_result_rows)
     tiled = lambda: _tiled(rows, flat, sizes, within, params, mlp, tiling)
     by_capacity = lambda: _by_capacity(rows, flat, within, params, mlp, tiling.capacity)
@@ -137,10 +156,11 @@ def _expert_mlp(rows: jax.Array, stacked: ExpertWeights, activation: Callable, d
                 f32_result_rows: int) -> jax.Array:
     """rows `[G, m, d]` through experts `stacked` `[G, ...]` -> `[G, m, d]`."""
     result = jnp.float32 if rows.shape[1] <= f32_result_rows else dtype
+    # a no-op in the serving dtype; tiles cast (or dequantize) their k gathered experts, not E
+    stacked = stacked.dequantized(dtype)
 
     def dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-        # the weight cast is a no-op in the serving dtype; tiles cast their k gathered experts, not E
-        return jnp.einsum(spec, x, w.astype(dtype), preferred_element_type=result).astype(dtype)
+        return jnp.einsum(spec, x, w, preferred_element_type=result).astype(dtype)
 
     hidden = dot("gmd,gdi->gmi", rows, stacked.up)
     if stacked.gate is not None:
@@ -161,7 +181,7 @@ def _group_positions(experts: jax.Array, num_experts: int) -> tuple[jax.Array, j
 def _by_capacity(rows: jax.Array, experts: jax.Array, within: jax.Array, params: ExpertWeights, mlp: Callable,
                  capacity: int) -> jax.Array:
     """Each assignment's expert output through the `[E, capacity, d]` layout (no expert over capacity)."""
-    num_experts, dim = params.up.shape[:2]
+    num_experts, dim, _ = params.sizes
     index = experts * capacity + within
     grouped = jnp.zeros((num_experts * capacity, dim), rows.dtype).at[index].set(rows)
     return mlp(grouped.reshape(num_experts, capacity, dim), params).reshape(-1, dim)[index]
@@ -175,7 +195,7 @@ def _tiled(rows: jax.Array, experts: jax.Array, sizes: jax.Array, within: jax.Ar
     index = (tile_ends - -(-sizes // tile))[experts] * tile + within
     # tiles past the last used one repeat an expert; their rows are zero
     tile_experts = jnp.minimum(jnp.searchsorted(tile_ends, jnp.arange(tiling.num_tiles), side="right"),
-                               params.up.shape[0] - 1).reshape(-1, tiling.chunk)
+                               params.sizes[0] - 1).reshape(-1, tiling.chunk)
     grouped = jnp.zeros((tiling.num_tiles * tile, dim), rows.dtype).at[index].set(rows)
     grouped = grouped.reshape(-1, tiling.chunk, tile, dim)
     run_chunk = lambda args: mlp(args[0], jax.tree.map(lambda w: w[args[1]], params))
@@ -189,12 +209,13 @@ def _tiled(rows: jax.Array, experts: jax.Array, sizes: jax.Array, within: jax.Ar
 def dense_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, params: ExpertWeights,
                   activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """The reference: every expert for every token, combined with zero weight for the unrouted ones."""
-    num_tokens, num_experts = x.shape[0], params.up.shape[0]
+    num_tokens, num_experts = x.shape[0], params.sizes[0]
+    params = params.dequantized(x.dtype)
     combine = jnp.zeros((num_tokens, num_experts), jnp.float32)
     combine = combine.at[jnp.arange(num_tokens)[:, None], experts].add(weights.astype(jnp.float32))
-    hidden = jnp.einsum("td,edi->tei", x, params.up.astype(x.dtype))
+    hidden = jnp.einsum("td,edi->tei", x, params.up)
     if params.gate is not None:
-        hidden = activation(jnp.einsum("td,edi->tei", x, params.gate.astype(x.dtype))) * hidden
+        hidden = activation(jnp.einsum("td,edi->tei", x, params.gate)) * hidden
     else:
         hidden = activation(hidden)
-    return jnp.einsum("tei,eid,te->td", hidden, params.down.astype(x.dtype), combine.astype(x.dtype))
+    return jnp.einsum("tei,eid,te->td", hidden, params.down, combine.astype(x.dtype))

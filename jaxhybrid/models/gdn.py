@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.models.config import GDNConfig
-from jaxhybrid.models.layers import GatedRMSNorm
+from jaxhybrid.models.layers import Dense, GatedRMSNorm
 from jaxhybrid.models.ops import DEFAULT_OPS, ModelOps
 from jaxhybrid.models.plan_transfer import DevicePlan
 from jaxhybrid.models.pools import RecurrentPool
@@ -35,8 +35,8 @@ class GatedDeltaNet(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, plan: DevicePlan, pool: RecurrentPool) -> tuple[jax.Array, RecurrentPool]:
         cfg, num_tokens = self.cfg, x.shape[0]
-        qkvz = nn.Dense(cfg.conv_dim + cfg.value_dim, use_bias=False, dtype=x.dtype, name="in_proj_qkvz")(x)
-        ba = nn.Dense(2 * cfg.num_v_heads, use_bias=False, dtype=x.dtype, name="in_proj_ba")(x)
+        qkvz = Dense(cfg.conv_dim + cfg.value_dim, use_bias=False, dtype=x.dtype, name="in_proj_qkvz")(x)
+        ba = Dense(2 * cfg.num_v_heads, use_bias=False, dtype=x.dtype, name="in_proj_ba")(x)
         conv_weight = self.param("conv1d", nn.initializers.normal(0.2), (cfg.conv_dim, cfg.conv_kernel), jnp.float32)
         a_log = self.param("A_log", nn.initializers.zeros, (cfg.num_v_heads,), jnp.float32)
         dt_bias = self.param("dt_bias", nn.initializers.ones, (cfg.num_v_heads,), jnp.float32)
@@ -48,7 +48,7 @@ class GatedDeltaNet(nn.Module):
             out_specs=(P(None, heads), P(None, heads), pool_specs))
         out, z, pool = mix(qkvz, ba, conv_weight.astype(x.dtype), a_log, dt_bias, plan, pool)
         out = GatedRMSNorm(self.norm_eps, norm_before_gate=True, name="norm")(out, z)
-        out = nn.Dense(x.shape[-1], use_bias=False, dtype=x.dtype, name="out_proj")(out.reshape(num_tokens, -1))
+        out = Dense(x.shape[-1], use_bias=False, dtype=x.dtype, name="out_proj")(out.reshape(num_tokens, -1))
         return out, pool
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -21,6 +22,7 @@ from jaxhybrid.models.config import (
     Mamba2Config,
     ModelConfig,
     MoEConfig,
+    QuantConfig,
 )
 
 SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "nemotron_h")
@@ -174,8 +176,49 @@ def _parse_nemotron(cfg: dict[str, Any]) -> ModelConfig:
     )
 
 
-def parse_hf_config(cfg: dict[str, Any]) -> ModelConfig:
-    """Build a `ModelConfig` from the dict of a HuggingFace config.json (or a YAML preset of one)."""
+def parse_quantization(cfg: dict[str, Any], hf_quant_config: dict[str, Any] | None = None) -> QuantConfig | None:
+    """The FP8 quantization a config.json's `quantization_config` (or ModelOpt's hf_quant_config.json, which
+    takes precedence, as in vLLM) declares; None for an unquantized checkpoint. Other methods and formats
+    (e5m2, NVFP4, AWQ, ...) are a ConfigError rather than weights read as something they are not."""
+    if hf_quant_config is not None:
+        section = hf_quant_config.get("quantization", hf_quant_config)
+        return _modelopt(section, section.get("exclude_modules") or [])
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return None
+    method = str(quant.get("quant_method", "")).lower()
+    if method == "modelopt":
+        return _modelopt(quant, quant.get("ignore") or quant.get("exclude_modules") or [])
+    if method != "fp8":
+        raise ConfigError(f"quantization_config.quant_method {method!r} is not supported (only 'fp8' and 'modelopt' "
+                          f"FP8 checkpoints)")
+    fmt = quant.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"quantization_config.fmt {fmt!r} is not supported (only 'e4m3')")
+    block = quant.get("weight_block_size")
+    if block is not None and (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
+        raise ConfigError(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
+    return QuantConfig(method="fp8", weight_block=None if block is None else (block[0], block[1]),
+                       activation_scheme=quant.get("activation_scheme", "dynamic"),
+                       not_converted=tuple(quant.get("modules_to_not_convert") or ()))
+
+
+def _modelopt(section: dict[str, Any], excluded: list[str]) -> QuantConfig:
+    algo = str(section.get("quant_algo", "")).upper()
+    if algo != "FP8":
+        raise ConfigError(f"ModelOpt quant_algo {algo or None!r} is not supported (only 'FP8', per-tensor scales)")
+    return QuantConfig(method="modelopt", activation_scheme="static", not_converted=tuple(excluded))
+
+
+def parse_hf_config(cfg: dict[str, Any], hf_quant_config: dict[str, Any] | None = None) -> ModelConfig:
+    """Build a `ModelConfig` from the dict of a HuggingFace config.json (or a YAML preset of one), with the
+    quantization it (or a ModelOpt hf_quant_config.json) declares."""
+    model = _parse_architecture(cfg)
+    quantization = parse_quantization(cfg, hf_quant_config)
+    return model if quantization is None else dataclasses.replace(model, quantization=quantization)
+
+
+def _parse_architecture(cfg: dict[str, Any]) -> ModelConfig:
     model_type = cfg.get("model_type")
     if model_type is None:
         raise ConfigError("config.json has no 'model_type' field")
@@ -201,4 +244,5 @@ def load_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"no config.json at {path}")
     text = path.read_text()
     raw = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
-    return parse_hf_config(raw)
+    modelopt = path.parent / "hf_quant_config.json"
+    return parse_hf_config(raw, json.loads(modelopt.read_text()) if modelopt.is_file() else None)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxhybrid.models.attention import Attention
 from jaxhybrid.models.config import ATTENTION, GDN, MAMBA2, ModelConfig
 from jaxhybrid.models.gdn import GatedDeltaNet
-from jaxhybrid.models.layers import RMSNorm, make_ffn
+from jaxhybrid.models.layers import Dense, RMSNorm, make_ffn
 from jaxhybrid.models.mamba2 import Mamba2Mixer
 from jaxhybrid.models.ops import DEFAULT_OPS, ModelOps
 from jaxhybrid.models.plan_transfer import DevicePlan
@@ -84,7 +84,7 @@ class MTPHead(nn.Module):
         norm = lambda name: RMSNorm(cfg.norm_eps, cfg.zero_centered_norm, name=name)
         # vLLM qwen3_next_mtp: embedding first, hidden second.
         x = jnp.concatenate([norm("pre_fc_norm_embedding")(embeds), norm("pre_fc_norm_hidden")(hidden)], axis=-1)
-        x = nn.Dense(cfg.hidden_size, use_bias=False, dtype=hidden.dtype, name="fc")(x)
+        x = Dense(cfg.hidden_size, use_bias=False, dtype=hidden.dtype, name="fc")(x)
         x, pool = DecoderLayer(cfg, cfg.mtp_layers[layer], self.ops, name=f"layers_{layer}")(x, plan, pool)
         return norm("norm")(x), pool
 
@@ -102,7 +102,7 @@ class HybridLM(nn.Module):
                          for k, segment in enumerate(layer_segments(cfg.layers))]
         self.norm = RMSNorm(cfg.norm_eps, cfg.zero_centered_norm)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False)
+            self.lm_head = Dense(cfg.vocab_size, use_bias=False)
         if cfg.mtp_layers:
             self.mtp = MTPHead(cfg, self.ops)
 

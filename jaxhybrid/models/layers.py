@@ -8,6 +8,26 @@ import jax.numpy as jnp
 
 from jaxhybrid.models.config import ModelConfig, MoEConfig
 from jaxhybrid.models.experts import ExpertWeights, routed_experts
+from pallas_kernels.fp8_matmul import fp8_matmul
+
+SCALE_SUFFIX = "_scale"  # an FP8 param `name` has its float32 scales beside it as `name + SCALE_SUFFIX`
+
+
+class Dense(nn.Dense):
+    """`nn.Dense`, whose kernel may be an FP8 checkpoint's: where the params hold `kernel_scale` beside
+    `kernel`, the kernel is float8 [blocks, block, in -> out] with scales [blocks, out]
+    (`pallas_kernels.fp8_matmul`), kept so on the device and dequantized inside the step."""
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        if not self.has_variable("params", "kernel" + SCALE_SUFFIX):
+            return super().__call__(inputs)
+        kernel, scale = self.get_variable("params", "kernel"), self.get_variable("params", "kernel" + SCALE_SUFFIX)
+        dtype = self.dtype or inputs.dtype
+        y = fp8_matmul(inputs.astype(dtype), kernel, scale)
+        if self.use_bias:
+            y = y + self.param("bias", self.bias_init, (self.features,), self.param_dtype).astype(dtype)
+        return y
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
@@ -80,7 +100,7 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        dense = lambda n, name: nn.Dense(n, use_bias=self.use_bias, dtype=x.dtype, name=name)
+        dense = lambda n, name: Dense(n, use_bias=self.use_bias, dtype=x.dtype, name=name)
         up = dense(self.intermediate_size, "up_proj")(x)
         if self.activation == "silu":
             hidden = jax.nn.silu(dense(self.intermediate_size, "gate_proj")(x)) * up
@@ -135,26 +155,30 @@ class MoE(nn.Module):
         else:
             bias = self.param("e_score_correction_bias", nn.initializers.zeros, (cfg.num_experts,), jnp.float32)
             weights, experts = _sigmoid_group_router(logits, bias, cfg)
-        routed_in = x if cfg.latent_size is None else nn.Dense(
+        routed_in = x if cfg.latent_size is None else Dense(
             cfg.latent_size, use_bias=self.use_bias, dtype=x.dtype, name="fc1_latent_proj")(x)
         routed = routed_experts(routed_in, weights, experts, self._expert_weights(routed_in.shape[-1]),
                                 lambda h: _activation(self.activation, h), platform=self.platform)
         if cfg.latent_size is not None:
-            routed = nn.Dense(x.shape[-1], use_bias=self.use_bias, dtype=x.dtype, name="fc2_latent_proj")(routed)
+            routed = Dense(x.shape[-1], use_bias=self.use_bias, dtype=x.dtype, name="fc2_latent_proj")(routed)
         shared = MLP(cfg.shared_intermediate_size, self.activation, self.use_bias, name="shared_expert")(x)
         if cfg.shared_expert_gate:
-            gate = nn.Dense(1, use_bias=False, dtype=x.dtype, name="shared_expert_gate")(x)
+            gate = Dense(1, use_bias=False, dtype=x.dtype, name="shared_expert_gate")(x)
             shared = jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype) * shared
         return routed + shared
 
     def _expert_weights(self, dim: int) -> ExpertWeights:
-        cfg, init = self.cfg, nn.initializers.normal(0.02)
-        up = self.param("up_proj", init, (cfg.num_experts, dim, cfg.intermediate_size), jnp.float32)
-        down = self.param("down_proj", init, (cfg.num_experts, cfg.intermediate_size, dim), jnp.float32)
-        gate = None
+        """The stacked experts, with their scales where the checkpoint's are FP8 (as in `Dense`)."""
+        experts, inter = self.cfg.num_experts, self.cfg.intermediate_size
+        shapes = {"up_proj": (experts, dim, inter), "down_proj": (experts, inter, dim)}
         if self.activation == "silu":
-            gate = self.param("gate_proj", init, (cfg.num_experts, dim, cfg.intermediate_size), jnp.float32)
-        return ExpertWeights(up, down, gate)
+            shapes["gate_proj"] = (experts, dim, inter)
+        if self.has_variable("params", "up_proj" + SCALE_SUFFIX):
+            arrays = {key: self.get_variable("params", key) for n in shapes for key in (n, n + SCALE_SUFFIX)}
+        else:
+            arrays = {n: self.param(n, nn.initializers.normal(0.02), shape, jnp.float32) for n, shape in shapes.items()}
+        return ExpertWeights(arrays["up_proj"], arrays["down_proj"], arrays.get("gate_proj"),
+                             *(arrays.get(n + SCALE_SUFFIX) for n in ("up_proj", "down_proj", "gate_proj")))
 
 
 def make_ffn(kind: str, cfg: ModelConfig, name: str, platform: str | None = None) -> nn.Module:

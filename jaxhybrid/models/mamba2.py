@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.models.config import Mamba2Config
-from jaxhybrid.models.layers import GatedRMSNorm
+from jaxhybrid.models.layers import Dense, GatedRMSNorm
 from jaxhybrid.models.ops import DEFAULT_OPS, ModelOps
 from jaxhybrid.models.plan_transfer import DevicePlan
 from jaxhybrid.models.pools import RecurrentPool
@@ -34,7 +34,7 @@ class Mamba2Mixer(nn.Module):
     def __call__(self, x: jax.Array, plan: DevicePlan, pool: RecurrentPool) -> tuple[jax.Array, RecurrentPool]:
         cfg, num_tokens = self.cfg, x.shape[0]
         inner = cfg.intermediate_size
-        proj = nn.Dense(inner + cfg.conv_dim + cfg.num_heads, use_bias=cfg.proj_bias, dtype=x.dtype,
+        proj = Dense(inner + cfg.conv_dim + cfg.num_heads, use_bias=cfg.proj_bias, dtype=x.dtype,
                         name="in_proj")(x)
         conv_weight = self.param("conv1d", nn.initializers.normal(0.2), (cfg.conv_dim, cfg.conv_kernel), jnp.float32)
         conv_bias = (self.param("conv1d_bias", nn.initializers.zeros, (cfg.conv_dim,), jnp.float32)
@@ -52,7 +52,7 @@ class Mamba2Mixer(nn.Module):
         y, z, pool = mix(proj, conv, a_log, dt_bias, d, plan, pool)
         y = GatedRMSNorm(self.norm_eps, norm_before_gate=False, group_size=inner // cfg.n_groups, name="norm")(
             y.reshape(num_tokens, inner), z)
-        out = nn.Dense(x.shape[-1], use_bias=cfg.proj_bias, dtype=x.dtype, name="out_proj")(y)
+        out = Dense(x.shape[-1], use_bias=cfg.proj_bias, dtype=x.dtype, name="out_proj")(y)
         return out, pool
 
 

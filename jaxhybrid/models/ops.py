@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from jaxhybrid.models import tensor_parallel
 from jaxhybrid.models.tensor_parallel import AXIS, MixerConfig
 from pallas_kernels.attention import ragged_paged_attention
-from pallas_kernels.common import resolve_backend
+from pallas_kernels.backend import resolve_backend
 from pallas_kernels.gdn import gdn_prefill
 
 

@@ -41,7 +41,7 @@ class PlanLayout(NamedTuple):
 
 
 class DevicePlan(NamedTuple):
-    """The device fields of a `BatchPlan` under the same names (DESIGN "One vocabulary"), as jax arrays;
+    """The device fields of a `BatchPlan` under the same names (docs/engine.md#inside-the-jitted-step), as jax arrays;
     the counts are int32 scalars, `row_data` [R, D] uint8."""
 
     num_rows: jax.Array

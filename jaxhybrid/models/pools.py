@@ -1,4 +1,4 @@
-"""DeviceState: the pools one engine step reads and writes (DESIGN "Memory model").
+"""DeviceState: the pools one engine step reads and writes (docs/engine.md#memory-model).
 
 Per attention layer (the MTP layers included) a paged KV pool; per recurrent layer a state-slot pool
 whose slot is one page: the conv window at S0, the fp32 state S0, and the ReplaySSM rings of the

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 
 from jaxhybrid.models.plan_transfer import DevicePlan
 from jaxhybrid.models.pools import RecurrentPool, copy_pages, for_each_entry, has_snapshots
-from pallas_kernels.common import snapshot_materialize
 from pallas_kernels.conv1d import conv1d_materialize, conv1d_prefill, conv1d_replay
 from pallas_kernels.grouped_prefill import grouped_prefill
+from pallas_kernels.rings import snapshot_materialize
 from scheduler.plan import RowKind
 from scheduler.replay import max_committed
 

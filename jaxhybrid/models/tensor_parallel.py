@@ -15,6 +15,11 @@ axis would not give a device its own heads' channels. For tp > 1 the runner perm
 projection's columns [q_0 k_0 v_0 z_0 | ...] (Mamba2 [z_0 x_0 B_0 C_0 dt_0 | ...]). Each device's block
 then has the one-device layout with its local head counts, so the mixer body is the same code, and the
 conv pools (window, conv ring), which start at zero, hold their channels in that layout too.
+
+FP8 kernels (`layers.Dense`: float8 [blocks, block, out] and float32 scales [blocks, out], one per row block
+and column) split with their scales: columns on their last axes, and rows by whole blocks where tp divides the
+blocks (else within each block, the scales replicated; else replicated). The scales are per column, so the
+head-aligned column order applies to them as to their kernel.
 """
 
 from __future__ import annotations
@@ -26,19 +31,22 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.models.config import ATTENTION, GDN, MAMBA2, AttentionConfig, GDNConfig, Mamba2Config, ModelConfig
+from jaxhybrid.models.layers import SCALE_SUFFIX
 from jaxhybrid.models.pools import DeviceState, KVPool, RecurrentPool
 from jaxhybrid.models.stack import is_stacked, layer_segments
 
 AXIS = "tp"
 MixerConfig = GDNConfig | Mamba2Config | AttentionConfig
-# MLP kernels [D, I] / [I, D] and the routed experts' stacks [E, D, I] / [E, I, D]: split on I
-_COLUMN = re.compile(r"(gate_proj|up_proj)'\](\['kernel'\])?$")
-_ROW = re.compile(r"down_proj'\](\['kernel'\])?$")
+# MLP kernels [D, I] / [I, D] and the routed experts' stacks [E, D, I] / [E, I, D]: split on I (and their
+# FP8 scales with them)
+_COLUMN = re.compile(r"(gate_proj|up_proj)('\]\['kernel|)(_scale)?'\]$")
+_ROW = re.compile(r"down_proj('\]\['kernel|)(_scale)?'\]$")
 # per mixer kind, its params (path below the mixer) that split with the heads, and on which axis
 _HEAD_AXES = {
     GDN: {"in_proj_qkvz/kernel": 1, "in_proj_ba/kernel": 1, "conv1d": 0, "A_log": 0, "dt_bias": 0,
@@ -93,6 +101,10 @@ def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
                                        for name, mixer in mixers.items() if mixer is not None})
 
 
+def _keys(path: Any) -> tuple[str, ...]:
+    return tuple(str(getattr(key, "key", key)) for key in path)
+
+
 def device_param_bytes(params: Any, cfg: ModelConfig, mesh: Mesh) -> int:
     """Bytes of the params (arrays or ShapeDtypeStructs) on one device of `mesh` under `param_shardings`."""
     shardings = jax.tree.leaves(param_shardings(params, cfg, mesh))
@@ -144,24 +156,30 @@ def _mixer_config(cfg: ModelConfig, kind: str) -> MixerConfig:
 
 def _mixer_param(path: Any) -> tuple[str | None, str]:
     """(the mixer kind a param belongs to or None, its path below the mixer)."""
-    keys = [str(getattr(key, "key", key)) for key in path]
+    keys = _keys(path)
     for i, key in enumerate(keys):
         if key in _HEAD_AXES:
             return key, "/".join(keys[i + 1 :])
     return None, ""
 
 
+def tp_layout_leaf(path: Any, leaf: Any, cfg: ModelConfig, tp: int) -> Any:
+    """One param (at `path`, stacked or a layer's own) in the head-aligned layout."""
+    kind, name = _mixer_param(path)
+    if kind is None:
+        return leaf
+    name = name.removesuffix(SCALE_SUFFIX)
+    axis, order = layout_orders(cfg, kind, head_shards(_mixer_config(cfg, kind), tp)).get(name, (0, None))
+    if order is None:
+        return leaf
+    # a kernel's permuted axis is its columns: the last axis of the kernel, of its FP8 form and of its scales
+    axis = leaf.ndim - 1 if name.endswith("kernel") else axis + is_stacked(path)
+    return leaf[(slice(None),) * axis + (order,)]
+
+
 def to_tp_layout(params: Any, cfg: ModelConfig, tp: int) -> Any:
     """The params with every split mixer's conv channels and input projection in the head-aligned layout."""
-
-    def permute(path, leaf):
-        kind, name = _mixer_param(path)
-        if kind is None:
-            return leaf
-        axis, order = layout_orders(cfg, kind, head_shards(_mixer_config(cfg, kind), tp)).get(name, (0, None))
-        return leaf if order is None else leaf[(slice(None),) * (axis + is_stacked(path)) + (order,)]
-
-    return jax.tree_util.tree_map_with_path(permute, params)
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: tp_layout_leaf(path, leaf, cfg, tp), params)
 
 
 def _split(mesh: Mesh, shape: tuple[int, ...], axis: int) -> NamedSharding:
@@ -172,23 +190,40 @@ def _split(mesh: Mesh, shape: tuple[int, ...], axis: int) -> NamedSharding:
     return NamedSharding(mesh, P(*spec))
 
 
+def _split_rows(mesh: Mesh, shape: tuple[int, ...], quantized: bool) -> NamedSharding:
+    """An FP8 kernel [..., blocks, block, out] or its scales [..., blocks, out] split on rows: by whole blocks
+    where tp divides them, else a kernel within each block (its scales replicated), else replicated."""
+    tp, blocks = mesh.shape[AXIS], len(shape) - (3 if quantized else 2)
+    if shape[blocks] % tp == 0:
+        return _split(mesh, shape, blocks)
+    return _split(mesh, shape, blocks + 1) if quantized else NamedSharding(mesh, P())
+
+
+def param_sharding(path: Any, shape: tuple[int, ...], dtype: Any, cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
+    """Where the param at `path` (stacked or a layer's own, keys or strings) of this shape and dtype lives."""
+    tp, ndim = mesh.shape[AXIS], len(shape)
+    quantized = jnp.dtype(dtype) == jnp.float8_e4m3fn
+    fp8 = quantized or _keys(path)[-1].endswith(SCALE_SUFFIX)
+    kind, name = _mixer_param(path)
+    if kind is not None:
+        axis = _HEAD_AXES[kind].get(name.removesuffix(SCALE_SUFFIX))
+        heads = head_axis(_mixer_config(cfg, kind), tp)
+        if axis is None or heads is None:
+            return NamedSharding(mesh, P())
+        if fp8:  # a kernel's columns (axis 1) or rows (axis 0)
+            return _split(mesh, shape, ndim - 1) if axis == 1 else _split_rows(mesh, shape, quantized)
+        return NamedSharding(mesh, P(*[None] * (axis + is_stacked(path)), heads))
+    name = "".join(f"['{key}']" for key in _keys(path))
+    if _COLUMN.search(name):
+        return _split(mesh, shape, ndim - 1)
+    if _ROW.search(name):
+        return _split_rows(mesh, shape, quantized) if fp8 else _split(mesh, shape, ndim - 2)
+    return NamedSharding(mesh, P())
+
+
 def param_shardings(params: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
-    tp = mesh.shape[AXIS]
-
-    def rule(path, leaf) -> NamedSharding:
-        kind, name = _mixer_param(path)
-        if kind is not None:
-            axis = _HEAD_AXES[kind].get(name)
-            heads = head_axis(_mixer_config(cfg, kind), tp)
-            return NamedSharding(mesh, P() if axis is None else P(*[None] * (axis + is_stacked(path)), heads))
-        name = jax.tree_util.keystr(path)
-        if _COLUMN.search(name):
-            return _split(mesh, leaf.shape, leaf.ndim - 1)
-        if _ROW.search(name):
-            return _split(mesh, leaf.shape, leaf.ndim - 2)
-        return NamedSharding(mesh, P())
-
-    return jax.tree_util.tree_map_with_path(rule, params)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: param_sharding(path, leaf.shape, leaf.dtype, cfg, mesh), params)
 
 
 def state_shardings(state: DeviceState, cfg: ModelConfig, mesh: Mesh) -> DeviceState:

@@ -1,4 +1,11 @@
-"""HuggingFace safetensors -> jaxhybrid params (one name-map table), streamed; orbax save/restore."""
+"""HuggingFace safetensors -> jaxhybrid params (one name-map table), streamed; orbax save/restore.
+
+Checkpoints in float32, bfloat16 or float16 load in the serving dtype. FP8 checkpoints (e4m3 weights with
+float32 scales: Qwen's block-wise `weight_scale_inv`, NVIDIA ModelOpt's per-tensor `weight_scale`) keep every
+FP8 weight that a matmul reads (`layers.Dense` kernels, routed experts) in FP8 on the device, with its scales
+(`pallas_kernels.fp8_matmul`); an FP8 weight anywhere else is dequantized on the host. With a mesh, each tensor
+goes straight to its shards in the tensor-parallel layout.
+"""
 
 from __future__ import annotations
 
@@ -8,29 +15,72 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxhybrid.models.config import GDNConfig, ModelConfig
+from jaxhybrid.models.config import GDNConfig, ModelConfig, QuantConfig
 from jaxhybrid.models.generation_config import read_generation_config
 from jaxhybrid.models.hf_config import eos_token_ids, load_config, parse_hf_config
+from jaxhybrid.models.layers import SCALE_SUFFIX
 from jaxhybrid.models.model import Model, abstract_params
+from jaxhybrid.models.safetensors_reader import SafetensorsError, TensorEntry, read_header
 from jaxhybrid.models.stack import is_stacked, layer_location, layer_segments, segment_key
+from jaxhybrid.models.tensor_parallel import AXIS, param_sharding, tp_layout_leaf
 
 Path_ = tuple[str, ...]
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+# A quantized weight's scales (Qwen's block-wise inverse scales, ModelOpt's per-tensor ones), and the scales of
+# static FP8 activations and KV cache, which are not used: activations and the KV cache stay in the serving dtype.
+_WEIGHT_SCALES = ("weight_scale_inv", "weight_scale")
+_UNUSED_SCALES = ("input_scale", "k_scale", "v_scale")
+_EXPERT_STACKS = ("up_proj", "down_proj", "gate_proj")
+
+
+class Quantized(NamedTuple):
+    """An FP8 weight and its float32 scales, one per weight row and block of `block` input columns: in the
+    checkpoint's layout weight [..., out, in] and scale [..., out, in_blocks] (`quantized`); after the
+    name map's transposes, a kernel [..., in, out] and scale [..., in_blocks, out]. Row permutations and
+    concatenations of the weight (fused projections) apply to its scale unchanged."""
+
+    weight: np.ndarray
+    scale: np.ndarray
+    block: int
+
+    def dequantized(self, input_axis: int) -> np.ndarray:
+        """The float32 weight, its input axis being `input_axis` (-1: the checkpoint's layout, -2: a kernel's)."""
+        size = self.weight.shape[input_axis]
+        scale = np.repeat(self.scale, self.block, axis=input_axis)
+        return self.weight.astype(np.float32) * np.take(scale, np.arange(size), axis=input_axis)
+
+    def device_form(self) -> tuple[np.ndarray, np.ndarray]:
+        """A kernel's (float8 [..., blocks, block, out], rows past `in` zero; float32 scale [..., blocks, out]),
+        the layout of `pallas_kernels.fp8_matmul`."""
+        *lead, rows, out = self.weight.shape
+        blocks = -(-rows // self.block)
+        kernel = self.weight
+        if blocks * self.block != rows:
+            kernel = np.zeros((*lead, blocks * self.block, out), FP8)
+            kernel[..., :rows, :] = self.weight
+        return kernel.reshape(*lead, blocks, self.block, out), np.ascontiguousarray(self.scale, np.float32)
+
+
+Tensor = np.ndarray | Quantized
 # A converted tensor, or one part of a tensor assembled from several checkpoint tensors.
-Piece = tuple[Path_, Any, np.ndarray]  # (param path, part key or None, array)
+Piece = tuple[Path_, Any, Tensor]  # (param path, part key or None, array)
 
 
 DEFAULT_MODEL_DIR = Path(__file__).parents[1] / "assets" / "default_model"
 # What a checkpoint is served from, fetched from the hub (as vLLM fetches them): config, generation config,
 # tokenizer and chat template, the safetensors and their index.
 HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-             "special_tokens_map.json", "chat_template.jinja", "*.safetensors", "*.safetensors.index.json"]
+             "special_tokens_map.json", "chat_template.jinja", "*.safetensors", "*.safetensors.index.json",
+             "hf_quant_config.json"]
 
 
 class CheckpointError(ValueError):
@@ -164,7 +214,11 @@ def _combine(path: Path_, parts: dict[Any, np.ndarray], cfg: ModelConfig) -> np.
     if not all(key in parts for key in order):
         return None
     arrays = [parts.pop(key) for key in order]
-    return np.concatenate(arrays, axis=1) if isinstance(order[0], str) else np.stack(arrays)
+    join = functools.partial(np.concatenate, axis=-1) if isinstance(order[0], str) else np.stack
+    if all(isinstance(a, Quantized) for a in arrays) and len({a.block for a in arrays}) == 1:
+        return Quantized(join([a.weight for a in arrays]), join([a.scale for a in arrays]), arrays[0].block)
+    # 16-bit parts beside FP8 ones: all of them dequantized (kernels: input axis -2)
+    return join([a.dequantized(-2) if isinstance(a, Quantized) else a for a in arrays])
 
 
 def _checkpoint_files(directory: Path) -> list[Path]:
@@ -182,11 +236,57 @@ def _checkpoint_files(directory: Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, np.ndarray]]:
+def _read(entry: TensorEntry) -> np.ndarray:
+    try:
+        return entry.read()
+    except SafetensorsError as error:
+        raise CheckpointError(str(error)) from error
+
+
+def _iter_tensors(files: list[Path], quant: QuantConfig | None = None) -> Iterator[tuple[str, Tensor]]:
+    """Every tensor of the files, read one at a time; an FP8 weight comes with its scales (`Quantized`)."""
+    entries: dict[str, TensorEntry] = {}
     for path in files:
-        with safe_open(path, framework="numpy") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, f.get_tensor(name)
+        try:
+            entries.update(read_header(path))
+        except SafetensorsError as error:
+            raise CheckpointError(str(error)) from error
+    for name, entry in entries.items():
+        module, _, leaf = name.rpartition(".")
+        if quant is not None and leaf in _WEIGHT_SCALES + _UNUSED_SCALES:
+            if leaf in _WEIGHT_SCALES and entries.get(f"{module}.weight", entry).dtype != "F8_E4M3":
+                raise CheckpointError(f"{name} scales a weight that is not float8_e4m3fn")
+            continue
+        if entry.dtype.startswith("F8") and (quant is None or entry.dtype != "F8_E4M3"):
+            why = "config.json declares no FP8 quantization" if quant is None else "only e4m3 FP8 is supported"
+            raise CheckpointError(f"{name} is {entry.dtype}: {why}")
+        array = _read(entry)
+        yield name, quantized(name, array, _weight_scale(name, entries), quant) if array.dtype == FP8 else array
+
+
+def _weight_scale(name: str, entries: dict[str, TensorEntry]) -> np.ndarray:
+    module = name.removesuffix(".weight")
+    for leaf in _WEIGHT_SCALES:
+        if f"{module}.{leaf}" in entries:
+            return _read(entries[f"{module}.{leaf}"])
+    raise CheckpointError(f"FP8 tensor {name} has no scales ({' or '.join(f'{module}.{s}' for s in _WEIGHT_SCALES)})")
+
+
+def quantized(name: str, weight: np.ndarray, scale: np.ndarray, quant: QuantConfig) -> Quantized:
+    """An FP8 weight [..., out, in] with its checkpoint scales: one per `quant.weight_block` block (the edge
+    blocks partial), one for the whole tensor, or one per row; each repeated over its block's rows."""
+    *lead, out, cols = weight.shape
+    scale = scale.astype(np.float32)
+    if scale.size == 1:
+        return Quantized(weight, np.full((*lead, out, 1), scale.reshape(()), np.float32), cols)
+    if scale.shape in ((*lead, out), (*lead, out, 1)):
+        return Quantized(weight, scale.reshape(*lead, out, 1), cols)
+    if quant.weight_block is not None:
+        rows, block = quant.weight_block
+        if scale.shape == (*lead, -(-out // rows), -(-cols // block)):
+            return Quantized(weight, np.repeat(scale, rows, axis=-2)[..., :out, :], block)
+    raise CheckpointError(f"FP8 tensor {name} of shape {list(weight.shape)} has scales of shape {list(scale.shape)}, "
+                          f"neither per tensor, per row, nor per {quant.weight_block} block")
 
 
 def _parent(tree: dict, path: Path_) -> dict:
@@ -205,10 +305,15 @@ def _flatten(tree: Any) -> dict[Path_, Any]:
     return {tuple(k.key for k in keys): leaf for keys, leaf in flat}
 
 
-def convert_checkpoint(tensors: Callable[[], Iterator[tuple[str, np.ndarray]]], cfg: ModelConfig,
-                       dtype: jnp.dtype) -> dict:
+def convert_checkpoint(tensors: Callable[[], Iterator[tuple[str, Tensor]]], cfg: ModelConfig,
+                       dtype: jnp.dtype, mesh: Mesh | None = None) -> dict:
     """Stream checkpoint tensors into a params tree of device arrays; each tensor is converted once, and a
-    layer's tensor is written into its repeat of the segment's stacked param, in place."""
+    layer's tensor is written into its repeat of the segment's stacked param, in place. FP8 weights stay FP8
+    (`Quantized`), with their scales beside them as `<name>_scale`.
+
+    With a `mesh`, the params come in the tensor-parallel layout (`tensor_parallel.to_tp_layout`) and placed by
+    `tensor_parallel.param_shardings`: each tensor is permuted on the host and each device is sent only its
+    shard, so no device holds more than its share plus one tensor's shard."""
     expected = _per_layer_shapes(cfg)
     params: dict = {}
     loaded: set[Path_] = set()
@@ -216,10 +321,16 @@ def convert_checkpoint(tensors: Callable[[], Iterator[tuple[str, np.ndarray]]], 
     for name, path, array in _converted(tensors, cfg):
         if path not in expected:
             raise CheckpointError(f"tensor {name!r} maps to unknown parameter {'/'.join(path)}")
-        if tuple(array.shape) != expected[path]:
-            wrong_shapes.append(f"{name} -> {'/'.join(path)}: {tuple(array.shape)} != {expected[path]}")
+        shape = array.weight.shape if isinstance(array, Quantized) else array.shape
+        if tuple(shape) != expected[path]:
+            wrong_shapes.append(f"{name} -> {'/'.join(path)}: {tuple(shape)} != {expected[path]}")
             continue
-        _place(params, path, jnp.asarray(array, dtype), cfg)
+        if isinstance(array, Quantized):
+            kernel, scale = array.device_form()
+            _place(params, path, kernel, cfg, kernel.dtype, mesh)
+            _place(params, (*path[:-1], path[-1] + SCALE_SUFFIX), scale, cfg, scale.dtype, mesh)
+        else:
+            _place(params, path, array, cfg, dtype, mesh)
         loaded.add(path)
     if wrong_shapes:
         raise CheckpointError("tensors with wrong shapes:\n  " + "\n  ".join(wrong_shapes))
@@ -232,9 +343,9 @@ def convert_checkpoint(tensors: Callable[[], Iterator[tuple[str, np.ndarray]]], 
 def _converted(tensors: Callable[[], Iterator[tuple[str, np.ndarray]]],
                cfg: ModelConfig) -> Iterator[tuple[str, Path_, np.ndarray]]:
     """(checkpoint name, param path in the per-layer layout, array) of each param, multi-part ones once whole."""
-    pending: dict[Path_, dict[Any, np.ndarray]] = {}
+    pending: dict[Path_, dict[Any, Tensor]] = {}
     for name, tensor in tensors():
-        for path, part, array in translate(name, tensor, cfg):
+        for path, part, array in _translate(name, tensor, cfg):
             if part is not None:
                 pending.setdefault(path, {})[part] = array
                 array = _combine(path, pending[path], cfg)
@@ -242,6 +353,25 @@ def _converted(tensors: Callable[[], Iterator[tuple[str, np.ndarray]]],
                     continue
                 del pending[path]
             yield name, path, array
+
+
+def _keeps_fp8(path: Path_) -> bool:
+    """Whether the param at `path` is read by an FP8 matmul: a `Dense` kernel or a routed expert stack."""
+    return path[-1] == "kernel" or (len(path) > 1 and path[-2] == "moe" and path[-1] in _EXPERT_STACKS)
+
+
+def _translate(name: str, tensor: Tensor, cfg: ModelConfig) -> Iterator[Piece]:
+    """`translate`, an FP8 weight's scales mapped as its weight is (same rows, same transposes), and dequantized
+    on the host where it goes to a param that no FP8 matmul reads."""
+    if not isinstance(tensor, Quantized):
+        yield from translate(name, tensor, cfg)
+        return
+    pieces = list(translate(name, tensor.weight, cfg))
+    if not all(_keeps_fp8(path) for path, _, _ in pieces):
+        yield from translate(name, tensor.dequantized(-1), cfg)
+        return
+    for (path, part, weight), (_, _, scale) in zip(pieces, translate(name, tensor.scale, cfg), strict=True):
+        yield path, part, Quantized(weight, scale, tensor.block)
 
 
 def _per_layer_shapes(cfg: ModelConfig) -> dict[Path_, tuple[int, ...]]:
@@ -258,24 +388,49 @@ def _per_layer_shapes(cfg: ModelConfig) -> dict[Path_, tuple[int, ...]]:
     return shapes
 
 
-def _place(params: dict, path: Path_, value: jax.Array, cfg: ModelConfig) -> None:
-    """params[path] = value, a layer's param going into its repeat of the stacked one."""
+def _place(params: dict, path: Path_, array: np.ndarray, cfg: ModelConfig, dtype: Any, mesh: Mesh | None) -> None:
+    """params[path] = the host `array` in `dtype` on the device(s), a layer's param going into its repeat of the
+    stacked one."""
+    if mesh is not None:
+        array = tp_layout_leaf(path, array, cfg, mesh.shape[AXIS])
     if not path[0].startswith("layers_"):
-        _set(params, path, value)
+        sharding = None if mesh is None else param_sharding(path, array.shape, dtype, cfg, mesh)
+        _set(params, path, _to_device(array, dtype, sharding))
         return
     segments = layer_segments(cfg.layers)
     k, j, r = layer_location(int(path[0].removeprefix("layers_")), segments)
     stacked_path = (segment_key(k), f"layers_{j}", *path[1:])
     parent, leaf = _parent(params, stacked_path), stacked_path[-1]
-    stacked = parent.get(leaf, None)
+    shape, stacked = (segments[k].repeats, *array.shape), parent.get(leaf, None)
+    sharding = None if mesh is None else param_sharding(stacked_path, shape, dtype, cfg, mesh)
     if stacked is None:
-        stacked = jnp.zeros((segments[k].repeats, *value.shape), value.dtype)
-    parent[leaf] = _set_repeat(stacked, value, r)
+        stacked = _zeros(shape, jnp.dtype(dtype), sharding)
+    elif stacked.dtype != jnp.dtype(dtype):
+        raise CheckpointError(f"{'/'.join(path)} is {jnp.dtype(dtype)} but the same param of an earlier layer of "
+                              f"its segment is {stacked.dtype}: FP8 and 16-bit layers cannot share one stack")
+    value = _to_device(array, dtype, None if sharding is None else NamedSharding(mesh, P(*sharding.spec[1:])))
+    parent[leaf] = _set_repeat(sharding)(stacked, value, r)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _set_repeat(stacked: jax.Array, value: jax.Array, repeat: int) -> jax.Array:
-    return stacked.at[repeat].set(value)
+def _to_device(array: np.ndarray, dtype: Any, sharding: NamedSharding | None) -> jax.Array:
+    """The host array in `dtype`, on the default device, or each device sent only its shard (converted there)."""
+    if sharding is None:
+        return jnp.asarray(array, dtype)
+    return jax.make_array_from_callback(array.shape, sharding,
+                                        lambda index: np.asarray(array[index]).astype(dtype, copy=False))
+
+
+def _zeros(shape: tuple[int, ...], dtype: jnp.dtype, sharding: NamedSharding | None) -> jax.Array:
+    if sharding is None:
+        return jnp.zeros(shape, dtype)
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)()  # each device its shard
+
+
+@functools.cache
+def _set_repeat(sharding: NamedSharding | None) -> Callable[[jax.Array, jax.Array, int], jax.Array]:
+    """stacked.at[repeat].set(value), in place (the stack donated), keeping the stack's placement."""
+    placed = {} if sharding is None else {"out_shardings": sharding}
+    return jax.jit(lambda stacked, value, repeat: stacked.at[repeat].set(value), donate_argnums=0, **placed)
 
 
 def resolve_model(model: str | Path | None, revision: str | None = None, download_dir: str | Path | None = None
@@ -301,16 +456,19 @@ def resolve_model(model: str | Path | None, revision: str | None = None, downloa
 
 
 def load_model(path: str | Path | None = None, dtype: Any = jnp.float32, *, revision: str | None = None,
-               download_dir: str | Path | None = None, **model_kwargs: Any) -> Model:
+               download_dir: str | Path | None = None, mesh: Mesh | None = None, **model_kwargs: Any) -> Model:
     """Load a HuggingFace checkpoint (or one saved by `save_params`) as a `Model`: a directory or a hub id
     (`resolve_model`). With no path, loads the embedded default model shipped in `jaxhybrid/assets/`.
+    `dtype` is the serving dtype; an FP8 checkpoint's FP8 weights stay FP8 (`convert_checkpoint`). With a
+    `mesh`, the params come in the tensor-parallel layout, each tensor sent straight to its shards.
     """
     directory = resolve_model(path, revision, download_dir)
     config = load_config(directory)
     if (directory / "params").is_dir():
         params = restore_params(directory / "params", config, dtype)
     else:
-        params = convert_checkpoint(lambda: _iter_tensors(_checkpoint_files(directory)), config, dtype)
+        files = _checkpoint_files(directory)
+        params = convert_checkpoint(lambda: _iter_tensors(files, config.quantization), config, dtype, mesh)
     extra_eos = [t for t in eos_token_ids(read_generation_config(directory)) if t not in config.eos_token_id]
     model = Model(dataclasses.replace(config, eos_token_id=config.eos_token_id + tuple(extra_eos)), params,
                   **model_kwargs)
@@ -332,7 +490,8 @@ def save_params(model: Model, directory: str | Path) -> None:
 def restore_params(directory: str | Path, config: ModelConfig, dtype: Any = jnp.float32) -> dict:
     import orbax.checkpoint as ocp
 
-    target = abstract_params(config, dtype)
+    # an FP8 model's tree (which weights are FP8) is the checkpoint's: it is restored as saved
+    target = None if config.quantization else abstract_params(config, dtype)
     with ocp.StandardCheckpointer() as checkpointer:
         return checkpointer.restore(Path(directory).absolute(), target)
 

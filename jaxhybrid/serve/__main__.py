@@ -15,8 +15,9 @@ import os
 import signal
 from collections.abc import Callable
 
-from jaxhybrid import engine_args
-from jaxhybrid.engine_args import TOOL_FLAGS, ParserSetupError, build_llm, check_tool_flags, make_parser, non_default
+from jaxhybrid.engine.builder import build_engine
+from jaxhybrid.flags import TOOL_FLAGS, FlagParser, check_tool_flags, from_namespace, make_parser, non_default
+from jaxhybrid.flags import parse_args as parse_flags
 from jaxhybrid.malloc import preload_tcmalloc
 
 log = logging.getLogger("jaxhybrid.serve")
@@ -59,16 +60,27 @@ _SERVER_FLAGS: dict[str, dict] = {
     **TOOL_FLAGS,
     "--exclude-tools-when-tool-choice-none": dict(action=argparse.BooleanOptionalAction, default=False,
                                                   help='tool_choice "none" keeps the tools out of the chat template'),
+    "--disable-log-stats": dict(action="store_true", default=False,
+                                help="no periodic stats line (throughput, queue, cache usage and hit rates, every "
+                                "VLLM_LOG_STATS_INTERVAL seconds, 10 by default)"),
+    "--enable-log-requests": dict(action=argparse.BooleanOptionalAction, default=False,
+                                  help="log each request as it arrives (id, prompt, sampling parameters) and ends"),
+    "--max-log-len": dict(type=int, default=None, help="prompt characters --enable-log-requests logs (default: all)"),
 }
 
 
-def parser() -> argparse.ArgumentParser:
-    return make_parser("python -m jaxhybrid.serve", __doc__.splitlines()[0], _SERVER_FLAGS)
+PROG = "python -m jaxhybrid.serve"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    flags = parser()
-    args = engine_args.parse_args(flags, argv)
+def parser(prog: str = PROG) -> FlagParser:
+    flags = make_parser(prog, __doc__.splitlines()[0], _SERVER_FLAGS)
+    flags.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as --model (vLLM's positional)")
+    return flags
+
+
+def parse_args(argv: list[str] | None = None, prog: str = PROG) -> argparse.Namespace:
+    flags = parser(prog)
+    args = parse_flags(flags, argv)
     check_tool_flags(flags, args)
     if not args.api_key and os.environ.get("JAXHYBRID_API_KEY"):
         args.api_key = [os.environ["JAXHYBRID_API_KEY"]]
@@ -76,29 +88,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_server(args: argparse.Namespace, on_stuck: Callable[[str], None] | None = None):
-    """The LLM, the engine loop and the app, with the start-up report; returns (app, state). `on_stuck` is
+    """The engine, the engine loop and the app, with the start-up report; returns (app, state). `on_stuck` is
     called once if the engine thread dies or stops coming round its loop."""
+    from jaxhybrid.engine.stat_logger import RequestLogger, StatLogger
     from jaxhybrid.models.weights import DEFAULT_MODEL_DIR
-    from jaxhybrid.serve.app import DEFAULT_MAX_BODY_BYTES, ServerState, build_app
+    from jaxhybrid.openai.render import content_format
+    from jaxhybrid.serve.app import DEFAULT_MAX_BODY_BYTES, build_app
     from jaxhybrid.serve.engine_loop import EngineLoop
     from jaxhybrid.serve.metrics import ServerMetrics, cache_config_info
-    from jaxhybrid.serve.render import content_format
+    from jaxhybrid.serve.state import ServerState
 
-    llm = build_llm(args)
-    config = llm.config
+    # /health answers while the buckets compile on a worker thread
+    built = build_engine(from_namespace(args), background_compile=True)
+    config = built.config
     names = tuple(args.served_model_name or [str(args.model or "jaxhybrid-default")])
     metrics = ServerMetrics(names[0], config.max_model_len, config.num_spec_tokens, cache_config_info(config))
     # a queue beyond a few batches only adds waiting: clients are better told to retry (or sent elsewhere)
     max_queued = args.max_num_queued_requests or 8 * config.max_num_seqs
     max_queued_tokens = args.max_num_queued_tokens or 2 * config.max_num_seqs * config.max_model_len
-    loop = EngineLoop(llm.engine, metrics, max_queued=max_queued, max_queued_tokens=max_queued_tokens,
-                      watchdog_timeout=args.watchdog_timeout, on_stuck=on_stuck)
+    loop = EngineLoop(built.engine, metrics, max_queued=max_queued, max_queued_tokens=max_queued_tokens,
+                      watchdog_timeout=args.watchdog_timeout, on_stuck=on_stuck,
+                      stat_logger=None if args.disable_log_stats else StatLogger(config.num_spec_tokens),
+                      request_logger=RequestLogger(args.max_log_len) if args.enable_log_requests else None)
     log.info("queue: at most %d sequences and %d prompt tokens; request bodies up to %d bytes", max_queued,
              max_queued_tokens, args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES)
-    state = ServerState(llm, loop, names, str(args.model or DEFAULT_MODEL_DIR), config.max_model_len,
+    state = ServerState(built, loop, names, str(args.model or DEFAULT_MODEL_DIR), config.max_model_len,
                         prompt_tokens_details=args.enable_prompt_tokens_details,
                         force_include_usage=args.enable_force_include_usage,
-                        content_format=content_format(llm, args.chat_template_content_format),
+                        content_format=content_format(built.tokenizer, args.chat_template_content_format),
                         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
                         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
@@ -120,16 +137,16 @@ def exit_stuck(reason: str) -> None:
     os._exit(1)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str = PROG) -> None:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = parse_args(argv)
-    log.info("non-default arguments: %s", non_default(parser(), args))
+    args = parse_args(argv, prog)
+    log.info("non-default arguments: %s", non_default(parser(prog), args))
     try:
         app, state = build_server(args, on_stuck=exit_stuck)
-    except ParserSetupError as error:  # a parser flag the model's tokenizer cannot serve: one line, no traceback
-        raise SystemExit(f"python -m jaxhybrid.serve: error: {error}") from None
+    except ValueError as error:  # settings the checkpoint cannot honour (a parser, MTP, a template): one line
+        parser(prog).error(str(error))
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:  # SIGTERM/SIGINT: refuse new work, drain the rest

@@ -14,69 +14,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import NamedTuple, TypeVar
+from collections.abc import Awaitable
+from typing import NamedTuple
 
 import llguidance
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from jaxhybrid.engine.requests import Prompt
-from jaxhybrid.llm import LLM
-from jaxhybrid.sample.params import SamplingParams
-from jaxhybrid.serve import errors, middleware, render, responses, streaming
-from jaxhybrid.serve.chat_parsing import ChatParsers
-from jaxhybrid.serve.engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestStream
-from jaxhybrid.serve.errors import BadRequest, error_response
-from jaxhybrid.serve.protocol import (
+from jaxhybrid.openai import errors, render, responses
+from jaxhybrid.openai.errors import BadRequest
+from jaxhybrid.openai.protocol import (
     BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from jaxhybrid.sample.params import SamplingParams
+from jaxhybrid.serve import middleware, streaming
+from jaxhybrid.serve.engine_loop import EngineUnavailable, QueueFull, RequestStream
+from jaxhybrid.serve.http_errors import error_response
+from jaxhybrid.serve.state import ServerState
 
 log = logging.getLogger("jaxhybrid.serve")
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # --max-request-body-bytes
-T = TypeVar("T")
-
-
-@dataclass
-class ServerState:
-    llm: LLM
-    loop: EngineLoop
-    model_names: tuple[str, ...]
-    model_root: str
-    max_model_len: int
-    prompt_tokens_details: bool = False  # vLLM's --enable-prompt-tokens-details
-    force_include_usage: bool = False  # vLLM's --enable-force-include-usage
-    server_load: int = 0  # generation requests being served (GET /load with --enable-server-load-tracking)
-    content_format: str = "string"  # vLLM's --chat-template-content-format, resolved: "string" or "openai"
-    reasoning_parser: str | None = None  # vLLM's --reasoning-parser
-    tool_call_parser: str | None = None  # vLLM's --tool-call-parser: used with --enable-auto-tool-choice
-    enable_auto_tool_choice: bool = False
-    exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag: tool_choice "none" hides the tools
-    # templating and (de)tokenizing: two threads, so the event loop stays free and a burst of large prompts
-    # queues here instead of taking every core from the engine
-    workers: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="jaxhybrid-prepare"))
-
-    parsers: ChatParsers = field(init=False, default_factory=ChatParsers)  # none unless the flags name some
-
-    def __post_init__(self) -> None:
-        """The parsers, tried on the tokenizer now: a flag that cannot work with it ends start-up."""
-        if self.reasoning_parser or self.enable_auto_tool_choice:
-            self.parsers = ChatParsers.from_flags(self.llm.tokenizer, self.reasoning_parser, self.tool_call_parser,
-                                                  self.enable_auto_tool_choice)
-
-    async def off_loop(self, work: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.workers, work)
 
 
 def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: str = "",
@@ -136,6 +104,8 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         return error_response(503, str(error))
 
     @app.get("/health")
+    @app.get("/ping")  # SageMaker's health route, as vLLM serves it
+    @app.post("/ping")
     async def health() -> Response:
         return Response(status_code=200 if state.loop.healthy() else 503)
 
@@ -157,15 +127,15 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         _check_model(state, body.model)
-        tokenizer = render.require_tokenizer(state.llm, "prompt")
+        tokenizer = render.require_tokenizer(state.built.tokenizer, "prompt")
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("send exactly one of prompt and messages", "prompt")
 
         def tokenized() -> dict:
             text = body.prompt if body.messages is None else render.render_chat(
-                state.llm, body.messages, body.add_generation_prompt, "messages", body.continue_final_message,
+                state.built.prompts, body.messages, body.add_generation_prompt, "messages", body.continue_final_message,
                 content_format=state.content_format, tools=body.template_tools())
-            render.check_text_fits(state.llm, text, "prompt" if body.messages is None else "messages")
+            render.check_text_fits(state.built.prompts, text, "prompt" if body.messages is None else "messages")
             add_special = body.messages is None if body.add_special_tokens is None else body.add_special_tokens
             ids = tokenizer.encode(text, add_special)
             return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
@@ -176,18 +146,18 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
     if tokenizer_info:
         @app.get("/tokenizer_info")
         async def get_tokenizer_info() -> dict:
-            return render.tokenizer_info(render.require_tokenizer(state.llm, "tokenizer"))
+            return render.tokenizer_info(render.require_tokenizer(state.built.tokenizer, "tokenizer"))
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         _check_model(state, body.model)
-        vocab = state.llm.model.config.vocab_size
+        vocab = state.built.model.config.vocab_size
         if len(body.tokens) > state.max_model_len:  # open without a key: no more than a context's worth
             raise BadRequest(f"at most max_model_len={state.max_model_len} token ids, got {len(body.tokens)}",
                              "tokens")
         if any(not 0 <= t < vocab for t in body.tokens):
             raise BadRequest(f"token ids must be in [0, {vocab})", "tokens")
-        tokenizer = render.require_tokenizer(state.llm, "tokens")
+        tokenizer = render.require_tokenizer(state.built.tokenizer, "tokens")
         return {"prompt": await state.off_loop(lambda: tokenizer.decode(body.tokens))}
 
     @app.post("/v1/completions")
@@ -233,6 +203,23 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         return await _unless_disconnected(request, state, _batch_chat_response(state, streams, conversations, name,
                                                                                response_id))
 
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's single route, as vLLM serves it: a body that is a chat request is answered as
+        /v1/chat/completions, else one that is a completion request as /v1/completions."""
+        try:
+            body = json.loads(await request.body())
+        except ValueError as error:
+            raise BadRequest(f"JSON decode error: {error}") from None
+        for kind, endpoint in ((ChatCompletionRequest, chat), (CompletionRequest, completions)):
+            try:
+                parsed = kind.model_validate(body)
+            except ValidationError:
+                continue
+            return await endpoint(parsed, request)
+        raise BadRequest("Cannot find suitable handler for request. Expected one of: ['ChatCompletionRequest', "
+                         "'CompletionRequest']")
+
     return app
 
 
@@ -267,15 +254,16 @@ class _Prepared(NamedTuple):
 def _completion_prompts(state: ServerState, body: CompletionRequest) -> _Prepared:
     """The request's sampling params and its prompts, tokenized (on a worker thread)."""
     prompts = body.prompts()
-    params = _checked(state, body.params(state.llm.generation_defaults), len(prompts), "prompt")
-    return _Prepared(params, [body.engine_prompt(state.llm, p, params) for p in prompts], _grammar(state, params))
+    params = _checked(state, body.params(state.built.generation_defaults), len(prompts), "prompt")
+    return _Prepared(params, [body.engine_prompt(state.built.prompts, p, params) for p in prompts],
+                     _grammar(state, params))
 
 
 def _chat_prompts(state: ServerState, conversations: list[ChatCompletionRequest]) -> _Prepared:
     """The sampling params (the same fields in each conversation) and each conversation's prompt: its
     prompt_token_ids, or its messages through the chat template (on a worker thread)."""
     first = conversations[0]
-    params = state.parsers.adjust(first, first.params(state.llm.generation_defaults))
+    params = state.parsers.adjust(first, first.params(state.built.generation_defaults))
     params = _checked(state, params, len(conversations), "messages")
     after_reasoning = first.include_reasoning and (first.chat_template_kwargs or {}).get("enable_thinking") is not False
     return _Prepared(params, [_chat_prompt(state, body, params) for body in conversations], _grammar(state, params),
@@ -287,7 +275,7 @@ def _grammar(state: ServerState, params: SamplingParams) -> llguidance.LLMatcher
     if params.structured_outputs is None:
         return None
     try:
-        return state.llm.engine.structured.compile(params.structured_outputs)
+        return state.built.engine.structured.compile(params.structured_outputs)
     except ValueError as error:
         raise BadRequest(str(error), "structured_outputs") from error
 
@@ -296,7 +284,7 @@ def _checked(state: ServerState, params: SamplingParams, num_prompts: int, promp
     """The engine's checks (ids against the vocabulary, constraint entries) and the request's size: n at most
     a batch, and all its sequences (prompts x n) within the queue's bound. Before the queue's check: a
     request that can never run is a 400, not a 429 to retry."""
-    batch, queue = state.llm.config.max_num_seqs, state.loop.max_queued
+    batch, queue = state.built.config.max_num_seqs, state.loop.max_queued
     if params.n > batch:
         raise BadRequest(f"n must be at most max_num_seqs={batch} (the samples of one prompt share a batch), got "
                          f"{params.n}", "n")
@@ -304,7 +292,7 @@ def _checked(state: ServerState, params: SamplingParams, num_prompts: int, promp
         raise BadRequest(f"the request asks for {num_prompts} prompt(s) x n={params.n} sequences, more than the "
                          f"queue holds (--max-num-queued-requests {queue})", "n" if params.n > 1 else prompts_field)
     try:
-        table = state.llm.engine.table
+        table = state.built.engine.table
         table.constraint_entries(table.checked_params(params))  # bad words tokenized here, not on the engine's thread
     except ValueError as error:
         raise errors.as_bad_request(error) from error
@@ -313,11 +301,11 @@ def _checked(state: ServerState, params: SamplingParams, num_prompts: int, promp
 
 def _chat_prompt(state: ServerState, body: ChatCompletionRequest, params: SamplingParams) -> Prompt:
     if body.prompt_token_ids is not None:
-        return body.engine_prompt(state.llm, body.prompt_token_ids, params)
-    text = render.render_chat(state.llm, body.messages, body.add_generation_prompt, "messages",
+        return body.engine_prompt(state.built.prompts, body.prompt_token_ids, params)
+    text = render.render_chat(state.built.prompts, body.messages, body.add_generation_prompt, "messages",
                               body.continue_final_message, body.template_kwargs(), state.content_format,
                               body.template_tools(state.exclude_tools_when_tool_choice_none))
-    return body.engine_prompt(state.llm, text, params)
+    return body.engine_prompt(state.built.prompts, text, params)
 
 
 async def _add_all(state: ServerState, response_id: str, prepared: _Prepared, cache_salt: str | None
@@ -373,9 +361,9 @@ async def _unless_disconnected(request: Request, state: ServerState, work: Await
 async def _completion_response(state: ServerState, streams: list[RequestStream], prompts: list[Prompt],
                                body: CompletionRequest, name: str, response_id: str) -> dict:
     finals = await streaming.finals(streams)
-    texts = [render.prompt_text(state.llm, p) for p in prompts] if body.echo else None
+    texts = [render.prompt_text(state.built.tokenizer, p) for p in prompts] if body.echo else None
     return responses.completion_response(body, finals, name, texts, response_id,
-                                         decode=responses.token_decoder(state.llm),
+                                         decode=responses.token_decoder(state.built.tokenizer),
                                          prompt_tokens_details=state.prompt_tokens_details)
 
 

@@ -26,6 +26,7 @@ import llguidance
 from jaxhybrid.engine.core import Engine
 from jaxhybrid.engine.outputs import RequestOutput
 from jaxhybrid.engine.requests import Prompt
+from jaxhybrid.engine.stat_logger import RequestLogger, StatLogger
 from jaxhybrid.sample.params import SamplingParams
 from jaxhybrid.serve.metrics import ServerMetrics
 
@@ -103,12 +104,15 @@ class EngineLoop:
     n times) are in the engine at once; past either a request is refused (429), whatever it asks for. The
     thread beats once per iteration (a step, or an idle wait): no beat for `watchdog_timeout` seconds means
     it is stuck, /health answers 503, and `on_stuck` (the server's: exit, so that a supervisor restarts it)
-    is called once with the reason."""
+    is called once with the reason. `stat_logger` logs vLLM's periodic stats line from the thread, between
+    steps; `request_logger` logs each request as it is taken and as it ends."""
 
     def __init__(self, engine: Engine, metrics: ServerMetrics, *, max_queued: int | None = None,
                  max_queued_tokens: int | None = None, watchdog_timeout: float = 60.0, idle_poll: float = 0.5,
-                 on_stuck: Callable[[str], None] | None = None):
+                 on_stuck: Callable[[str], None] | None = None, stat_logger: StatLogger | None = None,
+                 request_logger: RequestLogger | None = None):
         self.engine, self.metrics = engine, metrics
+        self.stat_logger, self.request_logger = stat_logger, request_logger
         self.max_queued, self.max_queued_tokens = max_queued, max_queued_tokens
         self.watchdog_timeout, self._idle_poll, self._on_stuck = watchdog_timeout, idle_poll, on_stuck
         self.draining = False
@@ -126,6 +130,8 @@ class EngineLoop:
     def start(self) -> None:
         if not self._thread.is_alive():
             self._heartbeat = time.monotonic()
+            if self.stat_logger is not None:
+                self.stat_logger.reset(self.engine.stats, self.engine.load())
             self._thread.start()
             self._watchdog.start()
 
@@ -182,7 +188,7 @@ class EngineLoop:
         if self._error is not None or (self._thread.ident is not None and not self._thread.is_alive()):
             return f"the engine thread died: {self._error!r}"
         silent = time.monotonic() - self._heartbeat
-        if silent > self.watchdog_timeout:
+        if silent > self.watchdog_timeout and not self.engine.runner.step_compiling:  # a compile is no hang
             return f"the engine thread has not completed a step or an idle wait for {silent:.0f} s"
         return None
 
@@ -212,11 +218,11 @@ class EngineLoop:
                 self._wake.clear()
                 self._drain_inbox()
                 if not self.engine.has_unfinished_requests():
-                    self.metrics.observe_engine(self.engine.load(), self.engine.stats)  # aborts free things too
+                    self._observe()  # aborts free things too
                     self._wake.wait(self._idle_poll)
                     continue
                 outputs = self.engine.step()
-                self.metrics.observe_engine(self.engine.load(), self.engine.stats)
+                self._observe()
                 self._deliver(outputs)
             self._drain_inbox()
             for request_id in list(self._streams):
@@ -226,6 +232,13 @@ class EngineLoop:
             self._error = error
             for stream in self._streams.values():
                 stream.deliver(EngineUnavailable("the engine has stopped"))
+
+    def _observe(self) -> None:
+        """The engine's load and totals to the metrics, and to the stats line when its interval is up."""
+        load = self.engine.load()
+        self.metrics.observe_engine(load, self.engine.stats)
+        if self.stat_logger is not None:
+            self.stat_logger.maybe_log(self.engine.stats, load)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -251,13 +264,15 @@ class EngineLoop:
                 continue
             self._streams[item.request_id] = item.stream
             item.admitted.set_result(None)
+            if self.request_logger is not None:
+                self.request_logger.log_received(item.request_id, item.prompt, item.params)
 
     def _abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
         output = self.engine.abort(request_id)
         self._token_times.pop(request_id, None)
         if output is not None:
-            self.metrics.observe_finished(output, None if stream is None else stream.params)
+            self._finished(output, stream)
             if stream is not None:
                 stream.deliver(output)
 
@@ -282,11 +297,17 @@ class EngineLoop:
         if output.finished:
             self._token_times.pop(output.request_id, None)
             stream = self._streams.pop(output.request_id, None)
-            self.metrics.observe_finished(output, None if stream is None else stream.params)
+            self._finished(output, stream)
             return stream
         if count and (last is None or count > last[1]):
             self._token_times[output.request_id] = (now, count)
         return self._streams.get(output.request_id)
+
+
+    def _finished(self, output: RequestOutput, stream: RequestStream | None) -> None:
+        self.metrics.observe_finished(output, None if stream is None else stream.params)
+        if self.request_logger is not None:
+            self.request_logger.log_finished(output)
 
 
 def _put_all(batch: list[tuple[Callable, RequestOutput]]) -> None:

@@ -1,5 +1,5 @@
-"""Prometheus series for the server, under vLLM's names with the `jaxhybrid:` prefix (ecosystem.md §1.6),
-plus the hybrid ones: state-slot usage, state-page hits and checkpoint hits.
+"""Prometheus series for the server, under vLLM's names with the `jaxhybrid:` prefix, plus the hybrid ones:
+state-slot usage, state-page hits and checkpoint hits.
 
 Gauges are set from `Engine.load()` after every step; counters follow `EngineStats` (the engine's running
 totals, so a counter can never drift from what the engine did); histograms are observed per request
@@ -25,6 +25,10 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                           5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)  # vLLM's: never and once preempted share the first
+# vLLM's reasons a sequence waits: for capacity (rows, budget, memory), or deferred by a transient constraint,
+# which here is a checkpoint whose producer has not computed it yet
+WAITING_CAPACITY, WAITING_DEFERRED = "capacity", "deferred"
 # EngineStats field -> counter (name, help); vLLM's names where the concept is theirs
 _COUNTERS = {
     "prefill_tokens": ("prompt_tokens", "Prompt tokens computed (prefix hits excluded)."),
@@ -80,6 +84,12 @@ class ServerMetrics:
 
         self.running = gauge("num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        waiting_by_reason = Gauge(PREFIX + "num_requests_waiting_by_reason",
+                                  "Waiting sequences by reason: 'capacity' = waiting for scheduling capacity; "
+                                  "'deferred' = waiting for their checkpoint's producer. Sum of all reasons equals "
+                                  f"{PREFIX}num_requests_waiting.", names + ["reason"], registry=registry)
+        self.waiting_capacity = waiting_by_reason.labels(**labels, reason=WAITING_CAPACITY)
+        self.waiting_deferred = waiting_by_reason.labels(**labels, reason=WAITING_DEFERRED)
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks held by requests (0-1).")
         self.state_slot_usage = gauge("state_slot_usage_perc", "Fraction of state slots held by requests (0-1).")
         info = Gauge(PREFIX + "cache_config_info", "Cache configuration (labels).", list(cache_info),
@@ -111,6 +121,9 @@ class ServerMetrics:
                                         _LATENCY_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
                                           _ITERATION_TOKEN_BUCKETS)
+        self.request_preemptions = histogram("request_num_preemptions",
+                                             "Per request: the times its sequences were preempted.",
+                                             _PREEMPTION_BUCKETS)
         self.params_n = histogram("request_params_n", "The n request parameter.", (1, 2, 5, 10, 20))
         self.params_max_tokens = histogram("request_params_max_tokens", "The max_tokens request parameter (when set).",
                                            _power_buckets(max_model_len))
@@ -129,9 +142,13 @@ class ServerMetrics:
         """After a step: gauges from the load, counters advanced by what the engine's totals gained."""
         self.running.set(load.running)
         self.waiting.set(load.waiting)
+        self.waiting_capacity.set(load.waiting - load.deferred)
+        self.waiting_deferred.set(load.deferred)
         self.kv_cache_usage.set(load.kv_cache_usage)
         self.state_slot_usage.set(load.state_slot_usage)
-        self.preemptions.inc(load.num_preemptions - self._preemptions)
+        # a scheduler started over (after a failed step) counts from zero again
+        previous = self._preemptions if load.num_preemptions >= self._preemptions else 0
+        self.preemptions.inc(load.num_preemptions - previous)
         self._preemptions = load.num_preemptions
         while stats.step_tokens:  # the engine's output thread appends; only this thread takes
             self.iteration_tokens.observe(stats.step_tokens.popleft())
@@ -153,6 +170,7 @@ class ServerMetrics:
         self.generation_tokens.observe(sum(len(c.token_ids) for c in output.outputs))
         longest = max(len(c.token_ids) for c in output.outputs)
         self.max_generation_tokens.observe(longest)
+        self.request_preemptions.observe(metrics.num_preemptions)
         if params is not None:
             self.params_n.observe(params.n)
             if params.max_tokens is not None:

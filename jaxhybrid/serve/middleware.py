@@ -12,14 +12,11 @@ import re
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING
 
 from fastapi.responses import Response, StreamingResponse
 
-from jaxhybrid.serve.errors import error_response
-
-if TYPE_CHECKING:
-    from jaxhybrid.serve.app import ServerState
+from jaxhybrid.serve.http_errors import error_response
+from jaxhybrid.serve.state import ServerState
 
 log = logging.getLogger("jaxhybrid.serve")
 

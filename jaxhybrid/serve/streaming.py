@@ -6,20 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from fastapi.responses import StreamingResponse
 
 from jaxhybrid.engine.outputs import CompletionOutput, RequestOutput
 from jaxhybrid.engine.requests import Prompt
-from jaxhybrid.serve import render, responses
-from jaxhybrid.serve.chat_parsing import ChatParsers, ChoiceParser
+from jaxhybrid.openai import render, responses
+from jaxhybrid.openai.chat_parsing import ChatParsers, ChoiceParser
+from jaxhybrid.openai.errors import error_body
+from jaxhybrid.openai.protocol import ChatCompletionRequest, CompletionRequest
 from jaxhybrid.serve.engine_loop import EngineUnavailable, RequestStream
-from jaxhybrid.serve.errors import error_body
-from jaxhybrid.serve.protocol import ChatCompletionRequest, CompletionRequest
-
-if TYPE_CHECKING:
-    from jaxhybrid.serve.app import ServerState
+from jaxhybrid.serve.state import ServerState
 
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -123,7 +120,7 @@ async def completion_chunks(state: ServerState, streams: list[RequestStream], pr
     head = responses.envelope("text_completion", response_id, name)
     # offsets: where a choice's next token text starts, echo included; the tokens' own texts count, as the
     # streamed text can lag them (text that may start a stop string is held back) (vLLM)
-    deltas, finals, offsets, decode = Deltas(), {}, {}, responses.token_decoder(state.llm)
+    deltas, finals, offsets, decode = Deltas(), {}, {}, responses.token_decoder(state.built.tokenizer)
     final_usage, continuous = body.usage_flags(state.force_include_usage)
     async for i, output in merged(streams):
         check_output(output)
@@ -135,7 +132,7 @@ async def completion_chunks(state: ServerState, streams: list[RequestStream], pr
             if new is None:
                 continue
             text, start, end = new
-            echoed = render.prompt_text(state.llm, prompts[i]) if body.echo and first else ""
+            echoed = render.prompt_text(state.built.tokenizer, prompts[i]) if body.echo and first else ""
             choice = {"index": index, "text": echoed + text, "logprobs": None, "finish_reason": None,
                       "stop_reason": None}
             if completion.logprobs is not None:

@@ -1,4 +1,4 @@
-"""Pool sizing: how many KV blocks and recurrent state slots a memory budget holds (DESIGN "Memory model").
+"""Pool sizing: how many KV blocks and recurrent state slots a memory budget holds (docs/engine.md#memory-model).
 
 A state slot is one page of every recurrent layer: the fp32 checkpoint state S0, the conv window at S0,
 and the ReplaySSM rings of W + 1 + K entries (GDN: normalised key, update and log-decay per token;

@@ -9,6 +9,11 @@ calls `follow(llm)`, which receives each plan and runs the same jitted step on i
 leader calls `shutdown(llm)`. The step's outputs are replicated, so the leader reads them from its own
 devices; a follower never reads a result.
 
+Every process compiles the same program per bucket. `precompile()` on the leader runs an all-padding step of
+each bucket, which every follower follows (and so compiles); `Engine.start_background_compile()` must be called
+by every process, each compiling on its own thread; and a bucket a process has not compiled when a step of it
+arrives compiles then, on each process (the leader's step waits in its first collective meanwhile).
+
     from jaxhybrid.worker import multihost
     multihost.initialize("10.0.0.1:9876", num_processes=2, process_id=RANK)  # before any device work
     llm = LLM(MODEL, tensor_parallel_size=jax.device_count(), backend="reference")

@@ -1,14 +1,23 @@
 """The runner owns the plan-to-device contract: one `BatchPlan` in, one `StepResult` out.
 
-`Runner.dispatch(plan)` packs the plan into one int32 transfer and calls the jitted step (`step.run_step`) of
+`Runner.dispatch(plan)` packs the plan into one int32 transfer and calls the compiled step (`step.run_step`) of
 its bucket (the packed layout is the static argument) with the `DeviceState` donated; `fetch` reads the tokens.
 The runner also owns the pools, their tensor-parallel placement, precompilation and the multi-host channel.
+
+Each bucket's step is compiled once, ahead of its first call, into `_executables` (one XLA executable per plan
+layout): by `precompile` before serving, by a `BackgroundCompile` thread while the engine serves, or by the
+first step that needs it. Whichever thread comes first compiles; another that needs the same bucket meanwhile
+waits for that compile, so no bucket is ever compiled twice.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import threading
+import time
+from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 import jax
@@ -29,6 +38,10 @@ from jaxhybrid.worker.multihost import Message, PlanChannel, is_leader
 from jaxhybrid.worker.step import Carried, Forwarded, StepOutput, run_forward, run_sampling, run_step
 from scheduler import BatchPlan, SchedulerConfig, StepResult
 from scheduler.replay import ring_rows
+
+log = logging.getLogger("jaxhybrid")
+
+COMPILE_THREAD = "jaxhybrid-compile"
 
 
 class Runner:
@@ -68,11 +81,22 @@ class Runner:
         # the nested params dict flattened once: the jitted call then takes a flat list, and does not sort
         # every dict's keys again on each step (0.1 ms of the host's step on the embedded model)
         self.param_leaves, self._param_tree = jax.tree.flatten(self.params)
+        # what each bucket's step is lowered for: the params', pools' and carried tokens' shapes and placements
+        # (never the arrays themselves, which the engine's thread donates while another thread compiles)
+        self._param_specs = [_spec(leaf, getattr(leaf, "sharding", None)) for leaf in self.param_leaves]
+        self._pool_specs = self._abstract_pools()
         self._fresh_pools()
         self._no_constraints: dict[int, jax.Array] = {}  # rows -> all padding, on the device once
         step = functools.partial(run_step, self.module, self._param_tree, config, self.num_logprobs)
         options = self.module.ops.compiler_options()
         self._step = jax.jit(step, static_argnums=3, donate_argnums=(1, 2), compiler_options=options, **shardings)
+        self._executables: dict[PlanLayout, jax.stages.Compiled] = {}  # read without the lock by `_executable`
+        self._compiling: dict[PlanLayout, Future] = {}  # a bucket's compile in progress, for others to wait on
+        self._compile_lock = threading.Lock()
+        self.compiles = 0  # executables this runner built (compiled, or read from the persistent cache)
+        # a step is compiling its bucket, or waiting for another thread's compile of it: busy, not stuck
+        self.step_compiling = False
+        self.background: BackgroundCompile | None = None
         # a step with token masks runs in two halves: the host fills the masks while the device runs the first
         # (compiled on first use: a step without masks never needs them)
         forward = functools.partial(run_forward, self.module, self._param_tree, config)
@@ -116,14 +140,21 @@ class Runner:
             return NamedSharding(self.mesh, PartitionSpec())
         return getattr(self.param_leaves[0], "sharding", None)
 
-    def _fresh_pools(self) -> None:
+    def _fresh_carried(self) -> Carried:
         rows, width = max(self.config.row_buckets), 1 + self.config.num_spec_tokens
-        carried = Carried(np.zeros(rows * width, np.int32), np.zeros(rows, np.int32))
-        if self.abstract:  # the pools' shapes, on the devices the params are for; nothing allocated
-            shapes = jax.eval_shape(self._fresh_state)
-            self.state = (_specs(shapes, self._replicated()) if self.mesh is None
-                          else _sharded_specs(shapes, self._state_shardings()))
-            self.carried = _specs(carried, self._replicated())
+        return Carried(np.zeros(rows * width, np.int32), np.zeros(rows, np.int32))
+
+    def _abstract_pools(self) -> tuple[DeviceState, Carried]:
+        """The pools' and carried tokens' shapes, on the devices the params are for; nothing allocated."""
+        shapes = jax.eval_shape(self._fresh_state)
+        state = (_specs(shapes, self._replicated()) if self.mesh is None
+                 else _sharded_specs(shapes, self._state_shardings()))
+        return state, _specs(self._fresh_carried(), self._replicated())
+
+    def _fresh_pools(self) -> None:
+        carried = self._fresh_carried()
+        if self.abstract:
+            self.state, self.carried = self._pool_specs
         elif self.mesh is None:
             self.state, self.carried = self._fresh_state(), jax.device_put(carried)
         else:  # built in place on the mesh, never whole on one device
@@ -137,8 +168,8 @@ class Runner:
         self._send(Message.STEP, plan, buffer, layout, constraints)
         constraints = (self._padding_constraints(plan.row_kind.shape[0]) if constraints is None
                        else self._placed(constraints))
-        self.state, self.carried, out = self._step(self.param_leaves, self.state, self.carried, layout, buffer,
-                                                   constraints)
+        self.state, self.carried, out = self._executable(layout)(self.param_leaves, self.state, self.carried, buffer,
+                                                                 constraints)
         out.tokens.copy_to_host_async()
         return out
 
@@ -214,8 +245,8 @@ class Runner:
                 self.state, forwarded = self._forward(self.param_leaves, self.state, self.carried, layout, buffer)
                 pending = (forwarded, constraints)
                 continue
-            self.state, self.carried, _ = self._step(self.param_leaves, self.state, self.carried, layout, buffer,
-                                                     constraints)
+            self.state, self.carried, _ = self._executable(layout)(self.param_leaves, self.state, self.carried, buffer,
+                                                                   constraints)
             steps += 1
 
     def _layout_of(self, bucket: tuple[int, int, int, int]) -> PlanLayout:
@@ -230,11 +261,73 @@ class Runner:
 
     def compiled_buckets(self) -> int:
         """Executables compiled so far (one per plan layout)."""
-        return self._step._cache_size()
+        return len(self._executables)
+
+    def _executable(self, layout: PlanLayout) -> jax.stages.Compiled:
+        """The step of this layout's bucket, compiled on first use (`_compile_once`)."""
+        executable = self._executables.get(layout)
+        if executable is not None:
+            return executable
+        self.step_compiling = True
+        try:
+            return self._compile_once(layout)[0]
+        finally:
+            self.step_compiling = False
+
+    def _compile_once(self, layout: PlanLayout) -> tuple[jax.stages.Compiled, bool]:
+        """(the bucket's executable, whether this call compiled it): compiled here unless it is compiled already
+        or another thread is compiling it, whose compile this call then waits for. A failed compile is not kept:
+        its waiters raise its error, and the next call tries again."""
+        with self._compile_lock:
+            if layout in self._executables:
+                return self._executables[layout], False
+            pending = self._compiling.get(layout)
+            if pending is None:
+                pending = self._compiling[layout] = Future()
+                pending.set_running_or_notify_cancel()
+                owner = True
+            else:
+                owner = False
+        if not owner:
+            return pending.result(), False
+        try:
+            executable = self._lowered(layout).compile()
+        except BaseException as error:
+            with self._compile_lock:
+                del self._compiling[layout]
+            pending.set_exception(error)
+            raise
+        with self._compile_lock:
+            self._executables[layout] = executable
+            del self._compiling[layout]
+            self.compiles += 1
+        pending.set_result(executable)
+        return executable, True
+
+    def _lowered(self, layout: PlanLayout) -> jax.stages.Lowered:
+        return self._traced(layout).lower()
+
+    def _traced(self, layout: PlanLayout) -> jax.stages.Traced:
+        """The step of this layout traced for the runner's argument specs (no array is read: any thread may)."""
+        buffer = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=self._replicated())
+        constraints = jax.ShapeDtypeStruct((layout.num_rows(), self.constraint_width, 4), np.int32,
+                                           sharding=self._replicated())
+        return self._step.trace(self._param_specs, *self._pool_specs, layout, buffer, constraints)
+
+    def maps_between_compiles(self) -> tuple[tuple[int, int] | None, int] | None:
+        """(`memory_maps()`, executables compiled so far) while no compile runs; None while one does."""
+        with self._compile_lock:
+            return None if self._compiling else (memory_maps(), self.compiles)
+
+    def compile_bucket(self, bucket: tuple[int, int, int, int]) -> bool:
+        """Compile the step of this (T, R, B, L) bucket without running it; False if it was compiled already
+        (or another thread compiled it while this one waited)."""
+        return self._compile_once(self._layout_of(bucket))[1]
 
     def precompile(self, progress: bool = True) -> int:
         """Compile the step for every bucket a plan of this config can have (running an all-padding plan,
-        which changes no real state); returns how many shapes there are."""
+        which changes no real state); returns how many shapes there are. Multi-host: the leader's steps
+        reach every follower, which compiles each bucket as it follows."""
         shapes = plan_shapes(self.config)
         if self.channel is not None and not is_leader():
             return len(shapes)  # a follower compiles as it follows the leader's precompile
@@ -245,18 +338,57 @@ class Runner:
                 check_maps_suffice(before, memory_maps(), len(shapes) - 1)
         return len(shapes)
 
+    def start_background_compile(self) -> BackgroundCompile:
+        """Compile every bucket on a worker thread, smallest first, while this runner steps (`BackgroundCompile`).
+        Every process of a multi-host job starts its own: each compiles the programs the leader's steps will run."""
+        if self.background is None:
+            self.background = BackgroundCompile(self, plan_shapes(self.config))
+            self.background.start()
+        return self.background
+
     def trace(self, bucket: tuple[int, int, int, int]) -> jax.stages.Traced:
-        """The step of this (T, R, B, L) bucket traced as `precompile` compiles it (an all-padding plan, no
-        constraints): its jaxpr (`benchmarks/estimate.py` sums its kernels' cost estimates) and `lower()`."""
-        buffer, layout = pack_plan(padding_plan(self.config, *bucket))
-        constraints = batch_constraints([], bucket[1], self.constraint_width)
-        return self._step.trace(self.param_leaves, self.state, self.carried, layout,
-                                *_specs((buffer, constraints), self._replicated()))
+        """The step of this (T, R, B, L) bucket traced as it is compiled (an all-padding plan, no constraints):
+        its jaxpr (`benchmarks/estimate.py` sums its kernels' cost estimates) and `lower()`."""
+        return self._traced(self._layout_of(bucket))
 
     def lower(self, bucket: tuple[int, int, int, int]) -> jax.stages.Lowered:
         """The step of this bucket lowered for the runner's devices (`trace`); with abstract params it compiles
         for a device this host need not have (`benchmarks/aot_step.py`)."""
         return self.trace(bucket).lower()
+
+
+class BackgroundCompile(threading.Thread):
+    """A daemon thread that compiles `buckets` in order (`Runner.compile_bucket`) while the engine serves: each
+    one that a step has not compiled first. After its first compile that no other overlapped it projects the
+    memory maps of the rest (`check_maps_suffice`) and, past the limit, stops with that error; the buckets left
+    then compile as steps need them. An error ends the walk, is logged, and is kept in `error`."""
+
+    def __init__(self, runner: Runner, buckets: list[tuple[int, int, int, int]]):
+        super().__init__(name=COMPILE_THREAD, daemon=True)
+        self.runner, self.buckets = runner, buckets
+        self.compiled = 0  # buckets this thread compiled (the others a step compiled first)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        start = time.perf_counter()
+        try:
+            checked = False
+            for index, bucket in enumerate(self.buckets):
+                before = self.runner.maps_between_compiles()
+                if not self.runner.compile_bucket(bucket):
+                    continue
+                self.compiled += 1
+                after = self.runner.maps_between_compiles()
+                # the maps one compile took, measured where no other compile overlapped it (a step's may have)
+                if not checked and before and after and after[1] == before[1] + 1:
+                    check_maps_suffice(before[0], after[0], len(self.buckets) - index - 1)
+                    checked = True
+        except BaseException as error:
+            self.error = error
+            log.error("background compile stopped; the buckets left compile when a step needs them: %s", error)
+            return
+        log.info("every bucket compiled: %d of %d on the compile thread, the rest by steps, in %.1f s", self.compiled,
+                 len(self.buckets), time.perf_counter() - start)
 
 
 class PendingStep(NamedTuple):
@@ -267,16 +399,42 @@ class PendingStep(NamedTuple):
 
 
 def step_temporaries(model: Model, config: SchedulerConfig, mesh: Mesh | None = None,
-                     constraint_width: int = DEFAULT_CONSTRAINT_WIDTH) -> int:
-    """Bytes of temporaries XLA allocates for `config`'s largest step (its last bucket), compiled for the
-    devices `model`'s params are on without allocating anything: abstract params and pools of the fewest
-    pages (2 KV blocks, 4 state slots), since no temporary grows with the pools (test_memory.py). The
-    pools get the budget less this (vLLM's profile run measures the same peak by running a step)."""
+                     constraint_width: int = DEFAULT_CONSTRAINT_WIDTH, max_logprobs: int = 20) -> int:
+    """Bytes of temporaries XLA allocates for `config`'s largest step (its last bucket). The step the runner
+    jits is lowered on abstract arguments (`jax.ShapeDtypeStruct`s placed as a runner places its arrays)
+    and compiled, so nothing is allocated and no runner is built before the pools are sized. Its pools have
+    the fewest pages (2 KV blocks, 4 state slots): no temporary grows with the pools, and test_memory.py
+    checks the figure against a runner's own compiled step. The pools get the budget less this (vLLM's
+    profile run measures the same peak by running a step)."""
+    config, cfg = fewest_pages(config), model.config
+    num_logprobs = cfg.vocab_size if max_logprobs == -1 else min(max_logprobs, cfg.vocab_size)
     params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=getattr(p, "sharding", None)),
                           model.params)
-    probe = Model(model.config, params, ops=model.module.ops, block_size=model.block_size)
-    compiled = Runner(probe, fewest_pages(config), mesh=mesh, constraint_width=constraint_width).lower(
-        plan_shapes(config)[-1]).compile()
+    state = jax.eval_shape(functools.partial(
+        init_device_state, cfg, num_blocks=config.num_blocks, block_size=config.block_size,
+        num_slots=config.num_state_slots, ring_entries=ring_rows(config.ring_size, config.num_spec_tokens),
+        history_len=config.max_model_len + config.num_spec_tokens, dtype=model.dtype,
+        snapshots=config.ring_size == 0))
+    module, out_shardings = model.module, {}
+    if mesh is None:  # everything where the params are (`Runner._replicated`)
+        replicated = getattr(jax.tree.leaves(model.params)[0], "sharding", None)
+        state = _specs(state, replicated)
+    else:  # weights and pools sharded by heads, the rest replicated (`Runner.__init__`)
+        module = HybridLM(cfg, dataclasses.replace(model.module.ops, mesh=mesh))
+        replicated = NamedSharding(mesh, PartitionSpec())
+        params = _sharded_specs(params, param_shardings(params, cfg, mesh))
+        pool_shardings = state_shardings(state, cfg, mesh)
+        state = _sharded_specs(state, pool_shardings)
+        out_shardings = dict(out_shardings=(pool_shardings, replicated, replicated))
+    leaves, tree = jax.tree.flatten(params)
+    step = jax.jit(functools.partial(run_step, module, tree, config, num_logprobs), static_argnums=3,
+                   donate_argnums=(1, 2), compiler_options=module.ops.compiler_options(), **out_shardings)
+    bucket = plan_shapes(config)[-1]
+    buffer, layout = pack_plan(padding_plan(config, *bucket))
+    rows, width = max(config.row_buckets), 1 + config.num_spec_tokens
+    carried = Carried(np.zeros(rows * width, np.int32), np.zeros(rows, np.int32))
+    arguments = _specs((carried, buffer, batch_constraints([], bucket[1], constraint_width)), replicated)
+    compiled = step.lower(leaves, state, arguments[0], layout, *arguments[1:]).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -285,9 +443,13 @@ def fewest_pages(config: SchedulerConfig) -> SchedulerConfig:
     return dataclasses.replace(config, num_blocks=2, num_state_slots=4)
 
 
+def _spec(array: Any, sharding: jax.sharding.Sharding | None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=sharding)
+
+
 def _specs(tree: Any, sharding: jax.sharding.Sharding | None) -> Any:
     """`tree`'s arrays as ShapeDtypeStructs, all with `sharding` (None: jit's default device)."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+    return jax.tree.map(lambda a: _spec(a, sharding), tree)
 
 
 def _sharded_specs(tree: Any, shardings: Any) -> Any:

@@ -7,7 +7,7 @@ row in `block_table`.
 
 from pallas_kernels import tuning
 from pallas_kernels.attention import pallas, reference
-from pallas_kernels.common import resolve_backend
+from pallas_kernels.backend import resolve_backend
 
 __all__ = ["ragged_paged_attention"]
 

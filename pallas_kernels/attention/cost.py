@@ -10,7 +10,7 @@ block table.
 
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import cost, nbytes, rows_bytes
+from pallas_kernels.estimates import cost, nbytes, rows_bytes
 
 
 def causal_pairs(num_rows: int, new_tokens: int, total: int) -> int:

@@ -15,7 +15,7 @@ writes q.dtype directly. New K/V are written into the pool by XLA before the ker
 only reads the pools.
 
 Precision: both dots take q.dtype operands (K/V and the probabilities are cast to it; bf16/fp16 run on
-tensor cores at `common.dot_precision`) and accumulate in f32; softmax statistics and the accumulator stay f32.
+tensor cores at `tiles.dot_precision`) and accumulate in f32; softmax statistics and the accumulator stay f32.
 """
 
 import functools
@@ -27,7 +27,8 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.attention import cost
 from pallas_kernels.attention.reference import write_kv
-from pallas_kernels.common import HIGHEST, Dots, check_dot_sides, chunk_table, max_num_chunks, zero_padding
+from pallas_kernels.tiles import HIGHEST, Dots, check_dot_sides
+from pallas_kernels.varlen import chunk_table, max_num_chunks, zero_padding
 
 MIN_BLOCK_M = 16  # Triton's tensor-core dots want M >= 16
 # Programs that fill an H100/H200 (132 SMs) several times over: more splits only add partials to merge.
@@ -65,7 +66,7 @@ def default_num_splits(num_tiles: int, num_kv_heads: int, max_context: int) -> i
 
 
 def _online_softmax_step(carry, scores, values, dots):
-    """FlashAttention-2 §3.1.1 running max / sum update; scores [M, BS] f32 (-inf = masked)."""
+    """FlashAttention-2's online softmax: the running max / sum update; scores [M, BS] f32 (-inf = masked)."""
     running_max, running_sum, acc = carry
     new_max = jnp.maximum(running_max, scores.max(axis=1))
     # A fully masked prefix keeps max = -inf; shift by 0 there so exp(-inf - 0) = 0, not NaN.

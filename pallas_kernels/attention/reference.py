@@ -5,7 +5,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import HIGHEST, chunk_table, gather_chunks, max_num_chunks, real_blocks, scatter_chunks
+from pallas_kernels.tiles import HIGHEST
+from pallas_kernels.varlen import chunk_table, gather_chunks, max_num_chunks, real_blocks, scatter_chunks
 
 
 def write_kv(k, v, k_pool, v_pool, slot_mapping):
@@ -19,7 +20,7 @@ def write_kv(k, v, k_pool, v_pool, slot_mapping):
 
 KEY_SPAN_BLOCKS = 8  # KV blocks per softmax step: [tile x 8 BS] score matmuls, not [1 x BS] ones per token
 MAX_TILE = 64
-BLOCK_QUERIES = 1024  # query tokens per loop trip; blocks of 512 ran the 64-row prefill 2x slower on XLA:CPU
+BLOCK_QUERIES = 1024  # query tokens per loop trip; smaller blocks are slower on XLA:CPU (docs/benchmarks.md)
 
 
 def tokens_per_tile(num_tokens: int, num_rows: int) -> int:
@@ -33,7 +34,7 @@ def tokens_per_tile(num_tokens: int, num_rows: int) -> int:
 
 
 def _online_softmax_step(carry, scores, values):
-    """FlashAttention-2 §3.1.1 running max / sum update. scores [NC, HKV, C * Q, K] (-inf = masked)."""
+    """FlashAttention-2's online softmax: the running max / sum update. scores [NC, HKV, C * Q, K] (-inf = masked)."""
     running_max, running_sum, acc = carry
     new_max = jnp.maximum(running_max, scores.max(-1))
     # A fully masked prefix keeps max = -inf; shift by 0 there so exp(-inf - 0) = 0, not NaN.

@@ -7,11 +7,11 @@ scheduler's window W and the 1 + k entries a verify row with k drafts appends, `
 Slot page: window_pool [S, Kc-1, D], the window (the last Kc-1 pre-conv inputs, oldest first) at the
 slot's checkpoint state S0, and ring [S, 1, E, D], the pre-conv inputs after S0 in the mixer's ring
 order. Like the state, the window is replayed, never rolled back: the window at any committed position
-is S0's window followed by that many ring entries (kernels_models §1.9, §4.5).
+is S0's window followed by that many ring entries (docs/kernels.md#replayssm).
 """
 
 from pallas_kernels import tuning
-from pallas_kernels.common import resolve_backend
+from pallas_kernels.backend import resolve_backend
 from pallas_kernels.conv1d import pallas, reference
 from pallas_kernels.conv1d.reference import causal_conv1d
 

@@ -6,7 +6,7 @@ Bytes: x in, y out, the weights and bias, and each row's window read and final w
 
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import cost, nbytes, rows_bytes
+from pallas_kernels.estimates import cost, nbytes, rows_bytes
 
 
 def conv1d(x, weight, bias, window_pool, num_rows: int, *, activation: bool) -> pl.CostEstimate:

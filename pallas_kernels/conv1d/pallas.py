@@ -16,8 +16,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import check_rows, dividing_tile, int32
 from pallas_kernels.conv1d import cost
+from pallas_kernels.tiles import dividing_tile, int32
+from pallas_kernels.varlen import check_rows
 
 
 def _tile_table(cu_seqlens: jax.Array, num_tokens: int, block_t: int, width: int) -> dict[str, jax.Array]:

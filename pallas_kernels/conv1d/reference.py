@@ -1,8 +1,8 @@
-"""Pure-JAX causal depthwise conv1d over packed varlen tokens (kernels_models §1.3 (c), §2.2 step 2).
+"""Pure-JAX causal depthwise conv1d over packed varlen tokens (docs/kernels.md#causal-conv1d).
 
 Slot pool page: `window_pool[s] = [Kc-1, D]`, the window (oldest first) at the slot's S0, and a ring of the
 pre-conv inputs after it (`ring[s] = [1, E, D]`), from which the window at any committed position is
-rebuilt (§1.9, §4.5 item 2): verify rows never overwrite a window that a later materialize needs.
+rebuilt (docs/kernels.md#replayssm): verify rows never overwrite a window that a later materialize needs.
 """
 
 import functools
@@ -10,16 +10,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import (
-    append_tokens,
-    check_rows,
-    checkpoint_targets,
-    dense_to_rows,
-    gather_slots,
-    rows_to_dense,
-    scatter_slots,
-    token_rows,
-)
+from pallas_kernels.pools import checkpoint_targets, gather_slots, scatter_slots
+from pallas_kernels.rings import append_tokens
+from pallas_kernels.varlen import check_rows, dense_to_rows, rows_to_dense, token_rows
 
 
 def _taps(xx, weight):
@@ -45,7 +38,7 @@ def _conv(x, weight, cu_seqlens, initial_window):
 def _conv_rows(x, weight, cu_seqlens, initial_window, max_row_len):
     """`_conv` for rows of at most `max_row_len` tokens: each row's tokens after its window, [R, Kc-1 + max_row_len,
     D], through the same taps. A decode step's rows take ops over R rows, not a pass over the packed buffer and
-    a scatter of every row's first tokens (about 0.4 ms a layer at 64 rows on XLA:CPU)."""
+    a scatter of every row's first tokens (docs/benchmarks.md#where-a-cpu-decode-step-goes)."""
     rows = rows_to_dense(x.astype(jnp.float32), cu_seqlens, max_row_len)
     xx = jnp.concatenate([initial_window.astype(jnp.float32), rows], axis=1)
     return dense_to_rows(_taps(xx, weight.astype(jnp.float32)), cu_seqlens, x.shape[0])

@@ -8,18 +8,18 @@ window W and the 1 + k entries a verify row with k drafts appends, `scheduler.re
 Slot page (one row of each pool, all fp32):
   state_pool [S, HV, K, V]   checkpoint state S0, K-major
   ring_k     [S, H, E, K]    l2-normalised keys k^ of recent tokens (per qk head, unscaled)
-  ring_u     [S, HV, E, V]   corrected updates u = beta (v - (e^g S)^T k^) (the delta of §1.3 (g))
+  ring_u     [S, HV, E, V]   corrected updates u = beta (v - (e^g S)^T k^) (docs/kernels.md#gated-delta-rule)
   ring_g     [S, HV, E]      log-decays g
 Ring entry j of a row lives at ring index (ring_start + j) % E; the first `committed` entries are live:
 the state after them is S0 advanced by each entry in turn (S <- e^g S + k^ (x) u). Trackers
 (`ring_start`, `committed`, `flush`) are owned by the scheduler and passed per row; the ops never move
-them (DESIGN "ReplaySSM and MTP", kernels_models §4.4).
+them (docs/kernels.md#replayssm).
 """
 
 import jax.numpy as jnp
 
 from pallas_kernels import tuning
-from pallas_kernels.common import resolve_backend
+from pallas_kernels.backend import resolve_backend
 from pallas_kernels.gdn import pallas, pallas_prefill, reference
 from pallas_kernels.gdn.reference import gdn_chunked, gdn_recurrent
 
@@ -38,7 +38,9 @@ def gdn_prefill(
     q, k, v, g, beta, cu_seqlens, state_pool, slots, has_initial, checkpoint_lens=None, checkpoint_slots=None,
     *, scale=None, use_qk_l2norm=True, chunk_size=None, backend=None,
 ):  # fmt: skip
-    """Chunked (WY/UT, §1.4) varlen prefill reading and writing row states in the slot pool.
+    """Chunked (WY/UT form) varlen prefill reading and writing row states in the slot pool.
+
+    The maths: docs/kernels.md#gated-delta-rule.
 
     Args:
       q, k: [T, H, K]; v: [T, HV, V]; g, beta: [T, HV] f32 (see `gdn_recurrent`). q, k, v are f32, bf16
@@ -53,8 +55,7 @@ def gdn_prefill(
       chunk_size: C (for the Pallas kernel a power of two >= 16: whole 16-row blocks); each row is chunked
         from its own first token.
         None: `KERNEL_CHUNK` of the activations' dtype for the kernel (64; f32: 16), 16 for the reference,
-        whose in-chunk solve costs C^2 per token (on 2 CPU cores 16 prefills 1.4x faster than 64, and 128 2.3x
-        slower).
+        whose in-chunk solve costs C^2 per token (docs/benchmarks.md#where-a-cpu-decode-step-goes).
       backend: "reference", "pallas" or "interpret" (the Pallas kernel interpreted on CPU); None: pallas
         on GPU, reference on CPU.
 
@@ -136,7 +137,7 @@ def gdn_verify_snapshots(
     rings: the live state (S0 advanced by `committed` entries) is read whole from the snapshot at
     (ring_start + committed - 1) % E, or S0 when nothing is committed; a flush writes it to S0; the
     state after each of the row's T_r tokens is stored at ring positions committed .. committed + T_r - 1
-    (mod E, from ring_start). Materializing is `pallas_kernels.common.snapshot_materialize`.
+    (mod E, from ring_start). Materializing is `pallas_kernels.rings.snapshot_materialize`.
 
     Returns:
       o: [T, HV, V] in v.dtype, state_pool, snapshots.

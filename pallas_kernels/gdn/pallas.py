@@ -12,9 +12,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import append_tokens, check_rows, dividing_tile, zero_padding
 from pallas_kernels.gdn import cost
 from pallas_kernels.gdn.reference import normalise_qk
+from pallas_kernels.rings import append_tokens
+from pallas_kernels.tiles import dividing_tile
+from pallas_kernels.varlen import check_rows, zero_padding
 
 
 def _fold_ring(ring_k_ref, ring_u_ref, ring_g_ref, slot, i_k, i_h, cols, ring_start, count, state):
@@ -32,7 +34,7 @@ def _fold_ring(ring_k_ref, ring_u_ref, ring_g_ref, slot, i_k, i_h, cols, ring_st
 def _token(t, s, q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, i_k, i_h, cols):
     """Token t on a [K, BV] state tile, its read-out stored to o_ref; returns (state, delta u)."""
     k, q = k_ref[t, i_k], q_ref[t, i_k]
-    s = jnp.exp(g_ref[t, i_h]) * s  # decay before the read (§1.3 (g))
+    s = jnp.exp(g_ref[t, i_h]) * s  # decay before the read (docs/kernels.md#gated-delta-rule)
     delta = beta_ref[t, i_h] * (v_ref[t, i_h, cols].astype(jnp.float32) - jnp.sum(s * k[:, None], axis=0))
     s = s + k[:, None] * delta[None, :]
     o_ref[t, i_h, cols] = jnp.sum(s * q[:, None], axis=0)

@@ -1,4 +1,4 @@
-"""Pallas (Triton backend) chunked GDN prefill (WY/UT form, kernels_models §1.4) on the state pool.
+"""Pallas (Triton backend) chunked GDN prefill (WY/UT form, docs/kernels.md#gated-delta-rule) on the state pool.
 
 Three calls in FLA's `chunk_gated_delta_rule_fwd` shape, over the per-row chunk table (no chunk straddles
 two rows; surplus chunks of the static table exit at once):
@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import Dots, check_dot_sides, check_rows, chunk_table, dividing_tile, int32, zero_padding
 from pallas_kernels.gdn import cost
 from pallas_kernels.gdn.reference import l2norm
 from pallas_kernels.gdn.wy import (
@@ -31,6 +30,8 @@ from pallas_kernels.gdn.wy import (
     scaled_kkt,
     unit_lower_inverse_blocks,
 )
+from pallas_kernels.tiles import Dots, check_dot_sides, dividing_tile, int32
+from pallas_kernels.varlen import check_rows, chunk_table, zero_padding
 
 _f32 = jnp.float32
 

@@ -1,6 +1,6 @@
 """Pure-JAX gated delta rule over packed varlen tokens: token recurrence and chunked WY/UT form.
 
-Maths: kernels_models §1.3 (e)-(g) (recurrence) and §1.4 (chunked, HF `torch_chunk_gated_delta_rule`).
+Maths: docs/kernels.md#gated-delta-rule, the recurrence and the chunked form (HF `torch_chunk_gated_delta_rule`).
 State layout is K-major: one [K, V] fp32 matrix per value head.
 """
 
@@ -9,27 +9,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import (
-    CHUNK_BLOCK,
-    HIGHEST,
-    append_dense_rows,
-    carry_chunks,
-    carry_rows,
+from pallas_kernels.pools import CHUNK_BLOCK, carry_chunks, carry_rows, in_row_blocks, scatter_slots, store_checkpoints
+from pallas_kernels.rings import append_dense_rows, fold_ring, pin, snapshot_at, store_snapshots
+from pallas_kernels.tiles import HIGHEST
+from pallas_kernels.varlen import (
     check_rows,
     checkpoint_counts,
     chunk_table,
     dense_to_rows,
-    fold_ring,
     gather_chunks,
-    in_row_blocks,
-    pin,
     repeat_heads,
     rows_to_dense,
     scatter_chunks,
-    scatter_slots,
-    snapshot_at,
-    store_checkpoints,
-    store_snapshots,
     token_rows,
 )
 
@@ -57,13 +48,13 @@ def decay(state, g):
 def advance(state, g, k, u):
     """The decode ops' one state update, decay and rank-1 write: e^g state + k (x) u; g [HV], k [HV, K], u [HV, V].
 
-    One fused pass over the state, pinned whole (see `pallas_kernels.common.pin`): a 16-row W = 1 verify took 746 us
-    on XLA:CPU against 866 with separate decay and write passes."""
+    One fused pass over the state, pinned whole (see `pallas_kernels.rings.pin`): separate decay and write passes
+    would stream the states from memory twice."""
     return pin(pin(jnp.exp(g))[:, None, None] * state + k[:, :, None] * u[:, None, :])
 
 
 def recurrent_step(state, q, k, v, g, beta):
-    """One token for all value heads (§1.3 (g)): decay, read, delta, write, read-out.
+    """One token for all value heads: decay, read, delta, write, read-out.
 
     state [HV, K, V]; q, k [HV, K]; v [HV, V]; g, beta [HV]. Returns (state, o [HV, V], delta [HV, V]).
     Both reads use the state before the token: with S' = e^g S + k delta^T, the memory is e^g S^T k and the
@@ -127,7 +118,7 @@ def unit_lower_inverse(a):
 
     Row i of the inverse is e_i - a_i X, where X's rows j < i are already final; a_ij = 0 for j >= i. Row i is
     sliced out and written back (the Pallas kernel's `wy._invert_diagonal` masks instead: no gathers in a
-    Triton kernel; masking here took 80 chunks of 8 heads 2.5 ms against 0.63 on XLA:CPU, the same bits).
+    Triton kernel; masking here gives the same bits, several times slower on XLA:CPU).
     (Squaring-based products of (I + a^(2^j)) cancel catastrophically when keys are similar.)
     """
     eye = jnp.eye(a.shape[-1], dtype=jnp.float32)
@@ -140,7 +131,7 @@ def unit_lower_inverse(a):
 
 
 def _wy_transform(k, v, beta, cum, gamma):
-    """U = (I + A)^-1 (beta V), W = (I + A)^-1 (beta e^G K); A = StrictLower(beta K K^T . Gamma), §1.4."""
+    """U = (I + A)^-1 (beta V), W = (I + A)^-1 (beta e^G K); A = StrictLower(beta K K^T . Gamma)."""
     size = k.shape[-2]
     strict = jnp.tril(jnp.ones((size, size), bool), -1)
     kk = jnp.einsum("nhik,nhjk->nhij", k, k, precision=HIGHEST)
@@ -194,7 +185,7 @@ def _chunked(qn, kn, v, g, beta, cu_seqlens, pool, slots, has_initial, chunk_siz
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "chunk_size"))
 def gdn_chunked(q, k, v, g, beta, cu_seqlens, initial_state, *, scale=None, use_qk_l2norm=True, chunk_size=64):
-    """Gated delta rule in chunked WY/UT form (§1.4); same arguments and results as `gdn_recurrent`.
+    """Gated delta rule in chunked WY/UT form; same arguments and results as `gdn_recurrent`.
 
     Each row is chunked from its own first token (chunks never straddle rows), so a row's result does
     not depend on what else is packed with it.

@@ -1,4 +1,4 @@
-"""The intra-chunk WY/UT maths of GDN prefill (kernels_models §1.4 steps 1-3) on 16-row blocks.
+"""The intra-chunk WY/UT maths of GDN prefill (docs/kernels.md#gated-delta-rule, steps 1-3) on 16-row blocks.
 
 A chunk of C tokens is handled as n = C / 16 row blocks, each an in-register [16, ...] tile: the Triton
 backend cannot index rows of a tile, and 16 is the smallest dot it accepts. A lower triangular [C, C]
@@ -11,7 +11,7 @@ ordinary arrays.
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import Dots
+from pallas_kernels.tiles import Dots
 
 BLOCK = 16
 _f32 = jnp.float32
@@ -42,7 +42,7 @@ def _tile_iota():
 
 
 def scaled_kkt(k_blocks, beta_blocks, cum_blocks, dots: Dots):
-    """Blocks of A = StrictLower(diag(beta) (K K^T) . Gamma), Gamma_ij = exp(G_i - G_j) (§1.4 step 1), f32.
+    """Blocks of A = StrictLower(diag(beta) (K K^T) . Gamma), Gamma_ij = exp(G_i - G_j) (step 1), f32.
 
     k_blocks: [16, K] (normalised keys, dotted by `dots`: in the activation dtype, as FLA casts w, h, v_new and
     A^-1 to the input dtype before each `tl.dot`); beta_blocks, cum_blocks: [16] f32.

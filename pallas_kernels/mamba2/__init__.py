@@ -15,13 +15,13 @@ Slot page (one row of each pool, all fp32):
   ring_B     [S, G, E, N]    B per group
 Ring entry j of a row lives at ring index (ring_start + j) % E; the first `committed` entries are live:
 the state after them is S0 advanced by each entry in turn (h <- e^{dt A} h + dt x (x) B). Trackers are
-owned by the scheduler and passed per row (kernels_models §4.3, FlashInfer `checkpointing_ssu`).
+owned by the scheduler and passed per row (docs/kernels.md#replayssm).
 """
 
 import jax.numpy as jnp
 
 from pallas_kernels import tuning
-from pallas_kernels.common import resolve_backend
+from pallas_kernels.backend import resolve_backend
 from pallas_kernels.mamba2 import pallas, pallas_prefill, reference
 from pallas_kernels.mamba2.reference import ssd_chunked, ssd_recurrent
 
@@ -35,7 +35,7 @@ def ssd_prefill(
     x, dt, A, B, C, D, cu_seqlens, state_pool, slots, has_initial, checkpoint_lens=None, checkpoint_slots=None,
     *, chunk_size=128, backend=None,
 ):  # fmt: skip
-    """Chunked SSD (§2.3) varlen prefill reading and writing row states in the slot pool.
+    """Chunked SSD (docs/kernels.md#mamba2-ssd) varlen prefill reading and writing row states in the slot pool.
 
     Args:
       x: [T, NH, P]; dt: [T, NH] f32 processed; A, D: [NH] f32; B, C: [T, G, N] in x.dtype (see
@@ -110,7 +110,7 @@ def ssd_verify_snapshots(
 
     The same trackers and results as `ssd_verify` with `snapshots` [S, NH, E, P, N] f32 in place of the
     rings (contract: `pallas_kernels.gdn.gdn_verify_snapshots`). Materializing is
-    `pallas_kernels.common.snapshot_materialize`.
+    `pallas_kernels.rings.snapshot_materialize`.
 
     Returns:
       y: [T, NH, P] in x.dtype, state_pool, snapshots.

@@ -11,7 +11,7 @@ touches; per bucket, as if every token and row were real.
 
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import cost, folded_entries, nbytes, rows_bytes
+from pallas_kernels.estimates import cost, folded_entries, nbytes, rows_bytes
 
 _F32 = 4
 

@@ -4,7 +4,8 @@ Grid: (row, head, P tile). Each program owns one [block_p, N] fp32 tile of one h
 in registers while it walks its row's tokens, so no two programs share a state tile. Metadata
 (cu_seqlens, slots, trackers) is int32 read as scalars; ring entries are read one scalar-indexed row at
 a time. The state pool is updated in place through `input_output_aliases`; ring appends are a scatter in
-XLA after the kernel (DESIGN "Kernels": no in-kernel scatter; B entries are shared by a group's heads).
+XLA after the kernel (no in-kernel scatter, docs/kernels.md#triton-backend-rules; B entries are shared by a
+group's heads).
 The token steps have no dots: x, B, C of any float dtype are upcast as loaded and y is stored in x.dtype.
 """
 
@@ -15,8 +16,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import append_tokens, check_rows, dividing_tile, int32, zero_padding
 from pallas_kernels.mamba2 import cost
+from pallas_kernels.rings import append_tokens
+from pallas_kernels.tiles import dividing_tile, int32
+from pallas_kernels.varlen import check_rows, zero_padding
 
 _f32 = jnp.float32
 

@@ -1,15 +1,15 @@
-"""Pallas (Triton backend) Mamba2 SSD chunked varlen prefill (kernels_models §2.3) on the state pool.
+"""Pallas (Triton backend) Mamba2 SSD chunked varlen prefill (docs/kernels.md#mamba2-ssd) on the state pool.
 
 Two kernels, as mamba_ssm splits `_bmm_chunk_fwd` from `_chunk_scan_fwd`:
 1. `_chunk_cb_kernel`, grid (chunk, group): CB = C Bᵀ [BT, BT] f32 of every chunk of BT tokens, computed
-   once per group into a scratch output [NC, G, BT, BT] (chunks from `common.chunk_table`).
+   once per group into a scratch output [NC, G, BT, BT] (chunks from `varlen.chunk_table`).
 2. `_ssd_prefill_kernel`, grid (row, head, P tile) as in `pallas_kernels.mamba2.pallas`: each program walks
    its row chunk by chunk with its [block_p, N] fp32 state tile in registers and reads the chunk's CB, so
    the heads of a group and the P tiles of a head share one C Bᵀ. With `state_parts` > 1, that many programs
    split each state tile by its N columns; each writes the part of y its columns give, and the launcher sums
    the parts (f32 at N 256, where one program's registers spill).
 Tokens are read unpadded: partial chunks are masked loads and stores. Dots take operands in the activation
-dtype (`common.Dots`) and accumulate in f32.
+dtype (`tiles.Dots`) and accumulate in f32.
 """
 
 import functools
@@ -19,9 +19,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import HIGHEST, Dots, check_rows, chunk_table, int32, zero_padding
 from pallas_kernels.mamba2 import cost
 from pallas_kernels.mamba2.pallas import check_tiles, pool_call, program_tile
+from pallas_kernels.tiles import HIGHEST, Dots, int32
+from pallas_kernels.varlen import check_rows, chunk_table, zero_padding
 
 _f32 = jnp.float32
 
@@ -94,7 +95,7 @@ def _chunk_output(state, cb, x, dt, a, c, dots, first_part):
 
 
 def _state_after(state, x, dt, b, cum, count, dots):
-    """State after the chunk's first `count` (>= 1) tokens (§2.3 steps 2-3 truncated at count):
+    """State after the chunk's first `count` (>= 1) tokens (the chunk's end state, truncated at count):
     e^{cum[count-1]} state + sum_{s < count} e^{cum[count-1] - cum_s} dt_s x_s (x) b_s."""
     positions = jnp.arange(cum.shape[0])
     taken = positions < count

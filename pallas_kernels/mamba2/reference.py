@@ -1,7 +1,7 @@
 """Pure-JAX Mamba2 SSD over packed varlen tokens: token recurrence, chunked SSD form, ReplaySSM.
 
-Maths: kernels_models §2.2 step 4 (recurrence), §2.3 (chunked, HF `Mamba2Mixer.torch_forward`) and
-§4.3 (ReplaySSM ring). State layout: one [P, N] fp32 matrix per head.
+Maths: docs/kernels.md#mamba2-ssd (the recurrence, and the chunked form of HF `Mamba2Mixer.torch_forward`) and
+docs/kernels.md#replayssm (the ring). State layout: one [P, N] fp32 matrix per head.
 """
 
 import functools
@@ -9,27 +9,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import (
-    CHUNK_BLOCK,
-    HIGHEST,
-    append_dense_rows,
-    carry_chunks,
-    carry_rows,
+from pallas_kernels.pools import CHUNK_BLOCK, carry_chunks, carry_rows, in_row_blocks, scatter_slots, store_checkpoints
+from pallas_kernels.rings import append_dense_rows, fold_ring, pin, snapshot_at, store_snapshots
+from pallas_kernels.tiles import HIGHEST
+from pallas_kernels.varlen import (
     check_rows,
     checkpoint_counts,
     chunk_table,
     dense_to_rows,
-    fold_ring,
     gather_chunks,
-    in_row_blocks,
-    pin,
     repeat_heads,
     rows_to_dense,
     scatter_chunks,
-    scatter_slots,
-    snapshot_at,
-    store_checkpoints,
-    store_snapshots,
     token_rows,
     zero_padding,
 )
@@ -37,7 +28,7 @@ from pallas_kernels.common import (
 
 def advance(state, x, dt, a, b):
     """h <- exp(dt a) h + (dt x) (x) b. state [NH, P, N]; x [NH, P]; dt, a [NH]; b [NH, N]. One fused pass over
-    the state, pinned whole (see `pallas_kernels.common.pin`)."""
+    the state, pinned whole (see `pallas_kernels.rings.pin`)."""
     return pin(pin(jnp.exp(dt * a))[:, None, None] * state + pin(dt[:, None] * x)[:, :, None] * b[:, None, :])
 
 
@@ -93,7 +84,7 @@ def ssd_recurrent(x, dt, A, B, C, D, cu_seqlens, initial_state):
 
 
 def _state_at(state, xdt, b, cum, count):
-    """State after the first `count` (>= 1) tokens of a chunk (§2.3 step 2-3 truncated at count).
+    """State after the first `count` (>= 1) tokens of a chunk (the chunk's end state, truncated at count).
 
     state [NH, P, N]; xdt [NH, C, P] (= x dt); b [NH, C, N]; cum [NH, C] (cumsum of dt A).
     """
@@ -146,7 +137,7 @@ def _expand_groups(B, C, num_heads):
 
 @functools.partial(jax.jit, static_argnames=("chunk_size",))
 def ssd_chunked(x, dt, A, B, C, D, cu_seqlens, initial_state, *, chunk_size=128):
-    """Mamba2 in chunked SSD form (§2.3); same arguments and results as `ssd_recurrent`.
+    """Mamba2 in chunked SSD form; same arguments and results as `ssd_recurrent`.
 
     Each row is chunked from its own first token (chunks never straddle rows).
     """

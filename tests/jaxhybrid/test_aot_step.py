@@ -11,7 +11,8 @@ import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from jaxhybrid.engine_args import EngineArgs
+from jaxhybrid.engine.args import EngineArgs
+from jaxhybrid.engine.builder import scheduler_config
 from jaxhybrid.models.hf_config import load_config
 from jaxhybrid.models.model import Model, abstract_params, init_params
 from jaxhybrid.models.tensor_parallel import AXIS, param_shardings
@@ -30,7 +31,7 @@ def tiny(name: str):
 def small_config(cfg, **overrides):
     args = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, num_blocks=32, num_state_slots=12,
                 token_buckets=(8, 16), row_buckets=(2, 4))
-    return EngineArgs(**{**args, **overrides}).scheduler_config(cfg, lambda: 0, dtype=jnp.dtype(jnp.bfloat16))
+    return scheduler_config(EngineArgs(**{**args, **overrides}), cfg, lambda: 0, dtype=jnp.dtype(jnp.bfloat16))
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -92,8 +93,9 @@ def test_tensor_parallel_pools_are_sized_by_one_devices_share():
     budget = pool_budget(0.9, 2**26, one_device)
     whole = size_pools(cfg, budget, block_size=16, ring_size=1, num_spec_tokens=0, max_num_seqs=256,
                        max_model_len=256)
-    sizes = {tp: EngineArgs(tensor_parallel_size=tp, max_model_len=256, max_num_seqs=256, backend="reference")
-             .scheduler_config(cfg, lambda: budget, dtype=jnp.dtype(jnp.bfloat16)) for tp in (1, 2)}
+    sizes = {tp: scheduler_config(EngineArgs(tensor_parallel_size=tp, max_model_len=256, max_num_seqs=256,
+                                             backend="reference"), cfg, lambda: budget, dtype=jnp.dtype(jnp.bfloat16))
+             for tp in (1, 2)}
     assert (sizes[1].num_blocks, sizes[1].num_state_slots) == (whole.num_blocks, whole.num_state_slots)
     # half a block and half a slot per device: twice of both fit the same device budget
     assert sizes[2].num_blocks >= 2 * sizes[1].num_blocks - 2

@@ -46,13 +46,14 @@ def _workloads(vocab_size: int) -> dict[str, list[list[tuple[str, Prompt]]]]:
 
 def _check_engine(engine: Engine, model) -> dict[str, int]:
     """Run every workload; returns what happened on the way (hits, pairings, preemptions)."""
-    seen = {}
+    seen = {"request preemptions": 0}
     for workload, waves in _workloads(model.config.vocab_size).items():
         before = dataclasses.replace(engine.stats)
         for w, wave in enumerate(waves):
             for name, prompt in wave:
                 engine.add_request(f"{workload}/{w}/{name}", prompt, GREEDY)
             outputs = run_to_completion(engine)
+            seen["request preemptions"] += sum(output.metrics.num_preemptions for output in outputs.values())
             for name, prompt in wave:
                 got = outputs[f"{workload}/{w}/{name}"].outputs[0].token_ids
                 assert got == greedy_continuation(model, prompt, NEW_TOKENS), f"{workload}: {name}"
@@ -92,6 +93,7 @@ def test_greedy_output_equals_the_full_forward(family, cache_mode, k, ring_size,
     seen = _check_engine(engine, model)
     # the settings exercise what they claim to
     assert (seen["preemptions"] > 0) == (num_blocks < 100), seen
+    assert seen["request preemptions"] == seen["preemptions"], seen  # each preemption, on its request's metrics
     if cache_mode == "align":
         assert seen["markers staggered hits"] >= 2, seen  # b and c start from a's checkpoint
         assert (seen["markers paired pairs"] > 0) == (budget >= 64), seen  # a 16-token budget cannot pair

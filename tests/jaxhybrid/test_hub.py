@@ -14,8 +14,9 @@ from huggingface_hub import constants, errors
 
 import jaxhybrid
 from jaxhybrid import LLM, SamplingParams
+from jaxhybrid.engine.builder import build_engine
 from jaxhybrid.engine.tokenizer import Tokenizer
-from jaxhybrid.engine_args import build_llm
+from jaxhybrid.flags import from_namespace
 from jaxhybrid.models.weights import DEFAULT_MODEL_DIR, CheckpointError, resolve_model
 from jaxhybrid.serve.__main__ import parse_args
 
@@ -62,16 +63,16 @@ def test_a_hub_id_loads_from_the_cache_and_generates_what_the_local_path_does(of
 
 
 def test_the_cli_takes_a_hub_id_with_revision_and_download_dir(tmp_path, monkeypatch):
-    """`python -m jaxhybrid.serve --model org/name --revision v1 --download-dir D` builds its LLM from D."""
+    """`python -m jaxhybrid.serve --model org/name --revision v1 --download-dir D` builds its engine from D."""
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     fake_hub_cache(tmp_path, REPO, {"v1": V1})
     args = parse_args(["--model", REPO, "--revision", "v1", "--download-dir", str(tmp_path), "--no-precompile",
                        "--compilation-cache-dir", "", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
                        "--max-model-len", "192", "--num-blocks", "96", "--num-state-slots", "24",
                        "--token-buckets", "16", "64", "--row-buckets", "4", "--mamba-block-size", "16"])
-    llm = build_llm(args)
-    assert llm.model.hf_config == jaxhybrid.load_model().hf_config
-    assert llm.tokenizer.encode("x = 1") == Tokenizer.from_pretrained(DEFAULT_MODEL_DIR).encode("x = 1")
+    built = build_engine(from_namespace(args))
+    assert built.model.hf_config == jaxhybrid.load_model().hf_config
+    assert built.tokenizer.encode("x = 1") == Tokenizer.from_pretrained(DEFAULT_MODEL_DIR).encode("x = 1")
 
 
 def test_revisions_resolve_to_their_snapshots(offline_cache):

@@ -7,10 +7,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxhybrid.engine import builder
+from jaxhybrid.engine.args import CLI_DEFAULTS, EngineArgs
+from jaxhybrid.engine.builder import build_engine, scheduler_config
 from jaxhybrid.engine.requests import Prompt
-from jaxhybrid.engine_args import CLI_DEFAULTS, EngineArgs
 from jaxhybrid.models.pools import RecurrentPool, init_device_state, layer_pools
 from jaxhybrid.sample.params import SamplingParams
+from jaxhybrid.worker import runner as runner_module
 from jaxhybrid.worker.buckets import plan_shapes
 from jaxhybrid.worker.memory import memory_maps, size_pools, slot_bytes
 from jaxhybrid.worker.runner import Runner, step_temporaries
@@ -47,16 +50,18 @@ def test_pools_fill_the_budget_and_make_a_valid_scheduler_config():
     assert "KV blocks" in sizes.describe()
 
 
-def test_pools_leave_the_largest_step_room_for_its_temporaries():
+def test_pools_leave_the_largest_step_room_for_its_temporaries(monkeypatch):
     model = fixture_model("qwen3_next")
     args, budget, measured = EngineArgs(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256), 64 << 20, []
 
     def temporaries(config: SchedulerConfig) -> int:
-        measured.append(step_temporaries(model, config))
+        with monkeypatch.context() as no_runner:  # measured on abstract arguments, before any runner exists
+            no_runner.setattr(runner_module, "Runner", None)
+            measured.append(step_temporaries(model, config))
         return measured[-1]
 
-    plain = args.scheduler_config(model.config, lambda: budget, dtype=model.dtype)
-    config = args.scheduler_config(model.config, lambda: budget, dtype=model.dtype, step_temporaries=temporaries)
+    plain = scheduler_config(args, model.config, lambda: budget, dtype=model.dtype)
+    config = scheduler_config(args, model.config, lambda: budget, dtype=model.dtype, step_temporaries=temporaries)
     runner = Runner(model, config)
     compiled = runner.lower(plan_shapes(config)[-1]).compile().memory_analysis()
     # measured over pools of the fewest pages, the same as over the real pools: none grows with the pools
@@ -66,16 +71,16 @@ def test_pools_leave_the_largest_step_room_for_its_temporaries():
     assert config.num_blocks < plain.num_blocks
 
 
-def test_an_llm_on_a_device_with_a_memory_limit_keeps_the_step_s_temporaries_out_of_its_pools(monkeypatch):
-    from jaxhybrid import llm
-
-    small = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, skip_tokenizer_init=True)
-    monkeypatch.setattr(llm, "device_memory_budget", lambda utilization, weights: 32 << 20)
-    plain = llm.LLM(HF_FIXTURES / "nemotron_h", **small).config
+def test_an_engine_on_a_device_with_a_memory_limit_keeps_the_step_s_temporaries_out_of_its_pools(monkeypatch):
+    args = EngineArgs(HF_FIXTURES / "nemotron_h", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+                      skip_tokenizer_init=True)
+    monkeypatch.setattr(builder, "device_memory_budget", lambda utilization, weights: 32 << 20)
+    plain = build_engine(args).config
     measured = []
-    monkeypatch.setattr(llm, "reports_memory", lambda: True)
-    monkeypatch.setattr(llm, "step_temporaries", lambda *args: measured.append(step_temporaries(*args)) or measured[-1])
-    limited = llm.LLM(HF_FIXTURES / "nemotron_h", **small).config
+    monkeypatch.setattr(builder, "reports_memory", lambda: True)
+    monkeypatch.setattr(builder, "step_temporaries",
+                        lambda *args: measured.append(step_temporaries(*args)) or measured[-1])
+    limited = build_engine(args).config
     assert len(measured) == 1 and measured[0] > 0
     assert limited.num_blocks < plain.num_blocks
 
@@ -97,7 +102,7 @@ def test_default_ladders_keep_two_token_steps_and_the_server_s_compiled_steps_fe
     so that the server's defaults at 64 sequences compile few enough steps to fit Linux's memory-map limit."""
     cfg = fixture_model("qwen3_next").config
     args = dataclasses.replace(EngineArgs(max_num_seqs=64, num_blocks=64, num_state_slots=160), **CLI_DEFAULTS)
-    config = args.scheduler_config(cfg, lambda: 0, dtype=jnp.dtype(jnp.bfloat16))
+    config = scheduler_config(args, cfg, lambda: 0, dtype=jnp.dtype(jnp.bfloat16))
     assert config.token_buckets[0] == 2 and config.row_buckets[0] == config.logits_buckets[0] == 8
     assert len(plan_shapes(config)) <= 42  # ~1,400 maps each for an 8-layer model, against 65,530
 

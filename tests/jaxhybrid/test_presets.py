@@ -66,7 +66,7 @@ def test_qwen3_next_80b_layout_and_state():
     g = cfg.gdn
     assert (g.num_k_heads, g.num_v_heads, g.head_k_dim, g.head_v_dim, g.conv_kernel) == (16, 32, 128, 128, 4)
     assert g.conv_dim == 8192
-    # kernels_models.md 1.7: 36 GDN layers x (32*128*128 fp32 state + 3*8192 conv values at 2 bytes).
+    # 36 GDN layers x (32*128*128 fp32 state + 3*8192 conv values at 2 bytes).
     assert cfg.state_bytes_per_slot() == 36 * (32 * 128 * 128 * 4 + 3 * 8192 * 2) == 77_266_944
     # 12 attention layers x K and V x 2 kv heads x 256 x 2 bytes = 24 KiB per token.
     assert cfg.kv_bytes_per_token(2) == 12 * 2 * 2 * 256 * 2 == 24 * 1024

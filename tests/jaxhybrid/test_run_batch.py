@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 
 import numpy as np
 import pytest
 
+from jaxhybrid.batch_job import BatchJob
 from jaxhybrid.llm import LLM
-from jaxhybrid.run_batch import BatchJob, main
+from jaxhybrid.run_batch import _input_lines, count_lines, main
 from tests.tolerances import assert_close
 
 PROMPT = "import os\nimport sys\n\n\ndef read_config(path):\n    with open(path) as f:\n"
@@ -43,7 +45,7 @@ def assert_logprobs_close(llm: LLM, actual, tokens: list[int], start: int) -> No
 
 
 def run_lines(llm: LLM, lines: list, reuse: bool = True) -> list[dict]:
-    job = BatchJob(llm, model_name="m", reuse=reuse)
+    job = BatchJob(llm.built, model_name="m", reuse=reuse)
     raw = [line if isinstance(line, str) else json.dumps(line) for line in lines]
     return [json.loads(text) for texts, _ in job.run(iter(enumerate(raw)), window=3) for text in texts]
 
@@ -140,7 +142,7 @@ def job_flags(directory) -> list[str]:
                "body": {"prompt": f"def f{i}(x):", "max_tokens": 4, "temperature": 1.0}} for i in range(4)]
     source = directory / "in.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return ["--input", str(source), "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len",
+    return ["-i", str(source), "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len",
             "192", "--num-blocks", "96", "--num-state-slots", "24", "--token-buckets", "16", "64", "--row-buckets",
             "4", "--no-precompile", "--compilation-cache-dir", "", "--window", "3", "--seed", "5"]
 
@@ -150,18 +152,30 @@ def whole_job(tmp_path_factory) -> tuple[list[str], bytes]:
     """The job's flags and the output file of an uninterrupted one-process run."""
     directory = tmp_path_factory.mktemp("job")
     flags, whole = job_flags(directory), directory / "whole.jsonl"
-    summary = main([*flags, "--output", str(whole)])
+    summary = main([*flags, "--output-file", str(whole)])
     assert summary.lines == 10 and summary.errors == 0 and summary.checkpoint_hit_rate > 0
     return flags, whole.read_bytes()
 
 
-def test_a_killed_job_resumes_to_the_same_bytes(whole_job, tmp_path):
+def test_a_killed_job_resumes_to_the_same_bytes(whole_job, tmp_path, capsys, caplog):
     flags, whole = whole_job
     killed = tmp_path / "killed.jsonl"
     kept = whole.splitlines(keepends=True)
     killed.write_bytes(b"".join(kept[:4]) + kept[4][:17])  # four whole lines (one window and one more), a torn one
-    main([*flags, "--output", str(killed), "--resume"])
+    caplog.set_level(logging.INFO, "jaxhybrid.run_batch")
+    main([*flags, "--output-file", str(killed), "--resume"])
     assert killed.read_bytes() == whole
+    # the bar counts the input's lines before the job starts (total, percentage, ETA), from the resumed line on
+    bar = capsys.readouterr().err
+    assert re.search(r"lines:\s+30%\|.*\| 3/10 ", bar) and re.search(r"lines: 100%\|.*\| 10/10 ", bar), bar
+    (summary,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("done: ")]
+    assert summary.startswith("done: 7 lines (resumed after 3 lines), 0 errors, "), summary
+
+
+def test_the_bar_total_counts_the_lines_the_job_reads(tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(b'{"a": 1}\n\n  \n{"b": 2}\r\n{"c": 3}')  # blank lines are skipped; the last lacks its newline
+    assert count_lines(source) == 3 == len(list(_input_lines(source)))
 
 
 @pytest.mark.timeout(900)  # two actors each load and compile an engine: minutes on a loaded machine; a hang bound
@@ -172,7 +186,7 @@ def test_ray_data_replicas_write_the_same_bytes(whole_job, tmp_path):
     flags, whole = whole_job
     output = tmp_path / "ray.jsonl"
     try:
-        summary = main([*flags, "--output", str(output), "--ray", "--num-replicas", "2"])
+        summary = main([*flags, "--output-file", str(output), "--ray", "--num-replicas", "2"])
     finally:
         ray.shutdown()
     assert output.read_bytes() == whole

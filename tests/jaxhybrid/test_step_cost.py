@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks.estimate import checkpoint_steps, expected_tokens, step_seconds
-from jaxhybrid.engine_args import EngineArgs
+from jaxhybrid.engine.args import EngineArgs
+from jaxhybrid.engine.builder import scheduler_config
 from jaxhybrid.models.config import ATTENTION, GDN
 from jaxhybrid.models.hf_config import load_config
 from jaxhybrid.models.model import Model, abstract_params
@@ -31,7 +32,7 @@ def test_a_decode_steps_kernels_are_each_layers_decode_kernels():
     cfg = load_config(PRESETS / "tiny_qwen3_next.yaml")  # 3 GDN layers, 1 attention layer
     args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, num_blocks=32, num_state_slots=12,
                       token_buckets=(8, 16), row_buckets=(2, 4), backend="interpret")
-    config = args.scheduler_config(cfg, lambda: 0, dtype=jnp.dtype(jnp.bfloat16))
+    config = scheduler_config(args, cfg, lambda: 0, dtype=jnp.dtype(jnp.bfloat16))
     model = Model(cfg, abstract_params(cfg, jnp.bfloat16), ops=ModelOps(backend="interpret"),
                   block_size=config.block_size)
     tokens, rows, blocks = 8, 4, config.block_table_buckets[-1]

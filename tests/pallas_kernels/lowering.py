@@ -1,4 +1,4 @@
-"""Lower a function for CUDA on the CPU machine (jax_pallas_notes §1.7) and return the StableHLO text."""
+"""Lower a function for CUDA on the CPU machine (docs/kernels.md#tests) and return the StableHLO text."""
 
 import jax
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from lowering import TRITON_CALL, lower_for_cuda
 
 from pallas_kernels.attention import pallas, ragged_paged_attention, reference
-from pallas_kernels.common import max_num_chunks
+from pallas_kernels.varlen import max_num_chunks
 from tests.tolerances import BFloat16
 
 ON_GPU = jax.default_backend() == "gpu"

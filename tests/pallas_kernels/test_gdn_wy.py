@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.common import Dots
 from pallas_kernels.gdn.reference import unit_lower_inverse
 from pallas_kernels.gdn.wy import BLOCK, block_cumsum, scaled_kkt, unit_lower_inverse_blocks
+from pallas_kernels.tiles import Dots
 from tests.tolerances import Float32
 
 K = 16
@@ -28,7 +28,7 @@ def _chunk(size, seed, near_identical_keys=False):
 
 
 def _dense_a(k, beta, g):
-    """A = StrictLower(diag(beta) K K^T . Gamma) in float64 (§1.4 step 1)."""
+    """A = StrictLower(diag(beta) K K^T . Gamma) in float64 (docs/kernels.md#gated-delta-rule, step 1)."""
     cum = np.cumsum(g.astype(np.float64))
     gamma = np.exp(np.tril(cum[:, None] - cum[None, :]))
     return np.tril(beta[:, None] * (k.astype(np.float64) @ k.T) * gamma, -1)

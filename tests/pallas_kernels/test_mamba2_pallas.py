@@ -17,8 +17,9 @@ from ssd_cases import CHUNK, T_PREFILL, T_VERIFY, A, D, G, N, R, S, W, prefill_c
 from ssd_replay_op import SsdReplay
 from varlen_inputs import cu_seqlens, row_lengths
 
-from pallas_kernels.common import Dots, chunk_table
 from pallas_kernels.mamba2 import pallas, pallas_prefill, reference
+from pallas_kernels.tiles import Dots
+from pallas_kernels.varlen import chunk_table
 from tests.tolerances import BFloat16, Float32
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -112,7 +113,8 @@ def test_decode_interpret_matches_reference(lengths, seed, dtype):
 
 
 def test_width_one_verify_is_bit_identical_to_decode():
-    """DESIGN: ReplaySSM with W = 1 must reproduce plain decoding exactly; both kernels share one token step."""
+    """ReplaySSM with W = 1 must reproduce plain decoding exactly (docs/kernels.md#replayssm); both kernels share
+    one token step."""
     rng = np.random.default_rng(3)
     pools = random_pools(rng)
     pools[1:] = [p[..., :1, :] if p.ndim == 4 else p[..., :1] for p in pools[1:]]  # W = 1

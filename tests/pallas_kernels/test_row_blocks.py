@@ -5,7 +5,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.common import ROW_BLOCK_BYTES, in_row_blocks, scatter_slots
+from pallas_kernels.pools import ROW_BLOCK_BYTES, in_row_blocks, scatter_slots
 
 
 def _rows(pool, slots, x):

@@ -16,11 +16,11 @@ from ssd_replay_op import A as SSD_A
 from ssd_replay_op import D as SSD_D
 from ssd_replay_op import SsdReplay
 
-from pallas_kernels.common import snapshot_materialize
 from pallas_kernels.gdn import gdn_verify_snapshots
 from pallas_kernels.gdn import pallas as gdn_pallas
 from pallas_kernels.mamba2 import pallas as ssd_pallas
 from pallas_kernels.mamba2 import ssd_verify_snapshots
+from pallas_kernels.rings import snapshot_materialize
 
 
 class Snapshots:

@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from pallas_kernels import tuning
-from pallas_kernels.common import check_dot_sides, dividing_tile
 from pallas_kernels.mamba2 import pallas_prefill, ssd_prefill
+from pallas_kernels.tiles import check_dot_sides, dividing_tile
 
 DEFAULTS = dict(block_v=64, num_warps=4)
 

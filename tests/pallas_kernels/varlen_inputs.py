@@ -3,7 +3,7 @@
 import numpy as np
 from hypothesis import strategies as st
 
-from pallas_kernels.common import CHUNK_BLOCK
+from pallas_kernels.pools import CHUNK_BLOCK
 from tests.tolerances import Float32
 
 

@@ -1,4 +1,4 @@
-"""Pools, prefix hits and capacity (reference §6 C, in this design's terms: ReplaySSM needs one
+"""Pools, prefix hits and capacity (ReplaySSM needs one
 running slot per request and no per-draft state columns)."""
 
 from __future__ import annotations

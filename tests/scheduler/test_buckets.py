@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.buckets import bucket_shapes, default_buckets, step_buckets
+from scheduler.buckets import bucket_shapes, step_buckets
+from scheduler.config import default_buckets
 from tests.scheduler.helpers import make_config
 
 

@@ -1,4 +1,5 @@
-"""Application-directed checkpoints (reference §3, §6 E): marker parsing and the producer/consumer machine."""
+"""Application-directed checkpoints: marker parsing and the producer/consumer machine
+(docs/scheduler.md#application-directed-checkpoints)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from tests.scheduler.helpers import Driver, make_config, request, result_for
 
 MARKER = 99
 
-# E1: the eight marker cases of §3.2 (marker id 99, hash unit 4) ------------------------------------
+# E1: the eight marker cases (marker id 99, hash unit 4) ------------------------------------
 
 
 def test_e1_no_marker_leaves_the_prompt_unchanged():
@@ -260,8 +261,8 @@ def test_the_producer_wait_shortcut_agrees_on_simulator_workloads(monkeypatch, b
 
 @pytest.mark.parametrize("k, drop", [(0, False), (2, True)])
 def test_a_consumer_pairs_even_when_the_checkpoint_prefix_kv_is_cached(k, drop):
-    """Finding 2: the producer's own pending checkpoint state, reached through cached KV blocks, used to
-    defer its consumer by a step instead of pairing it."""
+    """A consumer that reaches the producer's pending checkpoint state through cached KV blocks pairs with it in
+    the same step; it is not deferred by a step."""
     driver = _driver(mamba_block_size=64, num_spec_tokens=k, eagle_block_drop=drop)
     driver.add(request("U", [10] * 48 + [30] * 12))
     driver.drain("U caches the KV of [10] * 48")

@@ -95,7 +95,7 @@ def test_token_log_slices_and_hashes_like_one_list_and_truncates_to_a_mark(chunk
 @given(st.lists(st.integers(0, 2**20), min_size=16, max_size=16), st.lists(st.integers(0, 2**20), min_size=16,
        max_size=16), st.lists(st.integers(-3, 3), min_size=16, max_size=16))
 def test_block_keys_are_not_linear_in_the_tokens(a, b, delta):
-    """A weighted-sum digest (the old scheme) moves by the same amount whenever the same token change is
+    """A weighted-sum digest moves by the same amount whenever the same token change is
     applied to any block, which is what lets lattice reduction craft colliding blocks: keys must not."""
     shift = lambda tokens: [t + d for t, d in zip(tokens, delta, strict=True)]
     assume(a != b and any(delta) and min(shift(a) + shift(b)) >= 0)

@@ -1,4 +1,4 @@
-"""ReplaySSM trackers and decode-time materialization (reference §6 D and F, in this design's terms).
+"""ReplaySSM trackers and decode-time materialization (docs/scheduler.md#replayssm-trackers).
 
 Here `accepted` in vLLM's tables is the number of committed tokens (1..k+1) = StepResult.num_accepted + 1.
 """
@@ -117,7 +117,7 @@ def test_decode_crossing_a_boundary_materializes_it_next_step_and_it_gets_hit():
 
 @pytest.mark.parametrize("k, prompt, max_tokens", [(3, 30, 5), (0, 31, 2)])
 def test_a_boundary_crossed_in_a_requests_last_step_is_materialized(k, prompt, max_tokens):
-    """Finding 3: the verify step that finishes A crosses 32; its state used to be dropped with the row."""
+    """The verify step that finishes A crosses 32: its state at 32 is materialized, not dropped with the row."""
     driver = Driver(make_config(num_spec_tokens=k, mamba_block_size=32, eagle_block_drop=False))
     tokens = list(range(5, 5 + prompt))
     driver.add(request("a", tokens, max_tokens=max_tokens))
@@ -132,8 +132,8 @@ def test_a_boundary_crossed_in_a_requests_last_step_is_materialized(k, prompt, m
 
 
 def test_a_full_kv_block_is_published_as_soon_as_decode_fills_it():
-    """Finding 4: decode used to publish KV blocks once per Mamba block, so with block drop B (sharing A's
-    first 88 tokens) could not reach A's state at 64: the block [64, 80) it needs was not yet published."""
+    """Decode publishes each KV block as soon as it is full, not once per Mamba block: with block drop B (sharing
+    A's first 88 tokens) reaches A's state at 64 only through the block [64, 80)."""
     driver = Driver(make_config(num_spec_tokens=3, block_size=16, mamba_block_size=64))
     driver.add(request("a", range(1, 61), max_tokens=60))
     driver.run_until(lambda _: driver.state.num_tokens("a") >= 92, "a decodes past 92", accepted=3)

@@ -1,4 +1,5 @@
-"""Align split (reference §6 A), the lookahead livelock table (§6 B, §2.3) and the 216-case grid (§2.5)."""
+"""Align split, the lookahead livelock cases and the 216-case grid
+(docs/scheduler.md#align-mode-and-the-mtp-lookahead)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def _assert_aligned(ends, prompt, bs, start=0):
         prev = end
 
 
-# §6 A: align split ---------------------------------------------------------------------------------
+# A: align split ------------------------------------------------------------------------------------
 
 def test_a1_fragmented_first_chunk_is_deferred_not_poisoned():
     assert _ends(2002, [364, 2002], 1600, drop=True) == [None, 2002]
@@ -129,10 +130,10 @@ def test_min_budget_is_exactly_the_least_budget_that_schedules_a_token(s, data):
     assert (split_chunk(s._replace(budget=budget)) > 0) == (budget >= need)
 
 
-# §6 B, §2.3: the lookahead livelock ----------------------------------------------------------------
+# B: the lookahead livelock ------------------------------------------------------------------------
 
 def _pre_fix_ends(prompt, budget, bs, lookahead, drop, max_steps=8) -> list[int]:
-    """vLLM before the seed-004 fix: split without the window rules, then the old reservation."""
+    """vLLM's split without the window rules, then its separate lookahead reservation."""
     ends, pos = [], 0
     for _ in range(max_steps):
         n = _split(pos, budget, prompt, bs, 0, drop)
@@ -180,7 +181,7 @@ def test_b_window_rules_are_a_noop_without_multi_module_mtp(lookahead, prompt, b
         _ends(prompt, [budget], 16, lookahead=0, drop=drop)
 
 
-# §2.5: the 216-case grid ----------------------------------------------------------------------------
+# The 216-case grid ----------------------------------------------------------------------------------
 
 GRID = list(itertools.product([64, 1600], [2, 3, 5], ["inside", "edge", "past"], [1, 2],
                               [4.0, 1.0, 0.5], [True, False]))

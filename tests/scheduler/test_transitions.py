@@ -305,7 +305,8 @@ def test_plan_padding_points_at_the_null_slot_and_block():
     (lambda: SequenceSpec("surrogate", (1, 2), cache_salt="\ud800"), "cache_salt"),
 ])
 def test_request_fields_are_type_and_range_checked(make, message):
-    """Finding 6: a float checkpoint used to wedge every later schedule; float ids were truncated."""
+    """Fields of the wrong type or range are refused at `add_request` (a float checkpoint would wedge every later
+    schedule, float ids would be truncated), and the state is left unchanged."""
     state = add_request(init_state(make_config(vocab_size=1000)), request("ok", [1, 2, 3]))
     before = snapshot(state)
     with pytest.raises(ValueError, match=message):

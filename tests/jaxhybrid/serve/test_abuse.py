@@ -19,9 +19,10 @@ import pytest
 
 from jaxhybrid.llm import LLM
 from jaxhybrid.serve import __main__ as serve_main
-from jaxhybrid.serve.app import ServerState, build_app
+from jaxhybrid.serve.app import build_app
 from jaxhybrid.serve.engine_loop import EngineLoop
 from jaxhybrid.serve.metrics import ServerMetrics
+from jaxhybrid.serve.state import ServerState
 from tests.jaxhybrid.serve.asgi import drive
 
 KEY = "k"
@@ -58,7 +59,7 @@ def serve(llm) -> Callable[[Callable[[httpx.AsyncClient], Awaitable[None]]], Non
     config = llm.config
     metrics = ServerMetrics("tiny", config.max_model_len, 0, {"cache_mode": config.cache_mode})
     loop = EngineLoop(llm.engine, metrics, max_queued=8, max_queued_tokens=400, idle_poll=0.05)
-    app = build_app(ServerState(llm, loop, ("tiny",), "embedded", config.max_model_len), (KEY,),
+    app = build_app(ServerState(llm.built, loop, ("tiny",), "embedded", config.max_model_len), (KEY,),
                     max_body_bytes=MAX_BODY)
     return lambda body: drive(llm, loop, app, body)
 
@@ -367,7 +368,7 @@ def test_a_request_of_a_whole_batch_shares_it_with_the_next_client(llm, monkeypa
         assert done == {small} and small.result().status_code == 200
         assert (await whole).status_code == 200 and len(whole.result().json()["choices"]) == 4
 
-    drive(llm, loop, build_app(ServerState(llm, loop, ("tiny",), "embedded", config.max_model_len)), body)
+    drive(llm, loop, build_app(ServerState(llm.built, loop, ("tiny",), "embedded", config.max_model_len)), body)
 
 
 def test_the_engines_ids_are_cut_from_its_errors(llm, monkeypatch):
@@ -385,7 +386,7 @@ def test_the_engines_ids_are_cut_from_its_errors(llm, monkeypatch):
         response = await client.post("/v1/completions", json=CANARY, headers={"X-Request-Id": "abc'def"})
         assert openai_error(response, 400) == "the request can never fit in 12 slots"
 
-    drive(llm, loop, build_app(ServerState(llm, loop, ("tiny",), "embedded", config.max_model_len)), body)
+    drive(llm, loop, build_app(ServerState(llm.built, loop, ("tiny",), "embedded", config.max_model_len)), body)
 
 
 def test_a_stuck_engine_is_reported_and_the_server_exits(llm, monkeypatch):

@@ -25,17 +25,18 @@ import jsonschema
 import pytest
 
 import jaxhybrid
+from jaxhybrid.batch_job import BatchJob
+from jaxhybrid.engine.args import ParserSetupError
 from jaxhybrid.engine.tokenizer import Tokenizer
-from jaxhybrid.engine_args import ParserSetupError
 from jaxhybrid.llm import LLM
+from jaxhybrid.openai import render
+from jaxhybrid.openai.chat_parsing import ChatParsers
 from jaxhybrid.parsers.reasoning import get_reasoning_parser
-from jaxhybrid.run_batch import BatchJob
-from jaxhybrid.serve import render
 from jaxhybrid.serve.__main__ import parse_args
-from jaxhybrid.serve.app import ServerState, build_app
-from jaxhybrid.serve.chat_parsing import ChatParsers
+from jaxhybrid.serve.app import build_app
 from jaxhybrid.serve.engine_loop import EngineLoop
 from jaxhybrid.serve.metrics import ServerMetrics, cache_config_info
+from jaxhybrid.serve.state import ServerState
 from tests.jaxhybrid.serve.asgi import drive
 
 EMBEDDED = Path(jaxhybrid.__file__).parent / "assets" / "default_model"
@@ -111,7 +112,7 @@ def serve(llm):
         config = llm.config
         loop = EngineLoop(llm.engine, ServerMetrics("tiny", config.max_model_len, 0, cache_config_info(config)),
                           idle_poll=0.05)
-        drive(llm, loop, build_app(ServerState(llm, loop, ("tiny",), "embedded", config.max_model_len, **flags)),
+        drive(llm, loop, build_app(ServerState(llm.built, loop, ("tiny",), "embedded", config.max_model_len, **flags)),
               body)
 
     return run
@@ -230,12 +231,12 @@ def test_tools_and_tool_messages_reach_the_template(serve, llm):
         {"id": "call-1", "type": "function", "function": {"name": "get_weather",
                                                           "arguments": '{"city": "paris", "days": 2}'}}]},
         {"role": "tool", "tool_call_id": "call-1", "content": [{"type": "text", "text": "sunny"}]}]
-    text = render.render_chat(llm, conversation, True, tools=[tool for tool in TOOLS])
+    text = render.render_chat(llm.built.prompts, conversation, True, tools=[tool for tool in TOOLS])
     assert "tools: get_weather get_time" in text and "[call-1] sunny" in text
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}</tool_call>' in text
     broken = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}]}]
-    assert '"arguments": {}' in render.render_chat(llm, broken, True)  # history: kept, as {} (vLLM)
+    assert '"arguments": {}' in render.render_chat(llm.built.prompts, broken, True)  # history: kept, as {} (vLLM)
 
     async def body(client: httpx.AsyncClient) -> None:
         def prompt_tokens(reply: dict) -> int:
@@ -324,7 +325,7 @@ def test_reasoning_parser_splits_reasoning_from_content(serve):
 
 
 def test_batch_job_chat_lines_have_the_servers_message_fields(llm):
-    job = BatchJob(llm, model_name="m", **TOOL_FLAGS)
+    job = BatchJob(llm.built, model_name="m", **TOOL_FLAGS)
     job.parsers = ChatParsers.from_flags(llm.tokenizer, "qwen3", **TOOL_FLAGS)  # as LLM(reasoning_parser="qwen3")
     bodies = [{"messages": ASK, "temperature": 0, "max_tokens": 40, "structured_outputs": {"regex": THOUGHT}},
               {"messages": ASK, "temperature": 0, "max_tokens": 200, "tools": TOOLS,

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from jaxhybrid import LLM
-from jaxhybrid.engine_args import CLI_DEFAULTS, FIELDS, EngineArgs, from_namespace
+from jaxhybrid.engine.args import CLI_DEFAULTS, EngineArgs
+from jaxhybrid.engine.builder import chat_template_text
+from jaxhybrid.flags import FIELDS, from_namespace
 from jaxhybrid.serve.__main__ import parse_args
 
 PRESETS = sorted((Path(__file__).parents[3] / "configs" / "serve").glob("*.yaml"))
@@ -71,3 +73,14 @@ def test_the_flags_are_engine_args_with_the_programs_defaults():
 def test_llm_refuses_a_keyword_that_is_no_engine_arg():
     with pytest.raises(TypeError, match="max_num_sequences"):
         LLM(max_num_sequences=4)
+
+
+def test_chat_template_is_a_file_or_the_template_itself(tmp_path):
+    """vLLM's --chat-template: a file's text, or a template given inline; a path to no file is refused."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert chat_template_text(str(tmp_path / "t.jinja")) == template
+    assert chat_template_text(template) == template
+    with pytest.raises(ValueError, match="no file at"):
+        chat_template_text(str(tmp_path / "missing.jinja"))
+    assert from_namespace(parse_args(["--chat-template", template])).chat_template == template

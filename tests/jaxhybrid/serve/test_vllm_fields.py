@@ -19,9 +19,10 @@ from tokenizers.processors import TemplateProcessing
 from jaxhybrid.llm import LLM
 from jaxhybrid.sample.params import SamplingParams
 from jaxhybrid.serve import middleware, streaming
-from jaxhybrid.serve.app import ServerState, build_app
+from jaxhybrid.serve.app import build_app
 from jaxhybrid.serve.engine_loop import EngineLoop
 from jaxhybrid.serve.metrics import ServerMetrics, cache_config_info
+from jaxhybrid.serve.state import ServerState
 from tests.jaxhybrid.serve.asgi import drive
 
 PROMPT = "def read_config(path):\n    with open(path) as f:\n"
@@ -46,7 +47,7 @@ def serve(llm):
         config = llm.config
         loop = EngineLoop(llm.engine, ServerMetrics("tiny", config.max_model_len, 0, cache_config_info(config)),
                           idle_poll=0.05)
-        app = build_app(ServerState(llm, loop, ("tiny",), "embedded", config.max_model_len, **state_flags),
+        app = build_app(ServerState(llm.built, loop, ("tiny",), "embedded", config.max_model_len, **state_flags),
                         request_id_headers=request_id_headers, tokenizer_info=tokenizer_info,
                         server_load_tracking=server_load_tracking)
         drive(llm, loop, app, body)
@@ -196,7 +197,8 @@ def test_continuous_usage_stats_on_every_chunk(serve):
 
 
 def test_prompt_tokens_details_only_when_enabled(serve):
-    """vLLM's --enable-prompt-tokens-details: off, usage has no prompt_tokens_details, plain or streamed."""
+    """vLLM's --enable-prompt-tokens-details: off, usage has no prompt_tokens_details, plain or streamed. Cached
+    tokens are counted there only: vLLM sends `cache_read_input_tokens` on its Anthropic route alone."""
     streamed = {"stream": True, "stream_options": {"include_usage": True}}
 
     def usages(plain: httpx.Response, stream: httpx.Response) -> list[dict]:
@@ -206,13 +208,14 @@ def test_prompt_tokens_details_only_when_enabled(serve):
         for path, base in [("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": CHAT})]:
             body = {**base, "max_tokens": 2, **GREEDY}
             for usage in usages(await ok(client, path, body), await ok(client, path, {**body, **streamed})):
-                assert usage["prompt_tokens_details"]["cached_tokens"] >= 0
+                assert usage["prompt_tokens_details"]["cached_tokens"] >= 0 and "cache_read_input_tokens" not in usage
 
     async def disabled(client: httpx.AsyncClient) -> None:
         for path, base in [("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": CHAT})]:
             body = {**base, "max_tokens": 2, **GREEDY}
             for usage in usages(await ok(client, path, body), await ok(client, path, {**body, **streamed})):
-                assert "prompt_tokens_details" not in usage and usage["prompt_tokens"] > 0
+                assert "prompt_tokens_details" not in usage and "cache_read_input_tokens" not in usage
+                assert usage["prompt_tokens"] > 0
 
     serve(disabled)
     serve(enabled, prompt_tokens_details=True)

@@ -1,13 +1,13 @@
 """Servers, clients and reference tokenization for the ports of vLLM's OpenAI-server tests.
 
 Compiling the engine's step is what a server costs (tens of seconds a configuration on two cores), and vLLM's
-modules start servers with flags that contradict each other, so the ports serve in process: two `LLM`s for
+modules start servers with flags that contradict each other, so the ports serve in process: two built engines for
 the session, each module an app of its own on one of them with its module's flags, on a uvicorn thread
-(starting one costs milliseconds). The session `LLM` is SMALL's server; the long one has what the other
+(starting one costs milliseconds). The session engine is SMALL's server; the long one has what the other
 cannot: --max-logprobs at the vocabulary size (vLLM's tests that give -1; the default limit of 20 is
 asserted elsewhere) and the cancellation test's --max-model-len (vLLM's tokenization tests assert a
 max_model_len within the tokenizer's 512, and its chat tests without max_tokens would generate to it). Only
---skip-tokenizer-init needs a process of its own (`start_server`); its compiled step, the session `LLM`'s,
+--skip-tokenizer-init needs a process of its own (`start_server`); its compiled step, the session engine's,
 comes from the session's compilation cache. The reference tokenizer is the checkpoint's `tokenizer.json`
 read by the `tokenizers` library itself, so expected token ids never come from the code under test.
 """
@@ -38,7 +38,7 @@ VOCAB_SIZE: int = _CONFIG["vocab_size"]
 # come.
 BOUNDED = {"seed": 0, "stop": ["."], "max_tokens": 200}
 SERVER_FLAGS = {"tokenizer_info": True, "server_load_tracking": True}  # `build_app`'s, on every module's app
-MAX_MODEL_LEN = int(SMALL[SMALL.index("--max-model-len") + 1])  # the session `LLM`'s
+MAX_MODEL_LEN = int(SMALL[SMALL.index("--max-model-len") + 1])  # the session engine's
 LONG_MODEL_LEN = 10100  # vLLM's cancellation test asks for 10000 tokens; 700 KV blocks hold one such sequence
 
 
@@ -60,30 +60,32 @@ def make_client(server: ServerProcess, **kwargs) -> openai.OpenAI:
                          **{"timeout": 600, **kwargs})  # the openai client's own default: a hang bound
 
 
-def _llm(tmp_path_factory, flags: list[str]):
-    """The `LLM` of `python -m jaxhybrid.serve` with SMALL's flags, then `flags`."""
-    from jaxhybrid.engine_args import build_llm
+def _engine(tmp_path_factory, flags: list[str]):
+    """The engine `python -m jaxhybrid.serve` builds with SMALL's flags, then `flags`."""
+    from jaxhybrid.engine.builder import build_engine
+    from jaxhybrid.flags import from_namespace
     from jaxhybrid.serve.__main__ import parse_args
 
-    return build_llm(parse_args([*SMALL, "--compilation-cache-dir", str(_compile_cache(tmp_path_factory)), *flags]))
+    return build_engine(from_namespace(parse_args([*SMALL, "--compilation-cache-dir",
+                                                   str(_compile_cache(tmp_path_factory)), *flags])))
 
 
 @pytest.fixture(scope="session")
-def session_llm(tmp_path_factory):
-    return _llm(tmp_path_factory, [])
+def session_engine(tmp_path_factory):
+    return _engine(tmp_path_factory, [])
 
 
 @pytest.fixture(scope="session")
-def long_llm(tmp_path_factory):
+def long_engine(tmp_path_factory):
     """--max-logprobs at the vocabulary size and the long --max-model-len."""
-    return _llm(tmp_path_factory, ["--max-logprobs", str(VOCAB_SIZE), "--max-model-len", str(LONG_MODEL_LEN),
+    return _engine(tmp_path_factory, ["--max-logprobs", str(VOCAB_SIZE), "--max-model-len", str(LONG_MODEL_LEN),
                                    "--num-blocks", "700"])
 
 
 @pytest.fixture(scope="module")
-def server(session_llm):
-    """The module's server: the session `LLM` with SERVER_FLAGS."""
-    process = InProcessServer(session_llm, SERVER_FLAGS)
+def server(session_engine):
+    """The module's server: the session engine with SERVER_FLAGS."""
+    process = InProcessServer(session_engine, SERVER_FLAGS)
     yield process
     process.stop()
 
@@ -94,19 +96,20 @@ def client(server) -> openai.OpenAI:
 
 
 class InProcessServer:
-    """An app on an `LLM` of this process, served by uvicorn on a thread at `url` (the url a
+    """An app on an engine built in this process, served by uvicorn on a thread at `url` (the url a
     `ServerProcess` has, so `make_client` takes either); `app_flags` are `build_app`'s, `model_names` and
     `state_flags` `ServerState`'s."""
 
-    def __init__(self, llm, app_flags: dict | None = None, model_names: tuple[str, ...] = (MODEL_NAME,),
+    def __init__(self, built, app_flags: dict | None = None, model_names: tuple[str, ...] = (MODEL_NAME,),
                  **state_flags):
-        from jaxhybrid.serve.app import ServerState, build_app
+        from jaxhybrid.serve.app import build_app
         from jaxhybrid.serve.engine_loop import EngineLoop
         from jaxhybrid.serve.metrics import ServerMetrics, cache_config_info
+        from jaxhybrid.serve.state import ServerState
 
-        config = llm.config
-        loop = EngineLoop(llm.engine, ServerMetrics(MODEL_NAME, config.max_model_len, 0, cache_config_info(config)))
-        state = ServerState(llm, loop, model_names, str(DEFAULT_MODEL_DIR), config.max_model_len, **state_flags)
+        config = built.config
+        loop = EngineLoop(built.engine, ServerMetrics(MODEL_NAME, config.max_model_len, 0, cache_config_info(config)))
+        state = ServerState(built, loop, model_names, str(DEFAULT_MODEL_DIR), config.max_model_len, **state_flags)
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self._server = uvicorn.Server(uvicorn.Config(build_app(state, **(app_flags or {})), host="127.0.0.1",

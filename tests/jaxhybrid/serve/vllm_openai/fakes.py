@@ -41,10 +41,10 @@ def output(text: str, token_ids: list[int], finish_reason: str | None,
 
 def server_state(**flags) -> SimpleNamespace:
     """What the serving functions read of a `ServerState` (its flags off unless given): no engine loop, and
-    an `LLM` without a tokenizer (the hand-made outputs name their logprob tokens themselves)."""
-    llm = SimpleNamespace(get_tokenizer=lambda: None, tokenizer=None)
-    return SimpleNamespace(llm=llm, loop=None, **{"prompt_tokens_details": False, "force_include_usage": False,
-                                                   **flags})
+    an engine without a tokenizer (the hand-made outputs name their logprob tokens themselves)."""
+    built = SimpleNamespace(tokenizer=None)
+    return SimpleNamespace(built=built, loop=None, **{"prompt_tokens_details": False, "force_include_usage": False,
+                                                       **flags})
 
 
 def prompt(token_ids: tuple[int, ...] = (1, 2, 3)) -> SimpleNamespace:

@@ -1,7 +1,7 @@
 """Port of vLLM's tests/entrypoints/openai/test_metrics.py (text model; the multimodal server and run_batch
 are out of scope, SKIPS.md): /metrics counts what requests did, carries vLLM's series, and its running,
 waiting and KV-usage gauges return to zero once aborted requests are gone. vLLM's `vllm:` names are this
-server's `jaxhybrid:` ones (ecosystem.md); its chunked-prefill, frontend and hidden-metrics server variants
+server's `jaxhybrid:` ones; its chunked-prefill, frontend and hidden-metrics server variants
 have no counterpart, so the deprecated hidden series are not expected. vLLM reads a fresh server; the
 session's server has served other tests, so counts are compared as differences across the requests."""
 
@@ -70,7 +70,10 @@ EXPECTED_METRICS_V1 = [_name(name) for name in [
     "vllm:request_inference_time_seconds_count", "vllm:request_prefill_time_seconds_sum",
     "vllm:request_prefill_time_seconds_bucket", "vllm:request_prefill_time_seconds_count",
     "vllm:request_decode_time_seconds_sum", "vllm:request_decode_time_seconds_bucket",
-    "vllm:request_decode_time_seconds_count"]]
+    "vllm:request_decode_time_seconds_count",
+    # vLLM's V1 series this list (of vLLM's test) predates
+    "vllm:num_requests_waiting_by_reason", "vllm:request_num_preemptions_sum", "vllm:request_num_preemptions_bucket",
+    "vllm:request_num_preemptions_count"]]
 
 HIDDEN_DEPRECATED_METRICS = [_name(name) for name in [
     "vllm:gpu_cache_usage_perc", "vllm:gpu_prefix_cache_queries", "vllm:gpu_prefix_cache_hits",
@@ -127,6 +130,27 @@ def test_metrics_exist(server, client):
         if metric in HIDDEN_DEPRECATED_METRICS:
             continue
         assert metric in text
+
+
+def test_waiting_by_reason_and_request_preemptions(server, client, tokenizer):
+    """vLLM's reasons, 'capacity' and 'deferred', add up to num_requests_waiting; every finished request is one
+    observation of request_num_preemptions (none preempted in this pool)."""
+    prompt_ids = tokenizer.encode(_PROMPT).ids
+    num_requests = 3
+    before = _first_samples(_metrics_text(server))
+    for _ in range(num_requests):
+        client.completions.create(model=MODEL_NAME, prompt=prompt_ids, max_tokens=2)
+    text = _metrics_text(server)
+    after = _first_samples(text)
+    histogram = _name("vllm:request_num_preemptions")
+    for suffix, expected in (("_count", num_requests), ("_sum", 0)):
+        name = histogram + suffix
+        assert after[histogram][name] - before.get(histogram, {}).get(name, 0.0) == expected, name
+    by_reason = {sample.labels["reason"]: sample.value for family in text_string_to_metric_families(text)
+                 if family.name == _name("vllm:num_requests_waiting_by_reason") for sample in family.samples}
+    waiting = _name("vllm:num_requests_waiting")
+    assert set(by_reason) == {"capacity", "deferred"}
+    assert sum(by_reason.values()) == after[waiting][waiting]
 
 
 def _get_running_metrics_from_api(server) -> tuple[float, float, float]:

@@ -17,13 +17,14 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from jaxhybrid.serve.app import ServerState, build_app
+from jaxhybrid.serve.app import build_app
+from jaxhybrid.serve.state import ServerState
 from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, InProcessServer, make_client
 
 
 @pytest.fixture(scope="module")
-def long_server(long_llm):
-    server = InProcessServer(long_llm, {"server_load_tracking": True})
+def long_server(long_engine):
+    server = InProcessServer(long_engine, {"server_load_tracking": True})
     yield server
     server.stop()
 
@@ -107,6 +108,6 @@ def test_health_check_engine_dead_error():
     """/health is 503 Service Unavailable once the engine is dead (vLLM: check_health raises
     EngineDeadError; here the engine loop reports itself unhealthy)."""
     dead_loop = SimpleNamespace(healthy=lambda: False)
-    state = ServerState(llm=None, loop=dead_loop, model_names=(MODEL_NAME,), model_root="", max_model_len=1)
+    state = ServerState(built=None, loop=dead_loop, model_names=(MODEL_NAME,), model_root="", max_model_len=1)
     response = TestClient(build_app(state)).get("/health")  # no lifespan: the loop is never started
     assert response.status_code == 503

@@ -15,9 +15,9 @@ EMOJI_PROMPT = "Complete this sentence with emojis: I love coding 🚀"
 
 
 @pytest.fixture(scope="module")
-def server(session_llm):
+def server(session_engine):
     """The module's server, parsing tool calls (the one server of the module: one engine loop on the engine)."""
-    process = InProcessServer(session_llm, SERVER_FLAGS, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    process = InProcessServer(session_engine, SERVER_FLAGS, enable_auto_tool_choice=True, tool_call_parser="hermes")
     yield process
     process.stop()
 

@@ -12,9 +12,9 @@ import json
 import httpx
 import pytest
 
-from jaxhybrid.serve import responses
-from jaxhybrid.serve.errors import BadRequest
-from jaxhybrid.serve.protocol import BatchChatCompletionRequest
+from jaxhybrid.openai import responses
+from jaxhybrid.openai.errors import BadRequest
+from jaxhybrid.openai.protocol import BatchChatCompletionRequest
 from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME
 from tests.jaxhybrid.serve.vllm_openai.fakes import output
 

@@ -1,8 +1,8 @@
-"""Port of vLLM's tests/entrypoints/openai/chat_completion/test_chat.py (base model only; its LoRA twins and
-/invocations are out of scope, SKIPS.md): logprobs limits, prompt_logprobs, multi-turn sessions, streaming,
+"""Port of vLLM's tests/entrypoints/openai/chat_completion/test_chat.py (base model only; its LoRA twins are
+out of scope, SKIPS.md): logprobs limits, prompt_logprobs, multi-turn sessions, streaming,
 stream_options, structured outputs (choice, JSON schema, regex, a malformed constraint, logprobs under a choice,
-response_format json_object and json_schema), extra message fields, content parts, custom roles, seed bounds and
-n > 1. vLLM's zephyr token counts become the reference tokenizer's.
+response_format json_object and json_schema), extra message fields, content parts, custom roles, seed bounds,
+n > 1 and SageMaker's /invocations. vLLM's zephyr token counts become the reference tokenizer's.
 
 The structured-output cases run on a random model, so what vLLM asks of a real one's judgement ("pick another
 one", a different name) is not asserted, and JSON that only a model that ends its strings would finish is
@@ -16,13 +16,14 @@ import json
 import re
 from collections import defaultdict
 
+import httpx
 import jsonschema
 import openai
 import pytest
 from openai import BadRequestError
 
+from jaxhybrid.openai.protocol import ChatCompletionRequest
 from jaxhybrid.sample.params import SamplingParams
-from jaxhybrid.serve.protocol import ChatCompletionRequest
 from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, render_chat
 
 MESSAGES = [{"role": "system", "content": "you are a helpful assistant"}, {"role": "user", "content": "what is 1+1?"}]
@@ -127,10 +128,8 @@ def test_single_chat_session(client, tokenizer):
     choice = chat_completion.choices[0]
     assert choice.finish_reason == "length"
     num_prompt_tokens = len(tokenizer.encode(render_chat(messages)).ids)
-    usage = chat_completion.usage  # with vLLM's cache_read_input_tokens (test_cache_accounting.py)
-    assert usage.model_dump(exclude={"cache_read_input_tokens"}) == openai.types.CompletionUsage(
-        completion_tokens=5, prompt_tokens=num_prompt_tokens, total_tokens=num_prompt_tokens + 5).model_dump()
-    assert 0 <= usage.cache_read_input_tokens < num_prompt_tokens
+    assert chat_completion.usage == openai.types.CompletionUsage(
+        completion_tokens=5, prompt_tokens=num_prompt_tokens, total_tokens=num_prompt_tokens + 5)
 
     message = choice.message
     assert message.content is not None and len(message.content) >= 5
@@ -381,6 +380,25 @@ def test_long_seed(client):
                                            messages=[{"role": "system", "content": "You are a helpful assistant."}],
                                            temperature=0, seed=seed)
         assert "greater_than_equal" in exc_info.value.message or "less_than_equal" in exc_info.value.message
+
+
+def test_invocations(server, client):
+    request_args = {"model": MODEL_NAME, "messages": MESSAGES, "max_completion_tokens": 5, "temperature": 0.0,
+                    "logprobs": False}
+    chat_completion = client.chat.completions.create(**request_args)
+    invocation_response = httpx.post(f"{server.url}/invocations", json=request_args, timeout=60)
+    invocation_response.raise_for_status()
+    chat_output = chat_completion.model_dump(exclude_unset=True)  # what the server sent, not the client's defaults
+    invocation_output = invocation_response.json()
+    assert chat_output.keys() == invocation_output.keys()
+    assert chat_output["choices"] == invocation_output["choices"]
+
+
+def test_invocations_refuses_a_body_of_neither_kind(server):
+    """Ours: a body that is neither request is vLLM's 400, and /ping answers as /health."""
+    response = httpx.post(f"{server.url}/invocations", json={"model": MODEL_NAME}, timeout=60)
+    assert response.status_code == 400 and "Cannot find suitable handler" in response.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/ping").status_code == httpx.post(f"{server.url}/ping").status_code == 200
 
 
 def test_chat_completion_n_parameter_non_streaming(client):

@@ -16,8 +16,8 @@ from tests.jaxhybrid.serve.vllm_openai.conftest import (
 
 
 @pytest.fixture(scope="module")
-def client(long_llm):
-    server = InProcessServer(long_llm)
+def client(long_engine):
+    server = InProcessServer(long_engine)
     yield make_client(server)
     server.stop()
 

@@ -11,8 +11,8 @@ import asyncio
 
 import pytest
 
+from jaxhybrid.openai.protocol import ChatCompletionRequest
 from jaxhybrid.serve import app, streaming
-from jaxhybrid.serve.protocol import ChatCompletionRequest
 from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME
 from tests.jaxhybrid.serve.vllm_openai.fakes import FakeStream, collect, output, prompt, server_state
 

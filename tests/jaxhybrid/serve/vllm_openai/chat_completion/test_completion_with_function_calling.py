@@ -63,8 +63,8 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def server(session_llm):
-    process = InProcessServer(session_llm, SERVER_FLAGS, enable_auto_tool_choice=True, tool_call_parser="hermes")
+def server(session_engine):
+    process = InProcessServer(session_engine, SERVER_FLAGS, enable_auto_tool_choice=True, tool_call_parser="hermes")
     yield process
     process.stop()
 

@@ -1,6 +1,6 @@
 """Port of vLLM's tests/entrypoints/openai/chat_completion/test_enable_force_include_usage.py: a server
 started with --enable-force-include-usage puts usage in every chunk of every stream, asked or not (an
-in-process server with that flag, on the package's in-process `LLM`)."""
+in-process server with that flag, on the package's in-process engine)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, InProcessServ
 
 
 @pytest.fixture(scope="module")
-def chat_client_with_force_include_usage(long_llm):
-    server = InProcessServer(long_llm, force_include_usage=True)
+def chat_client_with_force_include_usage(long_engine):
+    server = InProcessServer(long_engine, force_include_usage=True)
     yield make_client(server)
     server.stop()
 

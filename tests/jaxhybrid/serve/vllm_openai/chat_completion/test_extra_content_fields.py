@@ -7,15 +7,13 @@ with a template that reads those fields as TranslateGemma's does, and the test c
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import httpx
 import jinja2
 import pytest
 
 from jaxhybrid.engine.tokenizer import Tokenizer
 from jaxhybrid.models.weights import DEFAULT_MODEL_DIR
-from jaxhybrid.serve.render import content_format
+from jaxhybrid.openai.render import content_format
 from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, SERVER_FLAGS, InProcessServer, make_client
 
 TRANSLATE_TEMPLATE = (
@@ -27,15 +25,15 @@ MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "The quick bro
 
 
 @pytest.fixture(scope="module")
-def server(session_llm):
-    """The session `LLM` rendering with TRANSLATE_TEMPLATE (its own restored after the module), served with
+def server(session_engine):
+    """The session engine rendering with TRANSLATE_TEMPLATE (its own restored after the module), served with
     the content format that template asks for."""
-    tokenizer = session_llm.tokenizer
+    tokenizer = session_engine.tokenizer
     own = tokenizer.chat_template
     tokenizer.chat_template = TRANSLATE_TEMPLATE
     try:
-        process = InProcessServer(session_llm, SERVER_FLAGS,
-                                  content_format=content_format(session_llm, "openai"))
+        process = InProcessServer(session_engine, SERVER_FLAGS,
+                                  content_format=content_format(session_engine.tokenizer, "openai"))
         yield process
         process.stop()
     finally:
@@ -60,9 +58,9 @@ def test_translategemma_extra_lang_code_fields(server, tokenizer):
 def test_auto_content_format_follows_the_template():
     """vLLM's default, auto: "openai" for a template that loops over a message's content parts (as
     TranslateGemma's), "string" for this checkpoint's, which reads one text."""
-    checkpoint = SimpleNamespace(tokenizer=Tokenizer.from_pretrained(DEFAULT_MODEL_DIR))
-    assert content_format(checkpoint, "auto") == "string"
-    translating = SimpleNamespace(tokenizer=Tokenizer.from_pretrained(DEFAULT_MODEL_DIR))
-    translating.tokenizer.chat_template = TRANSLATE_TEMPLATE
+    assert content_format(Tokenizer.from_pretrained(DEFAULT_MODEL_DIR), "auto") == "string"
+    translating = Tokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    translating.chat_template = TRANSLATE_TEMPLATE
     assert content_format(translating, "auto") == "openai"
     assert content_format(translating, "string") == "string"
+    assert content_format(None, "auto") == "string"  # no tokenizer, no template

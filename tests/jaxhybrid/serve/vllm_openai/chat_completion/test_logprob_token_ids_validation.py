@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from jaxhybrid.serve.errors import BadRequest
-from jaxhybrid.serve.protocol import BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest
+from jaxhybrid.openai.errors import BadRequest
+from jaxhybrid.openai.protocol import BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest
 
 MODELS = [ChatCompletionRequest, CompletionRequest, BatchChatCompletionRequest]
 BASE = {ChatCompletionRequest: {"model": "m", "messages": [{"role": "user", "content": "hi"}]},

@@ -8,7 +8,7 @@ import openai
 import pytest
 from pydantic import ValidationError
 
-from jaxhybrid.serve.protocol import ChatCompletionRequest
+from jaxhybrid.openai.protocol import ChatCompletionRequest
 from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME
 
 

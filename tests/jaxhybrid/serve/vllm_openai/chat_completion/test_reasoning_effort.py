@@ -8,7 +8,7 @@ enable_thinking true (docs/serving.md), where vLLM leaves the key out."""
 
 from __future__ import annotations
 
-from jaxhybrid.serve.protocol import ChatCompletionRequest
+from jaxhybrid.openai.protocol import ChatCompletionRequest
 
 
 def _build_request(**kwargs) -> ChatCompletionRequest:

@@ -1,6 +1,6 @@
 """Port of vLLM's tests/entrypoints/openai/chat_completion/test_root_path.py: with --root-path /llm and an API
 key, chat completions are served both at /v1 and at /llm/v1, and the key is checked on both. vLLM's key comes
-from VLLM_API_KEY, ours from the app's `api_keys` (--api-key); the server is the long `LLM`'s, as in
+from VLLM_API_KEY, ours from the app's `api_keys` (--api-key); the server is the long engine's, as in
 test_chat_echo.py, and the request is that module's, bounded the same way."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ ROOT_PATH = "llm"
 
 
 @pytest.fixture(scope="module")
-def server(long_llm):
-    process = InProcessServer(long_llm, {"api_keys": (API_KEY,), "root_path": "/" + ROOT_PATH})
+def server(long_engine):
+    process = InProcessServer(long_engine, {"api_keys": (API_KEY,), "root_path": "/" + ROOT_PATH})
     yield process
     process.stop()
 

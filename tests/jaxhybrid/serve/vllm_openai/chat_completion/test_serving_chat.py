@@ -3,7 +3,7 @@ server has): the response names the first served model name whichever alias (or 
 truncation_side picks which end of a rendered chat truncate_prompt_tokens keeps, tool_choice "required" or a
 named function without a tool-call parser is a 400, n > 1 streamed choices parse their tool calls each with its
 own parser, and the logprobs of tokens a parser holds back still stream. vLLM drives a mocked
-`OpenAIServingChat`; here the requests go to an in-process server on the session `LLM` (one for the module:
+`OpenAIServingChat`; here the requests go to an in-process server on the session engine (one for the module:
 a second engine loop on the same engine would step it too), with max_tokens=1 where vLLM's mocked engine
 returns at once, and a regex structured output where vLLM's mocked engine returns a tool call's text (the model
 writes that text, in tokens of its own choosing). The cases left out are in SKIPS.md."""
@@ -22,9 +22,9 @@ MODEL_NAME_SHORT = "jaxhybrid"  # vLLM's second served name ("gpt2" beside "open
 
 
 @pytest.fixture(scope="module")
-def server(session_llm):
+def server(session_engine):
     """Both served names, and tool calls parsed (--enable-auto-tool-choice --tool-call-parser hermes)."""
-    process = InProcessServer(session_llm, SERVER_FLAGS, model_names=(MODEL_NAME, MODEL_NAME_SHORT),
+    process = InProcessServer(session_engine, SERVER_FLAGS, model_names=(MODEL_NAME, MODEL_NAME_SHORT),
                               enable_auto_tool_choice=True, tool_call_parser="hermes")
     yield process
     process.stop()
@@ -73,10 +73,10 @@ def test_serving_chat_truncation_side_controls_prompt_truncation(server):
 
 
 @pytest.fixture
-def parserless_server(session_llm):
+def parserless_server(session_engine):
     """A server without a tool-call parser. It only refuses requests, so its engine loop never steps the
     engine beside the module's."""
-    process = InProcessServer(session_llm, SERVER_FLAGS)
+    process = InProcessServer(session_engine, SERVER_FLAGS)
     yield process
     process.stop()
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxhybrid.serve.errors import BadRequest
-from jaxhybrid.serve.protocol import ChatCompletionRequest
+from jaxhybrid.openai.errors import BadRequest
+from jaxhybrid.openai.protocol import ChatCompletionRequest
 
 MESSAGES = [{"role": "user", "content": "what is the weather in Paris?"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}]

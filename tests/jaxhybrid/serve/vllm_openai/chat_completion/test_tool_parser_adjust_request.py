@@ -8,7 +8,7 @@ is parsed as usual), where vLLM drops it."""
 
 from __future__ import annotations
 
-from jaxhybrid.serve.protocol import ChatCompletionRequest
+from jaxhybrid.openai.protocol import ChatCompletionRequest
 
 TOOLS = [{"type": "function", "function": {
     "name": "add_numbers", "description": "Adds two numbers.",

@@ -20,8 +20,8 @@ from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME, SERVER_FLAGS,
 
 
 @pytest.fixture(scope="module")
-def server(session_llm):
-    process = InProcessServer(session_llm, SERVER_FLAGS, prompt_tokens_details=True)
+def server(session_engine):
+    process = InProcessServer(session_engine, SERVER_FLAGS, prompt_tokens_details=True)
     yield process
     process.stop()
 

@@ -11,8 +11,8 @@ import asyncio
 import openai
 import pytest
 
+from jaxhybrid.openai.protocol import CompletionRequest
 from jaxhybrid.serve import app, streaming
-from jaxhybrid.serve.protocol import CompletionRequest
 from tests.jaxhybrid.serve.vllm_openai.conftest import MODEL_NAME
 from tests.jaxhybrid.serve.vllm_openai.fakes import FakeStream, collect, output, server_state
 

@@ -5,7 +5,7 @@ tokenizer, with null logprobs, rather than failing the response with a KeyError.
 from __future__ import annotations
 
 from jaxhybrid.engine.outputs import Logprob
-from jaxhybrid.serve.responses import completion_logprobs
+from jaxhybrid.openai.responses import completion_logprobs
 
 
 def test_completion_logprobs_handles_sampled_token_absent_from_step():

@@ -6,8 +6,9 @@ hand-made outputs, as vLLM's test does."""
 from __future__ import annotations
 
 from jaxhybrid.engine.outputs import Logprob
-from jaxhybrid.serve import responses, streaming
-from jaxhybrid.serve.protocol import CompletionRequest
+from jaxhybrid.openai import responses
+from jaxhybrid.openai.protocol import CompletionRequest
+from jaxhybrid.serve import streaming
 from tests.jaxhybrid.serve.vllm_openai.fakes import FakeStream, collect, output, server_state
 
 TOKENS = [(1, "abc"), (2, " de"), (3, "!")]

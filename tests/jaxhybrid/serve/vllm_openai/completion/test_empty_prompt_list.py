@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxhybrid.serve.errors import BadRequest
-from jaxhybrid.serve.protocol import CompletionRequest
+from jaxhybrid.openai.errors import BadRequest
+from jaxhybrid.openai.protocol import CompletionRequest
 
 
 def test_empty_prompt_list_rejected():

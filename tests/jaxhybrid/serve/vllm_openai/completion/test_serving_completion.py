@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 
-from jaxhybrid.serve import responses, streaming
-from jaxhybrid.serve.protocol import CompletionRequest, StreamOptions
+from jaxhybrid.openai import responses
+from jaxhybrid.openai.protocol import CompletionRequest, StreamOptions
+from jaxhybrid.serve import streaming
 from tests.jaxhybrid.serve.vllm_openai.fakes import FakeStream, collect, output, server_state
 
 

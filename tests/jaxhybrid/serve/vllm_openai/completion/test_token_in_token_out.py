@@ -1,7 +1,7 @@
 """Port of vLLM's tests/entrypoints/openai/completion/test_token_in_token_out.py: a server started with
 --skip-tokenizer-init takes token ids, echoes them and returns the prompt's and completion's token ids
 (vLLM loads dummy weights; this server loads the embedded model, without its tokenizer, in the session
-`LLM`'s configuration, so its compiled step comes from the compilation cache)."""
+engine's configuration, so its compiled step comes from the compilation cache)."""
 
 from __future__ import annotations
 

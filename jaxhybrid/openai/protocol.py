@@ -1,4 +1,4 @@
-"""The OpenAI request bodies with vLLM's extras, parsed into `SamplingParams` (reference/ecosystem.md §1.2-1.4).
+"""The OpenAI request bodies with vLLM's extras, parsed into `SamplingParams`.
 
 Unknown fields are accepted and ignored, as vLLM does (clients send fields a server does not know);
 vLLM's fields we do not implement (`suffix`, `best_of`, structural tags, beam search, ...
@@ -12,14 +12,14 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from jaxhybrid.engine.prompts import PromptPreparer
 from jaxhybrid.engine.requests import Prompt
-from jaxhybrid.llm import LLM
+from jaxhybrid.openai import render
+from jaxhybrid.openai.errors import BadRequest, as_bad_request
+from jaxhybrid.openai.tool_choice import forced_schema
 from jaxhybrid.parsers.messages import ChatTool
 from jaxhybrid.sample.params import SamplingParams
 from jaxhybrid.sample.structured_outputs import StructuredOutputsParams
-from jaxhybrid.serve import render
-from jaxhybrid.serve.errors import BadRequest, as_bad_request
-from jaxhybrid.serve.tool_choice import forced_schema
 
 LONG_MIN, LONG_MAX = -2 ** 63, 2 ** 63 - 1  # a request's seed is a signed 64-bit integer (vLLM)
 # The most prompts one request may list (the queue's bound refuses fewer), and messages one conversation may
@@ -101,10 +101,10 @@ class _Request(BaseModel):
 
     _unsupported: ClassVar[dict[str, Callable[[Any], bool]]] = _UNSUPPORTED
 
-    def engine_prompt(self, llm: LLM, prompt: str | list[int] | dict, params: SamplingParams) -> Prompt:
+    def engine_prompt(self, prompts: PromptPreparer, prompt: str | list[int] | dict, params: SamplingParams) -> Prompt:
         """`prompt_for` with this request's truncation side and special-token choice (every entry point
         that reads a request prepares its prompts here, so none can drop an option)."""
-        return render.prompt_for(llm, prompt, params, self.truncation_side, self.add_special_tokens)
+        return render.prompt_for(prompts, prompt, params, self.truncation_side, self.add_special_tokens)
 
     def check(self) -> None:
         extra = self.model_extra or {}

@@ -7,9 +7,9 @@ import uuid
 from collections.abc import Callable
 
 from jaxhybrid.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from jaxhybrid.llm import LLM
-from jaxhybrid.serve.chat_parsing import ChatParsers, ChoiceParser
-from jaxhybrid.serve.protocol import ChatCompletionRequest, CompletionRequest, _Request
+from jaxhybrid.engine.tokenizer import Tokenizer
+from jaxhybrid.openai.chat_parsing import ChatParsers, ChoiceParser
+from jaxhybrid.openai.protocol import ChatCompletionRequest, CompletionRequest, _Request
 
 NO_PARSERS = ChatParsers()
 
@@ -31,15 +31,13 @@ def usage_counts(prompt: int, completion: int) -> dict:
 
 
 def usage(outputs: list[RequestOutput], prompt_tokens_details: bool = False) -> dict:
-    """The counts over `outputs`, with vLLM's `cache_read_input_tokens`: how many prompt tokens (counted in
-    prompt_tokens too) came from the prefix cache or a checkpoint; with `prompt_tokens_details` (vLLM's
-    --enable-prompt-tokens-details) that count again as `prompt_tokens_details.cached_tokens`."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    cached = sum(o.num_cached_tokens for o in outputs)
-    counts = {**usage_counts(prompt, completion), "cache_read_input_tokens": cached}
+    """The counts over `outputs`; with `prompt_tokens_details` (vLLM's --enable-prompt-tokens-details) also
+    `prompt_tokens_details.cached_tokens`: how many prompt tokens (counted in prompt_tokens too) came from the
+    prefix cache or a checkpoint."""
+    counts = usage_counts(sum(len(o.prompt_token_ids) for o in outputs),
+                          sum(len(c.token_ids) for o in outputs for c in o.outputs))
     if prompt_tokens_details:
-        counts["prompt_tokens_details"] = {"cached_tokens": cached}
+        counts["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}
     return counts
 
 
@@ -76,9 +74,8 @@ def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs |
     return result
 
 
-def token_decoder(llm: LLM) -> Callable[[int], str] | None:
+def token_decoder(tokenizer: Tokenizer | None) -> Callable[[int], str] | None:
     """One token's text, special tokens included (None without a tokenizer)."""
-    tokenizer = llm.get_tokenizer()
     return None if tokenizer is None else lambda token: tokenizer.decode([token], skip_special_tokens=False)
 
 

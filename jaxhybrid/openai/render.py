@@ -1,5 +1,6 @@
 """Prompts from requests: chat messages through the template (content parts as the template reads them, tool
-calls and tool results as vLLM hands them over), a prompt's text for echo, and vLLM's /tokenizer_info."""
+calls and tool results as vLLM hands them over), prompts checked against max_model_len with vLLM's 400s, a
+prompt's text for echo, and vLLM's /tokenizer_info. The engine's `PromptPreparer` does the preparing."""
 
 from __future__ import annotations
 
@@ -7,40 +8,39 @@ import json
 import logging
 from typing import Any, Literal
 
+from jaxhybrid.engine.prompts import PromptPreparer
 from jaxhybrid.engine.requests import Prompt
 from jaxhybrid.engine.tokenizer import Tokenizer
-from jaxhybrid.llm import LLM
+from jaxhybrid.openai.errors import BadRequest, as_bad_request
 from jaxhybrid.sample.params import SamplingParams
-from jaxhybrid.serve.errors import BadRequest, as_bad_request
 
-log = logging.getLogger("jaxhybrid.serve")
+log = logging.getLogger("jaxhybrid.openai")
 
 
-def require_tokenizer(llm: LLM, param: str) -> Tokenizer:
-    if llm.tokenizer is None:
+def require_tokenizer(tokenizer: Tokenizer | None, param: str) -> Tokenizer:
+    if tokenizer is None:
         raise BadRequest("this model runs without a tokenizer (skip_tokenizer_init): send token ids", param)
-    return llm.tokenizer
+    return tokenizer
 
 
-def render_chat(llm: LLM, messages: list[dict], add_generation_prompt: bool, param: str = "messages",
+def render_chat(prompts: PromptPreparer, messages: list[dict], add_generation_prompt: bool, param: str = "messages",
                 continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
                 content_format: str = "string", tools: list[dict] | None = None) -> str:
     """`messages` through the checkpoint's chat template (`template_kwargs` its extra variables, `tools` its
     `tools`), their content in `content_format` (`text_content`); a bad message or template is a 400."""
-    tokenizer = require_tokenizer(llm, param)
-    kwargs = {**(template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
+    require_tokenizer(prompts.tokenizer, param)
     try:
-        return tokenizer.apply_chat_template(text_content(messages, param, content_format), add_generation_prompt,
-                                             continue_final_message, None, **kwargs)
+        return prompts.chat_text(text_content(messages, param, content_format), add_generation_prompt,
+                                 continue_final_message, None, template_kwargs, tools)
     except (ValueError, TypeError) as error:  # TypeError: a template variable that clashes with ours
         raise BadRequest(str(error), param) from error
 
 
-def content_format(llm: LLM, requested: str) -> str:
+def content_format(tokenizer: Tokenizer | None, requested: str) -> str:
     """vLLM's --chat-template-content-format: "string" or "openai" as asked, or the template's ("auto")."""
     if requested != "auto":
         return requested
-    return "string" if llm.tokenizer is None else llm.tokenizer.chat_template_content_format()
+    return "string" if tokenizer is None else tokenizer.chat_template_content_format()
 
 
 # vLLM's text-like content part types -> the field holding their text
@@ -162,39 +162,38 @@ def _token_content(value: Any) -> Any:
     return value
 
 
-def prompt_text(llm: LLM, prompt: Prompt) -> str:
+def prompt_text(tokenizer: Tokenizer | None, prompt: Prompt) -> str:
     """A prompt's text for echo: as sent, or decoded from its token ids; without a tokenizer a token-id
     prompt has no text, and echoes as "" (vLLM: its ids come back as prompt_token_ids)."""
     if prompt.text is not None:
         return prompt.text
-    if llm.tokenizer is None:
+    if tokenizer is None:
         return ""
-    return llm.tokenizer.decode(list(prompt.token_ids), skip_special_tokens=False)
+    return tokenizer.decode(list(prompt.token_ids), skip_special_tokens=False)
 
 
-def check_text_fits(llm: LLM, text: str, param: str) -> None:
+def check_text_fits(prompts: PromptPreparer, text: str, param: str) -> None:
     """A text too long to encode to max_model_len tokens is a 400 before it is tokenized."""
-    limit = llm.config.max_model_len
-    if llm.tokenizer is not None and len(text) > llm.tokenizer.max_text_chars(limit):
+    if not prompts.text_may_fit(text):
         raise BadRequest(f"the prompt's {len(text)} characters cannot fit in the model's maximum context length "
-                         f"({limit} tokens)", param)
+                         f"({prompts.max_model_len} tokens)", param)
 
 
-def prompt_for(llm: LLM, prompt: str | list[int] | dict, params: SamplingParams,
+def prompt_for(prompts: PromptPreparer, prompt: str | list[int] | dict, params: SamplingParams,
                truncation_side: Literal["left", "right"] | None = None, add_special_tokens: bool = False) -> Prompt:
     """Tokenize (adding the tokenizer's special tokens when asked), place the checkpoint marker and truncate
-    (`LLM.parse_prompt`); check the lengths against max_model_len (vLLM's messages)."""
+    (`PromptPreparer.prepare`); check the lengths against max_model_len (vLLM's messages)."""
     if isinstance(prompt, list):
         if any(t < 0 for t in prompt):
             raise BadRequest("prompt token ids must be greater than or equal to 0", "prompt")
         prompt = {"prompt_token_ids": prompt}
     elif params.truncate_prompt_tokens is None:
-        check_text_fits(llm, prompt, "prompt")
+        check_text_fits(prompts, prompt, "prompt")
     try:
-        parsed = llm.parse_prompt(prompt, params, truncation_side or "left", add_special_tokens)
+        parsed = prompts.prepare(prompt, params.truncate_prompt_tokens, truncation_side or "left", add_special_tokens)
     except ValueError as error:
         raise as_bad_request(error) from error
-    length, limit = len(parsed.token_ids), llm.config.max_model_len
+    length, limit = len(parsed.token_ids), prompts.max_model_len
     if length > limit:
         raise BadRequest(f"Input length ({length}) exceeds model's maximum context length ({limit}).", "prompt")
     if params.max_tokens is not None and length + params.max_tokens > limit:

@@ -1,14 +1,9 @@
 """Errors as OpenAI error bodies: a 400 (or 404) that names the field, and every other status the server
-answers with."""
+answers with (the server's HTTP responses of them: `serve.http_errors`)."""
 
 from __future__ import annotations
 
-import logging
 import re
-
-from fastapi.responses import JSONResponse
-
-log = logging.getLogger("jaxhybrid.serve")
 
 # OpenAI's Python client names its exceptions after these
 KINDS = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
@@ -28,13 +23,9 @@ def error_body(message: str, kind: str, status: int, param: str | None = None) -
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
-    """The response of an error: its OpenAI body, and one log line for a client's mistake (a 500 logs its
-    own traceback where it is caught)."""
-    if status < 500:
-        log.info("%d: %s", status, message[:200])
-    kind = KINDS.get(status, "ClientError" if status < 500 else "ServerError")
-    return JSONResponse(error_body(message, kind, status, param), status_code=status, headers=headers)
+def error_kind(status: int) -> str:
+    """The error body's `type` for an HTTP status."""
+    return KINDS.get(status, "ClientError" if status < 500 else "ServerError")
 
 
 def as_bad_request(error: Exception) -> BadRequest:

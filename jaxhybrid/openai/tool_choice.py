@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jaxhybrid.openai.errors import BadRequest
 from jaxhybrid.parsers.messages import ChatTool
-from jaxhybrid.serve.errors import BadRequest
 
 _DECODER = json.JSONDecoder()
 _WHITESPACE = " \t\n\r"

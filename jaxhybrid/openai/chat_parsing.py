@@ -1,4 +1,4 @@
-"""The server's reasoning and tool-call parsing of chat output, with vLLM's flags and rules.
+"""Reasoning and tool-call parsing of chat output (the server's and the batch job's), with vLLM's flags and rules.
 
 `ChatParsers` is what the flags built (`--reasoning-parser`; `--enable-auto-tool-choice` with
 `--tool-call-parser`); it refuses, with vLLM's 400s, a tool_choice no parser can serve. A `ChoiceParser` per
@@ -16,7 +16,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from jaxhybrid.engine_args import ParserSetupError
+from jaxhybrid.engine.args import ParserSetupError
+from jaxhybrid.openai.errors import BadRequest
+from jaxhybrid.openai.protocol import ChatCompletionRequest
+from jaxhybrid.openai.tool_choice import call_spans, required_calls
 from jaxhybrid.parsers.messages import (
     ChatTool,
     DeltaFunctionCall,
@@ -30,9 +33,6 @@ from jaxhybrid.parsers.messages import (
 from jaxhybrid.parsers.reasoning import ReasoningParser, get_reasoning_parser
 from jaxhybrid.parsers.tools import ToolParser, get_tool_parser
 from jaxhybrid.sample.params import SamplingParams
-from jaxhybrid.serve.errors import BadRequest
-from jaxhybrid.serve.protocol import ChatCompletionRequest
-from jaxhybrid.serve.tool_choice import call_spans, required_calls
 
 FORCED = ("required", "named")  # the tool choices whose schema forces calls
 
