@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import importlib
 import sys
-from importlib.metadata import PackageNotFoundError, version
 
+from jaxhybrid.flags import installed_version
 from jaxhybrid.malloc import preload_tcmalloc
 
 PROG = "jaxhybrid"
@@ -24,13 +24,6 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def _version() -> str:
-    try:
-        return version("jaxhybrid")
-    except PackageNotFoundError:  # run from a checkout that is not installed
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> None:
     """The console script: dispatch to the subcommand, or end with one line and status 2."""
     argv = sys.argv[1:] if argv is None else argv
@@ -38,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
         print(usage())
         raise SystemExit(0 if argv else 2)
     if argv[0] in ("-v", "--version"):
-        print(_version())
+        print(installed_version())
         return
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:

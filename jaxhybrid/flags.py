@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import yaml
@@ -115,3 +116,11 @@ def non_default(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
     """The arguments that differ from their defaults, secrets redacted (for the start-up log)."""
     return {k: ("<redacted>" if k == "api_key" and v else v) for k, v in vars(args).items()
             if v != parser.get_default(k)}
+
+
+def installed_version() -> str:
+    """jaxhybrid's version (`--version`, the server's /version), or "unknown" in a checkout never installed."""
+    try:
+        return version("jaxhybrid")
+    except PackageNotFoundError:
+        return "unknown"

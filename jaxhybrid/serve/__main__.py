@@ -38,11 +38,12 @@ _SERVER_FLAGS: dict[str, dict] = {
                                     "prompts)"),
     "--max-request-body-bytes": dict(type=int, default=None,
                                      help="larger request bodies get 413 before they are parsed (default: 8 MiB)"),
-    "--shutdown-timeout": dict(type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests"),
+    "--shutdown-timeout": dict(type=float, default=0, help="seconds SIGTERM waits for in-flight requests (0: they "
+                               "are aborted at once, as vLLM's default)"),
     "--watchdog-timeout": dict(type=float, default=120.0,
                                help="seconds without a step or an idle wait after which the engine counts as "
                                "stuck: /health answers 503 and the server exits with status 1"),
-    "--uvicorn-log-level": dict(default="warning"),
+    "--uvicorn-log-level": dict(default="info", choices=("critical", "error", "warning", "info", "debug", "trace")),
     "--enable-request-id-headers": dict(action=argparse.BooleanOptionalAction, default=False,
                                         help="echo X-Request-Id (or a fresh id) in every response's headers"),
     "--enable-tokenizer-info-endpoint": dict(action=argparse.BooleanOptionalAction, default=False,

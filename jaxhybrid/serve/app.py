@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from jaxhybrid.engine.requests import Prompt
+from jaxhybrid.flags import installed_version
 from jaxhybrid.openai import errors, render, responses
 from jaxhybrid.openai.errors import BadRequest
 from jaxhybrid.openai.protocol import (
@@ -60,7 +61,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
         yield
         state.loop.stop()  # after the graceful drain: what is left is aborted
 
-    app = FastAPI(title="jaxhybrid", version=_version(), lifespan=lifespan)
+    app = FastAPI(title="jaxhybrid", version=installed_version(), lifespan=lifespan)
     app.add_middleware(middleware.BodyGuard, max_bytes=max_body_bytes)
     if api_keys:
         app.add_middleware(middleware.ApiKeyGuard, keys=api_keys)
@@ -115,7 +116,7 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": _version()}
+        return {"version": installed_version()}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -221,15 +222,6 @@ def build_app(state: ServerState, api_keys: tuple[str, ...] = (), *, root_path: 
                          "'CompletionRequest']")
 
     return app
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("jaxhybrid")
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown"
 
 
 # -- parsing -------------------------------------------------------------------------------------------------

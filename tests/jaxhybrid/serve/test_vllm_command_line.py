@@ -45,6 +45,54 @@ JAXHYBRID_ONLY = {
 }
 
 
+# Defaults of shared flags that are not vLLM's, and why. vLLM's None means "resolved at start-up"; where ours
+# is the value its resolution gives on this hardware class, the row says so.
+DEFAULTS_DIFFER = {
+    "--model": "no model: the embedded default model (vLLM downloads Qwen/Qwen3-0.6B), so a fresh machine runs",
+    "--max-num-seqs": "32: vLLM resolves per device; ours sets the compiled row ladder, sized for a CPU",
+    "--max-num-batched-tokens": "512: vLLM resolves per device; ours sets the compiled token ladder",
+    "--enable-prefix-caching": "True: what vLLM resolves for hybrid models in align mode",
+    "--block-size": "16: vLLM's resolved GPU block size",
+    "--mamba-block-size": "64: our recurrent-state grid (vLLM resolves it from the attention block size)",
+    "--async-scheduling": "True: what vLLM resolves",
+    "--enable-chunked-prefill": "True: what vLLM resolves (and the only mode here)",
+    "--host": "0.0.0.0: every interface, what vLLM's None means",
+    "--root-path": "'': no prefix, what vLLM's None means",
+    "--reasoning-parser": "None: no parser, what vLLM's '' means",
+}
+
+
+def vllm_defaults(name: str) -> dict[str, str]:
+    """Each option spelling's `(default: ...)` in vLLM's help, read from its whole help paragraph."""
+    defaults, spellings, text = {}, [], ""
+    for line in [*(VLLM_CLI / name).read_text().splitlines(), ""]:
+        match = OPTION.match(line)
+        if match or not line.startswith("   "):
+            found = re.search(r"\(default: (.*)\)\s*$", text)
+            defaults.update((spelling, found.group(1)) for spelling in spellings if found)
+            spellings, text = [], ""
+        if match:
+            spellings = [s.split(" ")[0] for s in re.split(r", (?=-)", match.group(1))]
+            text = line[match.end(1):]
+        elif spellings:
+            text += " " + line.strip()
+    return defaults
+
+
+def test_shared_flags_have_vllms_defaults():
+    """Where we have vLLM's feature we have its default, or DEFAULTS_DIFFER says why not."""
+    theirs = vllm_defaults("serve_help_all.txt")
+    checked = 0
+    for action in serve.parser()._actions:
+        flag = next((f for f in action.option_strings if f in theirs), None)
+        if flag is None or flag in ("-h", "--help"):
+            continue
+        checked += 1
+        ours = "" if action.default is None and theirs[flag] == "" else str(action.default)
+        assert flag in DEFAULTS_DIFFER or ours == theirs[flag], (flag, action.default, theirs[flag])
+    assert checked > 40
+
+
 def vllm_options(name: str) -> dict[str, str | None]:
     """Every spelling of every option in vLLM's help, with a value to give it (None: it takes none)."""
     options = {}
