@@ -4,9 +4,9 @@ For each preset, tensor-parallel size (1, 2, 4, 8; a mixer whose heads tp does n
 the engine does, so it runs the TP 1 kernels and is not compiled again) and activation dtype, every public
 op the preset's mixers use is compiled ahead of time (`pallas_kernels.aot`) at the launch parameters it picks
 on that device: conv1d prefill, GDN / SSD prefill, decode, verify, verify with snapshots and materialize,
-attention prefill and decode. One line per kernel: ok or the reason, registers, spills, stack, shared memory
-against the 232,448 B limit, threads and grid. Exits 1 on a compile error, a spill, or registers or shared
-memory over the limit.
+attention prefill and decode, and the FP8 weight matmul (at TP 1 only: its tiles do not depend on the TP
+size). One line per kernel: ok or the reason, registers, spills, stack, shared memory against the 232,448 B
+limit, threads and grid. Exits 1 on a compile error, a spill, or registers or shared memory over the limit.
 
 Needs the CUDA plugin and ptxas (a venv of its own: docs/kernels.md, "Compile check without a GPU"):
     JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python benchmarks/aot_kernels.py --quick
@@ -31,6 +31,7 @@ from jaxhybrid.models.tensor_parallel import head_shards, local_heads
 from pallas_kernels import aot
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.conv1d import conv1d_prefill
+from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.gdn import gdn_decode, gdn_materialize, gdn_prefill, gdn_verify, gdn_verify_snapshots
 from pallas_kernels.mamba2 import ssd_decode, ssd_materialize, ssd_prefill, ssd_verify, ssd_verify_snapshots
 
@@ -131,6 +132,27 @@ def attention_cases(cfg, act):
                            _spec(I32, rows, CONTEXT // BLOCK_SIZE), cu, _spec(I32, rows))
 
 
+def fp8_block(preset: str, cfg) -> int | None:
+    """Input rows per scale of the preset's FP8 weights (None: one block of all rows, per tensor): its declared
+    quantization, else its family's FP8 releases' (Qwen's 128 x 128 blocks, NVIDIA ModelOpt's per tensor)."""
+    if cfg.quantization is not None:
+        return cfg.quantization.weight_block[1] if cfg.quantization.weight_block else None
+    return None if "nemotron" in preset else 128
+
+
+def fp8_cases(cfg, act, block: int | None):
+    """The FP8 weight matmul at the preset's MLP projections: one decode row (K splits), a decode bucket and a
+    prefill, in row blocks of `block` (None: per tensor; Nemotron-H-8B's 21,504-row down projection is then one
+    block that is not a power of two)."""
+    hidden = cfg.hidden_size
+    inner = cfg.moe.shared_intermediate_size if cfg.moe else cfg.intermediate_size
+    for rows, (in_features, out_features) in ((1, (hidden, inner)), (ROWS, (inner, hidden)), (TOKENS, (hidden, inner))):
+        rows_per_block = block or in_features
+        blocks = -(-in_features // rows_per_block)
+        weight = _spec(jnp.float8_e4m3fn, blocks, rows_per_block, out_features), _spec(F32, blocks, out_features)
+        yield "fp8_matmul", _pallas(fp8_matmul), (_spec(act, rows, in_features), *weight)
+
+
 def kernel_cases(preset: str, tp: int, dtype: str):
     """The cases of one preset at one TP size: the mixers whose heads tp splits (all of them at tp 1)."""
     cfg, act = load_config(PRESETS / f"{preset}.yaml"), jnp.dtype(dtype)
@@ -143,6 +165,8 @@ def kernel_cases(preset: str, tp: int, dtype: str):
             bias = getattr(local, "use_conv_bias", False)  # Mamba2 configs say; GDN convs have none
             yield from conv_cases(local.conv_dim, local.conv_kernel, bias, act)
         yield from cases(local, act)
+    if tp == 1:
+        yield from fp8_cases(cfg, act, fp8_block(preset, cfg))
 
 
 

@@ -158,7 +158,7 @@ def main() -> None:
     parser.add_argument("--mem-fraction", type=float, default=0.75, help="XLA_CLIENT_MEM_FRACTION: allocator's share")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--max-model-len", type=int, default=4096, help="the engine's default is the model's own")
     parser.add_argument("--buckets", default="all", choices=tuple(BUCKETS),
                         help="all the engine compiles, its smallest and largest (the memory peak), or one of them")
     parser.add_argument("--unrolled", action="store_true",

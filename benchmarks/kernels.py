@@ -42,7 +42,7 @@ class Case(NamedTuple):
     state_bytes: int = 0  # recurrent state read + written per call (decode-type ops; 0 = not memory-bound)
 
 
-def _median_ms(fn, repeats):
+def median_ms(fn, repeats):
     jax.block_until_ready(fn())  # compile + warm up
     times = []
     for _ in range(repeats):
@@ -322,7 +322,7 @@ def run_roofline(args) -> None:
           f"{'xla roof':>8} {'target':>7}")
     records = []
     for case in tqdm(model_cases(args.dtype, divide=args.divide), desc="kernels", leave=False):
-        seconds = {b: _median_ms(case.call(b), args.repeats) / 1e3 for b in (args.kernel_backend, "reference")}
+        seconds = {b: median_ms(case.call(b), args.repeats) / 1e3 for b in (args.kernel_backend, "reference")}
         kernel_s, xla_s = seconds[args.kernel_backend], seconds["reference"]
         fraction, xla_fraction = (roofline_fraction(case.flops, case.bytes, s) for s in (kernel_s, xla_s))
         target = TARGETS.get(case.target)
@@ -365,7 +365,7 @@ def main():
           f"{'state GB/s':>10}" + (f" {'HBM %':>6}" if on_gpu else ""))
     records = []
     for case in cases:
-        ms, np_ms = _median_ms(case.run, args.repeats), _median_ms(case.baseline, args.repeats)
+        ms, np_ms = median_ms(case.run, args.repeats), median_ms(case.baseline, args.repeats)
         gbps = case.state_bytes / ms / 1e6
         line = (f"{case.op:<26} {case.shape:<58} {ms:>13.2f} {np_ms:>9.2f} {np_ms / ms:>8.1f}x "
                 f"{case.tokens / ms * 1e3:>10.0f} {gbps:>10.1f}")

@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import yaml
 from aot_kernels import KernelCase, all_cases
-from kernels import _median_ms
+from kernels import median_ms
 from roofline import model_cases
 from tqdm import tqdm
 
@@ -78,7 +78,7 @@ def sweep(case, op: str, backend: str, repeats: int, check: KernelCase | None) -
                 failed += 1
                 continue
             try:
-                seconds = _median_ms(case.call(backend), repeats) / 1e3
+                seconds = median_ms(case.call(backend), repeats) / 1e3
             except Exception:  # noqa: BLE001 - a candidate that does not run is a measured "no"
                 failed += 1
                 continue

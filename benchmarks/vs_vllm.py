@@ -96,10 +96,13 @@ def vllm_env(vllm_python: str, binding: str) -> dict[str, str]:
     return env | ({"LD_PRELOAD": ":".join(preload)} if preload else {})
 
 
-def run_vllm(vllm_python: str, binding: str, directory: Path, work: dict, tmp: Path) -> dict:
+def run_vllm(vllm_python: str, binding: str, directory: Path, work: dict, tmp: Path,
+             engine: dict | None = None) -> dict:
+    """vllm_peer.py's results for `work`; `engine`: LLM keywords over its defaults."""
     work_path, out_path = tmp / f"jobs_{binding}.json", tmp / f"vllm_{binding}.json"
     work_path.write_text(json.dumps(work))
-    command = [vllm_python, str(HERE / "vllm_peer.py"), "run", str(directory), str(work_path), str(out_path)]
+    command = [vllm_python, str(HERE / "vllm_peer.py"), "run", str(directory), str(work_path), str(out_path),
+               json.dumps(engine or {})]
     done = subprocess.run(command, env=vllm_env(vllm_python, binding), cwd=tmp)
     if not out_path.exists():
         raise subprocess.CalledProcessError(done.returncode, command)

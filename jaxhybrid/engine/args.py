@@ -14,6 +14,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxhybrid.models.ops import CPU_KERNELS
+from jaxhybrid.models.pools import KV_CACHE_DTYPES, MAMBA_SSM_CACHE_DTYPES
 from jaxhybrid.parsers.reasoning import REASONING_PARSERS
 from jaxhybrid.sample.sampler import DEFAULT_CONSTRAINT_WIDTH
 
@@ -42,7 +44,9 @@ class EngineArgs:
     seed: int = _arg(0, type=int)
     max_num_seqs: int = _arg(32, type=int)
     max_num_batched_tokens: int = _arg(512, type=int)
-    max_model_len: int | None = _arg(None, "default: the model's, at most 4096", type=int)
+    max_model_len: int | None = _arg(
+        None, "default: the model's own (config.json max_position_embeddings, with --hf-overrides); start-up fails "
+        "where one request that long does not fit the pools", type=int)
     max_logprobs: int = _arg(20, type=int)
     max_sampling_constraints: int = _arg(
         DEFAULT_CONSTRAINT_WIDTH, "entries a sequence's logit_bias, allowed_token_ids, bad_words and min_tokens bans "
@@ -50,11 +54,16 @@ class EngineArgs:
     enable_prefix_caching: bool = _arg(True, "align-mode prefix caching of KV blocks and recurrent states")
     speculative_config: dict | None = _arg(None, 'MTP, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\'',
                                            type=json.loads)
+    hf_overrides: dict | None = _arg(
+        None, 'JSON merged into the checkpoint\'s config.json before it is parsed (nested objects merge), e.g. '
+        '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\'',
+        type=json.loads)
     replayssm_window: int | None = _arg(
         None, "W, the ReplaySSM ring (default: 16 with Pallas kernels, 1 + K on CPU, where folding an entry costs "
         "a pass over the state); 0: no ReplaySSM, verify snapshots the state at every position (the baseline)",
         type=int)
-    gpu_memory_utilization: float = _arg(0.9, "the device memory share of weights and pools", type=float)
+    gpu_memory_utilization: float = _arg(0.92, "the device memory share of weights and pools", type=float,
+                                         aliases=("--device-memory-utilization",))
     num_blocks: int | None = _arg(None, "KV blocks (default: sized from gpu_memory_utilization)", type=int)
     num_state_slots: int | None = _arg(None, "recurrent state slots (default: sized from gpu_memory_utilization)",
                                        type=int)
@@ -64,6 +73,9 @@ class EngineArgs:
                                      aliases=("-tp",))
     backend: str | None = _arg(None, "the kernels (default: pallas on GPU, reference on CPU)",
                                choices=("reference", "pallas", "interpret"))
+    cpu_kernels: str = _arg("auto", "on CPU, the GDN decode/verify ops: ffi (C++ kernels built on first use; "
+                            "start-up fails without them), reference, or auto (ffi where they build)",
+                            choices=CPU_KERNELS)
     token_buckets: tuple[int, ...] = _arg((), "step token buckets (default: a ladder up to max_num_batched_tokens)",
                                           type=int, nargs="+")
     row_buckets: tuple[int, ...] = _arg((), "step row buckets (default: a ladder up to max_num_seqs)",
@@ -80,9 +92,11 @@ class EngineArgs:
                                      "checkpoint's)")
     generation_config: str = _arg("auto", '"auto": sampling defaults from the checkpoint\'s generation_config.json; '
                                   '"vllm": none (SamplingParams\' own); a directory: its generation_config.json')
-    kv_cache_dtype: str = _arg("auto", "the KV cache's dtype: the model's", choices=("auto",))
-    mamba_ssm_cache_dtype: str = _arg("auto", "the recurrent states' dtype: float32 (auto is float32)",
-                                      choices=("auto", "float32"))
+    kv_cache_dtype: str = _arg("auto", "the KV cache's dtype: auto (the model's) or fp8 (= fp8_e4m3: float8 e4m3 "
+                               "with per-tensor scales, the checkpoint's k_scale/v_scale or 1.0)",
+                               choices=tuple(KV_CACHE_DTYPES))
+    mamba_ssm_cache_dtype: str = _arg("auto", "the recurrent states' dtype: float32 (auto) or bfloat16; the kernels "
+                                      "compute in float32", choices=tuple(MAMBA_SSM_CACHE_DTYPES))
     tokenizer_mode: str = _arg("auto", "the checkpoint's tokenizer.json (auto and hf read it alike)",
                                choices=("auto", "hf"))
     enable_chunked_prefill: bool = _arg(True, "long prompts run in chunks of max_num_batched_tokens; always on here "
@@ -94,6 +108,11 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         speculative_tokens(self.speculative_config)
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a JSON object, got {self.hf_overrides!r}")
+        for name, choices in (("kv_cache_dtype", KV_CACHE_DTYPES), ("mamba_ssm_cache_dtype", MAMBA_SSM_CACHE_DTYPES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if not self.enable_chunked_prefill:
             raise ValueError("enable_chunked_prefill=False (--no-enable-chunked-prefill) is not supported: jaxhybrid "
                              "always runs long prompts in "
@@ -125,9 +144,9 @@ def speculative_tokens(speculative_config: dict | None) -> int:
 
 
 # What the programs start with differently from `LLM`. The programs compile every bucket (the server in the
-# background; `LLM` compiles only the buckets it meets), and it is restarted often, so it keeps compiled steps on disk (`LLM` leaves its process's JAX
-# cache settings alone). Its ladders are as fine as `LLM`'s: token padding costs a step more than row padding
-# (docs/benchmarks.md#where-a-cpu-decode-step-goes).
+# background; `LLM` compiles only the buckets it meets), and a server is restarted often, so they keep compiled
+# steps on disk (`LLM` leaves its process's JAX cache settings alone). Their ladders are as fine as `LLM`'s: token
+# padding costs a step more than row padding (docs/benchmarks.md#where-a-cpu-decode-step-goes).
 CLI_DEFAULTS = {
     "precompile": True,
     "compilation_cache_dir": str(Path.home() / ".cache" / "jaxhybrid" / "xla"),

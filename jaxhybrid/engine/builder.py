@@ -5,6 +5,7 @@ generation defaults, sets up the reasoning parser, sizes the pools for the devic
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -19,16 +20,26 @@ from jaxhybrid.engine.args import EngineArgs, ParserSetupError, checkpoint_dtype
 from jaxhybrid.engine.core import Engine
 from jaxhybrid.engine.prompts import PromptPreparer
 from jaxhybrid.engine.tokenizer import Tokenizer
+from jaxhybrid.models.cache_dtypes import cache_dtypes
 from jaxhybrid.models.config import ModelConfig
 from jaxhybrid.models.generation_config import read_generation_config, sampling_defaults
 from jaxhybrid.models.model import Model
 from jaxhybrid.models.ops import ModelOps
+from jaxhybrid.models.pools import AUTO_CACHE, CacheDtypes
 from jaxhybrid.models.tensor_parallel import local_config, make_mesh
 from jaxhybrid.models.weights import load_model, resolve_model
 from jaxhybrid.parsers.reasoning import ReasoningParser, get_reasoning_parser
 from jaxhybrid.sample.params import SamplingParams
 from jaxhybrid.sample.sampler import ROW_DTYPE
-from jaxhybrid.worker.memory import PoolSizes, device_memory_budget, param_bytes, reports_memory, size_pools
+from jaxhybrid.worker.memory import (
+    CPU_MEMORY_BUDGET,
+    PoolSizes,
+    capacity_report,
+    device_memory_budget,
+    param_bytes,
+    reports_memory,
+    size_pools,
+)
 from jaxhybrid.worker.runner import step_temporaries
 from pallas_kernels.backend import resolve_backend
 from scheduler import SchedulerConfig
@@ -65,7 +76,13 @@ def build_engine(args: EngineArgs, background_compile: bool = False) -> BuiltEng
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     directory = resolve_model(args.model, args.revision, args.download_dir)
     dtype = checkpoint_dtype(directory, args.dtype)
-    model = load_model(directory, dtype=dtype, ops=ModelOps(backend=args.backend), block_size=args.block_size)
+    mesh = make_mesh(args.tensor_parallel_size) if args.tensor_parallel_size > 1 else None
+    # one process: each tensor goes straight to its shards; in a multi-host job each process loads whole params
+    # and the Runner places its shards
+    ops = ModelOps(backend=args.backend, cpu_kernels=args.cpu_kernels,
+                   cache=cache_dtypes(args.kv_cache_dtype, args.mamba_ssm_cache_dtype, directory))
+    model = load_model(directory, dtype=dtype, ops=ops, block_size=args.block_size,
+                       hf_overrides=args.hf_overrides, mesh=mesh if jax.process_count() == 1 else None)
     cfg = model.config
     if speculative_tokens(args.speculative_config) and not cfg.mtp_layers:
         raise ValueError(f"speculative_config asks for MTP, but the {cfg.model_type} checkpoint at {directory} "
@@ -76,7 +93,6 @@ def build_engine(args: EngineArgs, background_compile: bool = False) -> BuiltEng
     if tokenizer is not None and args.chat_template is not None:
         tokenizer.chat_template = chat_template_text(args.chat_template)
     reasoning_parser = _reasoning_parser(args.reasoning_parser, tokenizer)
-    mesh = make_mesh(args.tensor_parallel_size) if args.tensor_parallel_size > 1 else None
     # where the device has a memory limit, the largest step's temporaries are measured and kept out of the
     # pools; a CPU has no limit to keep to, and its budget is a fixed size
     temporaries = (lambda config: step_temporaries(model, config, mesh, args.max_sampling_constraints,
@@ -153,7 +169,8 @@ def scheduler_config(args: EngineArgs, cfg: ModelConfig, budget: Callable[[], in
     bytes the largest step of `config` needs besides its arguments (`runner.step_temporaries`), left out of
     the pools' budget so that the step has room to run."""
     k = speculative_tokens(args.speculative_config)
-    max_model_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
+    # vLLM's default: the model's own length (YaRN's max_position_embeddings is already the scaled one)
+    max_model_len = args.max_model_len or cfg.max_position_embeddings
     window = args.replayssm_window
     if window is None:  # the reference ops fold a ring entry with a whole pass over the state
         window = 16 if resolve_backend(args.backend) == "pallas" else 1
@@ -163,14 +180,16 @@ def scheduler_config(args: EngineArgs, cfg: ModelConfig, budget: Callable[[], in
     if num_blocks is None or num_state_slots is None:
         available = budget()
         if step_temporaries is not None:  # measured at the ladders of the whole budget: the largest step
-            probe = pools.size(available, dtype)
+            probe = pools.size_or_explain(available, dtype)
             reserved = step_temporaries(pools.config(probe.num_blocks, probe.num_state_slots, probe.max_num_seqs))
             log.info("the largest step's temporaries: %.2f GiB, kept out of the pools", reserved / 2**30)
             available -= reserved
-        sizes = pools.size(available, dtype)
+        sizes = pools.size_or_explain(available, dtype)
         num_blocks, num_state_slots, max_num_seqs = (num_blocks or sizes.num_blocks,
                                                      num_state_slots or sizes.num_state_slots, sizes.max_num_seqs)
         log.info("pools: %s", sizes.describe())
+        for line in pools.capacity_gained(available, dtype, sizes):
+            log.info(line)
     return pools.config(num_blocks, num_state_slots, max_num_seqs)
 
 
@@ -188,7 +207,65 @@ class _Pools:
         args = self.args
         return size_pools(local_config(self.cfg, args.tensor_parallel_size), available, block_size=args.block_size,
                           ring_size=self.ring_size, num_spec_tokens=self.k, max_num_seqs=args.max_num_seqs,
-                          max_model_len=self.max_model_len, dtype_bytes=dtype.itemsize)
+                          max_model_len=self.max_model_len, dtype_bytes=dtype.itemsize,
+                          kv_bytes=self.cache.kv_dtype(dtype).itemsize, state_bytes=self.cache.state_dtype().itemsize)
+
+    @property
+    def cache(self) -> CacheDtypes:
+        return CacheDtypes(self.args.kv_cache_dtype, self.args.mamba_ssm_cache_dtype)
+
+    def capacity_gained(self, available: int, dtype: jnp.dtype, sizes: PoolSizes) -> list[str]:
+        """The start-up lines comparing `sizes` with the pools of auto cache dtypes on the same budget."""
+        if self.cache == AUTO_CACHE:
+            return []
+        auto = dataclasses.replace(self, args=dataclasses.replace(self.args, kv_cache_dtype="auto",
+                                                                  mamba_ssm_cache_dtype="auto"))
+        return capacity_report(sizes, auto.size(available, dtype), self.args.kv_cache_dtype,
+                               self.args.mamba_ssm_cache_dtype, dtype.name)
+
+    def size_or_explain(self, available: int, dtype: jnp.dtype) -> PoolSizes:
+        """`size`, or where one request of max_model_len does not fit `available` bytes, a one-line ValueError
+        with the bytes it needs and the largest --max-model-len that fits (vLLM's start-up check)."""
+        try:
+            return self.size(available, dtype)
+        except ValueError:
+            fits = self._longest_fitting(available, dtype)
+            if fits == 0 or fits >= self.max_model_len:  # not a length that fails: the error is another one
+                raise
+            needed = self._smallest_budget(available, dtype)
+        raise ValueError(
+            f"max_model_len {self.max_model_len} does not fit: one request that long needs {needed / 2**30:.2f} GiB of "
+            f"KV blocks and recurrent state slots, but the pools have {available / 2**30:.2f} GiB; the largest length "
+            f"that fits is {fits}: pass --max-model-len {fits} (or less), or give the pools more memory "
+            f"(--gpu-memory-utilization on a GPU; on a CPU they have a fixed {CPU_MEMORY_BUDGET // 2**20} MiB)"
+        ) from None
+
+    def _fits(self, available: int, dtype: jnp.dtype) -> bool:
+        try:
+            self.size(available, dtype)
+        except ValueError:
+            return False
+        return True
+
+    def _longest_fitting(self, available: int, dtype: jnp.dtype) -> int:
+        """The largest max_model_len below this one whose request fits `available` bytes; 0 if none does."""
+        low, high = 0, self.max_model_len  # low fits (or is 0), high does not
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if dataclasses.replace(self, max_model_len=middle)._fits(available, dtype) \
+                else (low, middle)
+        return low
+
+    def _smallest_budget(self, available: int, dtype: jnp.dtype) -> int:
+        """The fewest bytes that hold one request of max_model_len (more than `available`)."""
+        high = 2 * available + 1
+        while not self._fits(high, dtype):
+            high *= 2
+        low = available  # does not fit
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if self._fits(middle, dtype) else (middle, high)
+        return high
 
     def config(self, num_blocks: int, num_state_slots: int, max_num_seqs: int) -> SchedulerConfig:
         """The SchedulerConfig of these pools, with the bucket ladders they imply."""

@@ -35,8 +35,8 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q = RMSNorm(self.norm_eps, zero_centered=True, name="q_norm")(q)
             k = RMSNorm(self.norm_eps, zero_centered=True, name="k_norm")(k)
-        q = apply_rotary(q, plan.positions, cfg.rotary_dim, cfg.rope_theta)
-        k = apply_rotary(k, plan.positions, cfg.rotary_dim, cfg.rope_theta)
+        q = apply_rotary(q, plan.positions, cfg.rotary_dim, cfg.rope_theta, cfg.yarn)
+        k = apply_rotary(k, plan.positions, cfg.rotary_dim, cfg.rope_theta, cfg.yarn)
         _, heads = self.ops.local_heads(cfg)
         attend = self.ops.on_local_heads(functools.partial(_attend, self.ops, cfg.head_dim**-0.5),
                                          in_specs=(P(None, heads),) * 3 + (kv_pool_specs(heads), P()),
@@ -53,5 +53,8 @@ def _attend(ops: ModelOps, scale: float, q: jax.Array, k: jax.Array, v: jax.Arra
     """The kernel on the heads it is given: under tensor parallelism each device's own query heads and
     their kv heads (the pool split on its kv-head axis), or all of them where tp does not divide the kv
     heads (pool and heads replicated)."""
+    # fp8 pools' scales only where they are not 1: a swapped attention op (training's) takes none
+    cache = ops.cache
+    scales = {} if cache.k_scale == cache.v_scale == 1.0 else {"k_scale": cache.k_scale, "v_scale": cache.v_scale}
     return ops.attention(q, k, v, pool.k, pool.v, plan.slot_mapping, plan.block_table, plan.cu_seqlens,
-                         plan.context_lens, scale=scale, backend=ops.backend)
+                         plan.context_lens, scale=scale, backend=ops.backend, **scales)

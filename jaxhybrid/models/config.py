@@ -59,6 +59,20 @@ class Mamba2Config:
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """YaRN rope scaling (transformers' `_compute_yarn_parameters`): frequencies interpolated by `factor` below
+    `beta_slow` rotations over `original_max_position_embeddings` and kept above `beta_fast`, a linear ramp
+    between; cos and sin scaled by `attention_factor`."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
 class AttentionConfig:
     num_heads: int
     num_kv_heads: int
@@ -68,6 +82,7 @@ class AttentionConfig:
     qk_norm: bool
     output_gate: bool
     bias: bool
+    yarn: YarnScaling | None = None  # None: plain rope
 
 
 @dataclass(frozen=True)

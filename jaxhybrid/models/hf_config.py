@@ -23,6 +23,7 @@ from jaxhybrid.models.config import (
     ModelConfig,
     MoEConfig,
     QuantConfig,
+    YarnScaling,
 )
 
 SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "nemotron_h")
@@ -40,14 +41,38 @@ def _require(cfg: dict[str, Any], name: str, model_type: str) -> Any:
     return cfg[name]
 
 
-def _rope(cfg: dict[str, Any], head_dim: int) -> tuple[int, float]:
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+def _rope(cfg: dict[str, Any], head_dim: int) -> tuple[int, float, YarnScaling | None]:
+    # transformers 5's `rope_parameters`, with an older `rope_scaling` (as --hf-overrides may add) over it
+    rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
     factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "mrope"):
-        raise ConfigError(f"rope_parameters.rope_type {rope_type!r} is not supported (only 'default')")
-    return int(head_dim * factor), float(theta)
+    if rope_type not in ("default", "mrope", "yarn"):
+        raise ConfigError(f"rope_parameters.rope_type {rope_type!r} is not supported (only 'default' and 'yarn')")
+    yarn = _yarn(rope, cfg) if rope_type == "yarn" else None
+    return int(head_dim * factor), float(theta), yarn
+
+
+def _yarn(rope: dict[str, Any], cfg: dict[str, Any]) -> YarnScaling:
+    """YaRN's parameters with transformers' defaults: `original_max_position_embeddings` from the config's top
+    level first, else the rope dict, else `max_position_embeddings`; a missing `factor` is the ratio of the two;
+    `attention_factor` from `mscale` / `mscale_all_dim` where both are set, else 0.1 ln(factor) + 1."""
+    max_len = cfg.get("max_position_embeddings", 32768)
+    original = cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") or max_len
+    factor = rope.get("factor") or max_len / original
+    if factor < 1:
+        raise ConfigError(f"rope_parameters.factor must be at least 1 for 'yarn', got {factor}")
+
+    def mscale(scale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        both = rope.get("mscale") and rope.get("mscale_all_dim")
+        attention_factor = mscale(rope["mscale"]) / mscale(rope["mscale_all_dim"]) if both else mscale(1)
+    return YarnScaling(factor=float(factor), original_max_position_embeddings=int(original),
+                       beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                       attention_factor=float(attention_factor), truncate=bool(rope.get("truncate", True)))
 
 
 def eos_token_ids(cfg: dict[str, Any]) -> tuple[int, ...]:
@@ -75,7 +100,7 @@ def _qwen_layer_types(cfg: dict[str, Any], model_type: str) -> list[str]:
 def _parse_qwen(cfg: dict[str, Any], model_type: str) -> ModelConfig:
     req = lambda name: _require(cfg, name, model_type)
     head_dim = cfg.get("head_dim") or req("hidden_size") // req("num_attention_heads")
-    rotary_dim, theta = _rope(cfg, head_dim)
+    rotary_dim, theta, yarn = _rope(cfg, head_dim)
     num_experts = cfg.get("num_experts", 0) if model_type == "qwen3_next" else 0
     mlp_only = set(cfg.get("mlp_only_layers") or [])
     sparse_step = cfg.get("decoder_sparse_step", 1)
@@ -109,7 +134,7 @@ def _parse_qwen(cfg: dict[str, Any], model_type: str) -> ModelConfig:
         attention=AttentionConfig(
             num_heads=req("num_attention_heads"), num_kv_heads=req("num_key_value_heads"), head_dim=head_dim,
             rotary_dim=rotary_dim, rope_theta=theta, qk_norm=True, output_gate=True,
-            bias=cfg.get("attention_bias", False),
+            bias=cfg.get("attention_bias", False), yarn=yarn,
         ),
         moe=moe, mtp_layers=((ATTENTION, mtp_ffn),) * num_mtp, eos_token_id=eos_token_ids(cfg),
     )
@@ -235,8 +260,18 @@ def _parse_architecture(cfg: dict[str, Any]) -> ModelConfig:
     raise ConfigError(f"unknown model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
-def load_config(path: str | Path) -> ModelConfig:
-    """Parse a checkpoint directory's config.json, a config.json file, or a YAML preset."""
+def merge_overrides(config: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM's --hf-overrides: `overrides` over `config`, nested dicts merged key by key, anything else replaced."""
+    merged = dict(config)
+    for key, value in (overrides or {}).items():
+        old = merged.get(key)
+        merged[key] = merge_overrides(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
+    return merged
+
+
+def read_raw_config(path: str | Path, overrides: dict[str, Any] | None = None) -> tuple[dict[str, Any], Path]:
+    """A checkpoint directory's config.json, a config.json file, or a YAML preset as a dict with `overrides`
+    merged in (`merge_overrides`), and the file it was read from."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -244,5 +279,12 @@ def load_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"no config.json at {path}")
     text = path.read_text()
     raw = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    return merge_overrides(raw, overrides), path
+
+
+def load_config(path: str | Path, hf_overrides: dict[str, Any] | None = None) -> ModelConfig:
+    """Parse a checkpoint directory's config.json, a config.json file, or a YAML preset, with `hf_overrides`
+    merged into it first (`merge_overrides`)."""
+    raw, path = read_raw_config(path, hf_overrides)
     modelopt = path.parent / "hf_quant_config.json"
     return parse_hf_config(raw, json.loads(modelopt.read_text()) if modelopt.is_file() else None)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxhybrid.models.config import ModelConfig, MoEConfig
+from jaxhybrid.models.config import ModelConfig, MoEConfig, YarnScaling
 from jaxhybrid.models.experts import ExpertWeights, routed_experts
 from pallas_kernels.fp8_matmul import fp8_matmul
 
@@ -24,7 +27,9 @@ class Dense(nn.Dense):
             return super().__call__(inputs)
         kernel, scale = self.get_variable("params", "kernel"), self.get_variable("params", "kernel" + SCALE_SUFFIX)
         dtype = self.dtype or inputs.dtype
-        y = fp8_matmul(inputs.astype(dtype), kernel, scale)
+        # XLA's dot on every platform: it is split under tensor parallelism, and reads a scanned layer's weight
+        # in place (docs/kernels.md#fp8-weight-matmul)
+        y = fp8_matmul(inputs.astype(dtype), kernel, scale, backend="reference")
         if self.use_bias:
             y = y + self.param("bias", self.bias_init, (self.features,), self.param_dtype).astype(dtype)
         return y
@@ -73,14 +78,43 @@ class GatedRMSNorm(nn.Module):
         return (y * weight).astype(x.dtype)
 
 
-def apply_rotary(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
-    """NeoX rotate-half RoPE on the first `rotary_dim` dims of each head. x: [T, heads, D], positions: [T]."""
+def rope_frequencies(rotary_dim: int, theta: float, yarn: YarnScaling | None = None) -> tuple[np.ndarray, float]:
+    """The inverse frequencies (float32 [rotary_dim // 2]) of NeoX RoPE and the factor cos and sin are scaled
+    by: plain RoPE's `theta ** (-2i / d)` and 1, or YaRN's (transformers' `_compute_yarn_parameters`)."""
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)
+    pos_freqs = np.power(np.float32(theta), exponents, dtype=np.float32)
+    extrapolated = (1.0 / pos_freqs).astype(np.float32)
+    if yarn is None:
+        return extrapolated, 1.0
+    interpolated = (1.0 / (np.float32(yarn.factor) * pos_freqs)).astype(np.float32)
+
+    def correction_dim(rotations: float) -> float:  # the dim whose wavelength makes `rotations` turns
+        return (rotary_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = np.clip((np.arange(rotary_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    keep = 1 - ramp  # 1: extrapolated (high-frequency dims), 0: interpolated by `factor`
+    return (interpolated * (1 - keep) + extrapolated * keep).astype(np.float32), yarn.attention_factor
+
+
+def apply_rotary(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float,
+                 yarn: YarnScaling | None = None) -> jax.Array:
+    """NeoX rotate-half RoPE (YaRN-scaled where `yarn` is given) on the first `rotary_dim` dims of each head.
+    x: [T, heads, D], positions: [T]."""
     if rotary_dim == 0:
         return x
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    inv_freq, scale = rope_frequencies(rotary_dim, theta, yarn)
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     cos = jnp.cos(jnp.concatenate([freqs, freqs], axis=-1))[:, None, :]
     sin = jnp.sin(jnp.concatenate([freqs, freqs], axis=-1))[:, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     rot, rest = x[..., :rotary_dim].astype(jnp.float32), x[..., rotary_dim:]
     half = rotary_dim // 2
     rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)

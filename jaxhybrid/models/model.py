@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhybrid.models.config import ModelConfig
+from jaxhybrid.models.fp8_weights import quantized_params
 from jaxhybrid.models.hybrid import HybridLM
 from jaxhybrid.models.ops import DEFAULT_OPS, ModelOps
 from jaxhybrid.models.plan_transfer import DevicePlan
@@ -73,9 +74,13 @@ class Model:
     """A checkpoint's config and params: `model(token_ids[B, L]) -> logits[B, L, V]` runs full sequences
     as one plan of prefill rows over fresh pools (the engine's code path); `mtp_logits` adds the MTP head."""
 
-    def __init__(self, config: ModelConfig, params: Any, *, ops: ModelOps = DEFAULT_OPS, block_size: int = 16):
+    def __init__(self, config: ModelConfig, params: Any, *, ops: ModelOps = DEFAULT_OPS, block_size: int = 16,
+                 tp_layout: int = 1):
         self.config = config
         self.params = params
+        # the tensor-parallel size whose head-aligned layout the params are in (`tensor_parallel.to_tp_layout`),
+        # and placed for; 1: the checkpoint's own layout, which this model's own forward reads
+        self.tp_layout = tp_layout
         self.block_size = block_size
         self.module = HybridLM(config, ops)
         self._forward = jax.jit(self._forward_fn, static_argnames="with_mtp")
@@ -88,6 +93,9 @@ class Model:
         return full_forward(self.module, params, token_ids, self.block_size, with_mtp=with_mtp)
 
     def _padded(self, token_ids: Any) -> tuple[jax.Array, int]:
+        if self.tp_layout != 1:  # the split mixers read their heads in the checkpoint's order here
+            raise ValueError(f"this model's params are laid out for tensor parallelism {self.tp_layout}: serve "
+                             "it with an engine on that mesh, or load it without a mesh to call it directly")
         token_ids = np.asarray(token_ids, np.int32)
         if token_ids.ndim != 2:
             raise ValueError(f"token_ids must be [batch, length], got shape {token_ids.shape}")
@@ -129,9 +137,11 @@ def _init(config: ModelConfig, rng: jax.Array) -> Any:
 @functools.cache
 def abstract_params(config: ModelConfig, dtype: jnp.dtype = jnp.float32) -> Any:
     """The params pytree as `jax.ShapeDtypeStruct`s of `dtype`, without allocating it (the loader's target,
-    and the weights of a compile for a GPU this host does not have)."""
+    and the weights of a compile for a GPU this host does not have). With an FP8 `config.quantization`, the
+    weights its checkpoints keep in FP8 are FP8 kernels and their scales, as the loader makes them
+    (`fp8_weights.quantized_params`)."""
     shapes = jax.eval_shape(functools.partial(_init, config), jax.random.key(0))
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)), shapes)
+    return quantized_params(jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)), shapes), config)
 
 
 def init_params(config: ModelConfig, seed: int = 0, dtype: jnp.dtype = jnp.float32) -> Any:

@@ -1,9 +1,9 @@
 """DeviceState: the pools one engine step reads and writes (docs/engine.md#memory-model).
 
-Per attention layer (the MTP layers included) a paged KV pool; per recurrent layer a state-slot pool
-whose slot is one page: the conv window at S0, the fp32 state S0, and the ReplaySSM rings of the
-mixer's inputs and of the pre-conv inputs after S0. Slot 0 and block 0 are null: all zeros, never
-written by a real row. The runner donates the whole pytree to every step.
+Per attention layer (the MTP layers included) a paged KV pool (the model's dtype or fp8, `CacheDtypes`); per
+recurrent layer a state-slot pool whose slot is one page: the conv window at S0, the state S0 (fp32 or bf16), and
+the fp32 ReplaySSM rings of the mixer's inputs and of the pre-conv inputs after S0. Slot 0 and block 0 are null:
+all zeros, never written by a real row. The runner donates the whole pytree to every step.
 
 Pools follow the layer stack's segments (`stack.py`): per segment, one pool per period position, stacked
 on a leading `repeats` axis, `[repeats, S, ...]`, where the segment repeats. (A segment of one repeat keeps
@@ -26,6 +26,28 @@ from jaxhybrid.models.config import ATTENTION, GDN, MLP, MOE, ModelConfig
 from jaxhybrid.models.plan_transfer import DevicePlan
 from jaxhybrid.models.stack import layer_segments
 
+KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}  # vLLM's spellings
+MAMBA_SSM_CACHE_DTYPES = {"auto": jnp.float32, "float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class CacheDtypes(NamedTuple):
+    """What the pools store, by vLLM's --kv-cache-dtype and --mamba-ssm-cache-dtype names, and the KV pools'
+    per-tensor scales: an fp8 pool holds K / k_scale and V / v_scale (vLLM's default scale is 1.0)."""
+
+    kv: str = "auto"      # "auto": the model's dtype
+    state: str = "auto"   # "auto": float32
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def kv_dtype(self, model_dtype: jnp.dtype) -> jnp.dtype:
+        return jnp.dtype(KV_CACHE_DTYPES[self.kv] or model_dtype)
+
+    def state_dtype(self) -> jnp.dtype:
+        return jnp.dtype(MAMBA_SSM_CACHE_DTYPES[self.state])
+
+
+AUTO_CACHE = CacheDtypes()
+
 
 class KVPool(NamedTuple):
     k: jax.Array  # [num_blocks, block_size, kv_heads, head_dim]; block 0 is the null block
@@ -36,7 +58,7 @@ class RecurrentPool(NamedTuple):
     """One recurrent layer's slot pages; every ring has W + 1 + K entries on its axis 2."""
 
     window: jax.Array             # [S, Kc-1, conv_dim] the conv window at S0, oldest first
-    state: jax.Array              # [S, HV, K, V] (GDN) | [S, NH, P, N] (Mamba2) f32 S0
+    state: jax.Array              # [S, HV, K, V] (GDN) | [S, NH, P, N] (Mamba2) S0, f32 or bf16 (computed in f32)
     # GDN (k^, u, g) | Mamba2 (x, dt, B), see pallas_kernels.gdn / .mamba2; with W = 0 (snapshots,): the
     # whole state after each entry, [S, heads, E, ...]
     rings: tuple[jax.Array, ...]
@@ -108,7 +130,7 @@ def has_snapshots(rings: tuple[jax.Array, ...]) -> bool:
 
 
 def _recurrent_pool(cfg: ModelConfig, kind: str, num_slots: int, ring_entries: int, dtype: jnp.dtype,
-                    snapshots: bool) -> RecurrentPool:
+                    state_dtype: jnp.dtype, snapshots: bool) -> RecurrentPool:
     s, w = num_slots, ring_entries
     if kind == GDN:
         g = cfg.gdn
@@ -123,23 +145,24 @@ def _recurrent_pool(cfg: ModelConfig, kind: str, num_slots: int, ring_entries: i
     if snapshots:
         rings = ((s, state[1], w, *state[2:]),)
     return RecurrentPool(jnp.zeros((s, mixer.conv_kernel - 1, mixer.conv_dim), dtype),
-                         jnp.zeros(state, jnp.float32), tuple(jnp.zeros(shape, jnp.float32) for shape in rings),
+                         jnp.zeros(state, state_dtype), tuple(jnp.zeros(shape, jnp.float32) for shape in rings),
                          jnp.zeros((s, 1, w, mixer.conv_dim), dtype))
 
 
 def init_device_state(cfg: ModelConfig, *, num_blocks: int, block_size: int, num_slots: int, ring_entries: int,
-                      history_len: int = 1, dtype: jnp.dtype = jnp.float32, snapshots: bool = False) -> DeviceState:
+                      history_len: int = 1, dtype: jnp.dtype = jnp.float32, snapshots: bool = False,
+                      cache: CacheDtypes = AUTO_CACHE) -> DeviceState:
     """Zero pools: `num_blocks` KV blocks and `num_slots` state slots (nulls included), rings of
     `ring_entries` = W + 1 + K entries (whole states with `snapshots`), token histories of `history_len`
-    positions."""
+    positions. Activations (conv windows, rings) in `dtype`; KV pools and states as `cache` says."""
 
     def pool(kinds: tuple[str, ...]) -> LayerPool:
         stateful = [k for k in kinds if k not in (MLP, MOE)]
         if not stateful:
             return None
         if stateful[0] == ATTENTION:
-            return _kv_pool(cfg, num_blocks, block_size, dtype)
-        return _recurrent_pool(cfg, stateful[0], num_slots, ring_entries, dtype, snapshots)
+            return _kv_pool(cfg, num_blocks, block_size, cache.kv_dtype(dtype))
+        return _recurrent_pool(cfg, stateful[0], num_slots, ring_entries, dtype, cache.state_dtype(), snapshots)
 
     def stacked(kinds: tuple[str, ...], repeats: int) -> LayerPool:
         if repeats == 1:

@@ -226,6 +226,12 @@ def param_shardings(params: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
         lambda path, leaf: param_sharding(path, leaf.shape, leaf.dtype, cfg, mesh), params)
 
 
+def shard_params(params: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
+    """Whole params (on the host or one device) in the head-aligned layout, placed by `param_shardings`."""
+    params = to_tp_layout(params, cfg, mesh.shape[AXIS])
+    return jax.device_put(params, param_shardings(params, cfg, mesh))
+
+
 def state_shardings(state: DeviceState, cfg: ModelConfig, mesh: Mesh) -> DeviceState:
     tp = mesh.shape[AXIS]
     named = lambda specs: jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)

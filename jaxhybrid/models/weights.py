@@ -3,8 +3,9 @@
 Checkpoints in float32, bfloat16 or float16 load in the serving dtype. FP8 checkpoints (e4m3 weights with
 float32 scales: Qwen's block-wise `weight_scale_inv`, NVIDIA ModelOpt's per-tensor `weight_scale`) keep every
 FP8 weight that a matmul reads (`layers.Dense` kernels, routed experts) in FP8 on the device, with its scales
-(`pallas_kernels.fp8_matmul`); an FP8 weight anywhere else is dequantized on the host. With a mesh, each tensor
-goes straight to its shards in the tensor-parallel layout.
+(`pallas_kernels.fp8_matmul`); an FP8 weight anywhere else is dequantized on the host (the rule and the layout:
+`fp8_weights`, shared with `model.abstract_params`). With a mesh, each tensor goes straight to its shards in the
+tensor-parallel layout.
 """
 
 from __future__ import annotations
@@ -25,21 +26,22 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.models.config import GDNConfig, ModelConfig, QuantConfig
+from jaxhybrid.models.fp8_weights import canonical_name, device_shapes, keeps_fp8, scale_layout
 from jaxhybrid.models.generation_config import read_generation_config
-from jaxhybrid.models.hf_config import eos_token_ids, load_config, parse_hf_config
+from jaxhybrid.models.hf_config import eos_token_ids, load_config, merge_overrides, parse_hf_config
 from jaxhybrid.models.layers import SCALE_SUFFIX
 from jaxhybrid.models.model import Model, abstract_params
 from jaxhybrid.models.safetensors_reader import SafetensorsError, TensorEntry, read_header
 from jaxhybrid.models.stack import is_stacked, layer_location, layer_segments, segment_key
-from jaxhybrid.models.tensor_parallel import AXIS, param_sharding, tp_layout_leaf
+from jaxhybrid.models.tensor_parallel import AXIS, param_sharding, shard_params, tp_layout_leaf
 
 Path_ = tuple[str, ...]
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 # A quantized weight's scales (Qwen's block-wise inverse scales, ModelOpt's per-tensor ones), and the scales of
-# static FP8 activations and KV cache, which are not used: activations and the KV cache stay in the serving dtype.
+# static FP8 activations and KV cache, which are no params: activations stay in the serving dtype, and an fp8 KV
+# cache reads k_scale / v_scale itself (`cache_dtypes.checkpoint_kv_scales`).
 _WEIGHT_SCALES = ("weight_scale_inv", "weight_scale")
 _UNUSED_SCALES = ("input_scale", "k_scale", "v_scale")
-_EXPERT_STACKS = ("up_proj", "down_proj", "gate_proj")
 
 
 class Quantized(NamedTuple):
@@ -62,12 +64,13 @@ class Quantized(NamedTuple):
         """A kernel's (float8 [..., blocks, block, out], rows past `in` zero; float32 scale [..., blocks, out]),
         the layout of `pallas_kernels.fp8_matmul`."""
         *lead, rows, out = self.weight.shape
-        blocks = -(-rows // self.block)
+        shape, _ = device_shapes(self.weight.shape, self.block)
+        padded = shape[-3] * self.block
         kernel = self.weight
-        if blocks * self.block != rows:
-            kernel = np.zeros((*lead, blocks * self.block, out), FP8)
+        if padded != rows:
+            kernel = np.zeros((*lead, padded, out), FP8)
             kernel[..., :rows, :] = self.weight
-        return kernel.reshape(*lead, blocks, self.block, out), np.ascontiguousarray(self.scale, np.float32)
+        return kernel.reshape(shape), np.ascontiguousarray(self.scale, np.float32)
 
 
 Tensor = np.ndarray | Quantized
@@ -87,20 +90,11 @@ class CheckpointError(ValueError):
     """A checkpoint directory that cannot be loaded; the message names the file or tensors."""
 
 
-# Checkpoint prefixes that all mean "the language model".
-_PREFIXES = (("model.language_model.", "model."), ("backbone.", "model."), ("language_model.model.", "model."))
 _IGNORED = re.compile(r"^(model\.visual\.|visual\.|.*rotary_emb\.inv_freq$)")
 # Sublayer module names in checkpoints -> our kind-independent slot in the layer.
 _QWEN_SUBLAYERS = {"input_layernorm": "norm_0", "post_attention_layernorm": "norm_1"}
 _QWEN_MODULES = {"linear_attn": 0, "self_attn": 0, "mlp": 1}
 _NORM_NAMES = ("norm", "q_norm", "k_norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm_0", "norm_1")
-
-
-def _canonical(name: str) -> str:
-    for old, new in _PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old) :]
-    return name
 
 
 def _regroup_qkvz(w: np.ndarray, gdn: GDNConfig) -> np.ndarray:
@@ -179,7 +173,7 @@ def _layer_tensor(prefix: Path_, kinds: tuple[str, ...], parts: list[str], w: np
 
 def translate(name: str, w: np.ndarray, cfg: ModelConfig) -> Iterator[Piece]:
     """Map one checkpoint tensor to the params it contributes to. Raises CheckpointError on unknown names."""
-    name = _canonical(name)
+    name = canonical_name(name)
     if _IGNORED.match(name):
         return
     parts = name.split(".")
@@ -276,17 +270,14 @@ def quantized(name: str, weight: np.ndarray, scale: np.ndarray, quant: QuantConf
     """An FP8 weight [..., out, in] with its checkpoint scales: one per `quant.weight_block` block (the edge
     blocks partial), one for the whole tensor, or one per row; each repeated over its block's rows."""
     *lead, out, cols = weight.shape
-    scale = scale.astype(np.float32)
-    if scale.size == 1:
-        return Quantized(weight, np.full((*lead, out, 1), scale.reshape(()), np.float32), cols)
-    if scale.shape in ((*lead, out), (*lead, out, 1)):
-        return Quantized(weight, scale.reshape(*lead, out, 1), cols)
-    if quant.weight_block is not None:
-        rows, block = quant.weight_block
-        if scale.shape == (*lead, -(-out // rows), -(-cols // block)):
-            return Quantized(weight, np.repeat(scale, rows, axis=-2)[..., :out, :], block)
-    raise CheckpointError(f"FP8 tensor {name} of shape {list(weight.shape)} has scales of shape {list(scale.shape)}, "
-                          f"neither per tensor, per row, nor per {quant.weight_block} block")
+    layout = scale_layout(weight.shape, scale.shape, quant.weight_block)
+    if layout is None:
+        raise CheckpointError(f"FP8 tensor {name} of shape {list(weight.shape)} has scales of shape "
+                              f"{list(scale.shape)}, neither per tensor, per row, nor per {quant.weight_block} block")
+    rows, block = layout
+    grid = (*lead, -(-out // rows), -(-cols // block))
+    scale = scale.astype(np.float32).reshape(grid) if scale.size > 1 else np.full(grid, scale.reshape(()), np.float32)
+    return Quantized(weight, np.repeat(scale, rows, axis=-2)[..., :out, :], block)
 
 
 def _parent(tree: dict, path: Path_) -> dict:
@@ -355,11 +346,6 @@ def _converted(tensors: Callable[[], Iterator[tuple[str, np.ndarray]]],
             yield name, path, array
 
 
-def _keeps_fp8(path: Path_) -> bool:
-    """Whether the param at `path` is read by an FP8 matmul: a `Dense` kernel or a routed expert stack."""
-    return path[-1] == "kernel" or (len(path) > 1 and path[-2] == "moe" and path[-1] in _EXPERT_STACKS)
-
-
 def _translate(name: str, tensor: Tensor, cfg: ModelConfig) -> Iterator[Piece]:
     """`translate`, an FP8 weight's scales mapped as its weight is (same rows, same transposes), and dequantized
     on the host where it goes to a param that no FP8 matmul reads."""
@@ -367,7 +353,7 @@ def _translate(name: str, tensor: Tensor, cfg: ModelConfig) -> Iterator[Piece]:
         yield from translate(name, tensor, cfg)
         return
     pieces = list(translate(name, tensor.weight, cfg))
-    if not all(_keeps_fp8(path) for path, _, _ in pieces):
+    if not all(keeps_fp8(path) for path, _, _ in pieces):
         yield from translate(name, tensor.dequantized(-1), cfg)
         return
     for (path, part, weight), (_, _, scale) in zip(pieces, translate(name, tensor.scale, cfg), strict=True):
@@ -377,7 +363,8 @@ def _translate(name: str, tensor: Tensor, cfg: ModelConfig) -> Iterator[Piece]:
 def _per_layer_shapes(cfg: ModelConfig) -> dict[Path_, tuple[int, ...]]:
     """Every param's path and shape in the checkpoint's per-layer layout (`layers_{i}/...`)."""
     shapes = {}
-    for path, leaf in _flatten(abstract_params(cfg)).items():
+    # the checkpoint's weights as they are read, an FP8 one before it takes its device layout
+    for path, leaf in _flatten(abstract_params(dataclasses.replace(cfg, quantization=None))).items():
         if not is_stacked(path):
             shapes[path] = leaf.shape
             continue
@@ -456,23 +443,26 @@ def resolve_model(model: str | Path | None, revision: str | None = None, downloa
 
 
 def load_model(path: str | Path | None = None, dtype: Any = jnp.float32, *, revision: str | None = None,
-               download_dir: str | Path | None = None, mesh: Mesh | None = None, **model_kwargs: Any) -> Model:
+               download_dir: str | Path | None = None, mesh: Mesh | None = None,
+               hf_overrides: dict[str, Any] | None = None, **model_kwargs: Any) -> Model:
     """Load a HuggingFace checkpoint (or one saved by `save_params`) as a `Model`: a directory or a hub id
     (`resolve_model`). With no path, loads the embedded default model shipped in `jaxhybrid/assets/`.
     `dtype` is the serving dtype; an FP8 checkpoint's FP8 weights stay FP8 (`convert_checkpoint`). With a
     `mesh`, the params come in the tensor-parallel layout, each tensor sent straight to its shards.
+    `hf_overrides` (vLLM's --hf-overrides) is merged into config.json before it is parsed.
     """
     directory = resolve_model(path, revision, download_dir)
-    config = load_config(directory)
+    config = load_config(directory, hf_overrides)
     if (directory / "params").is_dir():
         params = restore_params(directory / "params", config, dtype)
+        params = params if mesh is None else shard_params(params, config, mesh)
     else:
         files = _checkpoint_files(directory)
         params = convert_checkpoint(lambda: _iter_tensors(files, config.quantization), config, dtype, mesh)
     extra_eos = [t for t in eos_token_ids(read_generation_config(directory)) if t not in config.eos_token_id]
     model = Model(dataclasses.replace(config, eos_token_id=config.eos_token_id + tuple(extra_eos)), params,
-                  **model_kwargs)
-    model.hf_config = json.loads((directory / "config.json").read_text())
+                  tp_layout=1 if mesh is None else mesh.shape[AXIS], **model_kwargs)
+    model.hf_config = merge_overrides(json.loads((directory / "config.json").read_text()), hf_overrides)
     return model
 
 

@@ -30,7 +30,7 @@ from jaxhybrid.models.hybrid import HybridLM
 from jaxhybrid.models.model import Model
 from jaxhybrid.models.plan_transfer import PlanLayout, pack_plan
 from jaxhybrid.models.pools import DeviceState, init_device_state
-from jaxhybrid.models.tensor_parallel import AXIS, param_shardings, state_shardings, to_tp_layout
+from jaxhybrid.models.tensor_parallel import AXIS, param_shardings, shard_params, state_shardings
 from jaxhybrid.sample.sampler import DEFAULT_CONSTRAINT_WIDTH, ROW_DTYPE, Logprobs, batch_constraints
 from jaxhybrid.worker.buckets import padding_plan, plan_shapes
 from jaxhybrid.worker.memory import check_maps_suffice, memory_maps
@@ -113,9 +113,13 @@ class Runner:
         cfg, mesh = self.model.config, self.mesh
         if self.abstract:
             return _sharded_specs(params, param_shardings(params, cfg, mesh))
+        if self.model.tp_layout == mesh.shape[AXIS]:  # loaded straight into this mesh's shards
+            return params
+        if self.model.tp_layout != 1:
+            raise ValueError(f"the model's params are laid out for tensor parallelism {self.model.tp_layout}, "
+                             f"the engine runs {mesh.shape[AXIS]}")
         params = params if self.channel is None else jax.tree.map(np.asarray, params)  # from the host
-        params = to_tp_layout(params, cfg, mesh.shape[AXIS])
-        return jax.device_put(params, param_shardings(params, cfg, mesh))
+        return shard_params(params, cfg, mesh)
 
     def _state_shardings(self) -> DeviceState:
         return state_shardings(jax.eval_shape(self._fresh_state), self.model.config, self.mesh)
@@ -126,7 +130,7 @@ class Runner:
             self.model.config, num_blocks=config.num_blocks, block_size=config.block_size,
             num_slots=config.num_state_slots, ring_entries=ring_rows(config.ring_size, config.num_spec_tokens),
             history_len=config.max_model_len + config.num_spec_tokens, dtype=self.model.dtype,
-            snapshots=config.ring_size == 0)
+            snapshots=config.ring_size == 0, cache=self.model.module.ops.cache)
 
     def reset_state(self) -> None:
         """Fresh, all-zero pools, after a failed step may have consumed the donated ones (followers too)."""
@@ -414,7 +418,7 @@ def step_temporaries(model: Model, config: SchedulerConfig, mesh: Mesh | None = 
         init_device_state, cfg, num_blocks=config.num_blocks, block_size=config.block_size,
         num_slots=config.num_state_slots, ring_entries=ring_rows(config.ring_size, config.num_spec_tokens),
         history_len=config.max_model_len + config.num_spec_tokens, dtype=model.dtype,
-        snapshots=config.ring_size == 0))
+        snapshots=config.ring_size == 0, cache=model.module.ops.cache))
     module, out_shardings = model.module, {}
     if mesh is None:  # everything where the params are (`Runner._replicated`)
         replicated = getattr(jax.tree.leaves(model.params)[0], "sharding", None)

@@ -87,7 +87,8 @@ def _attend_blocks(q, positions, row, kv_head, first_block, end_block, last_posi
         key_positions = j * block_size + jnp.arange(block_size)
         keys = k_pool_ref[block, :, kv_head, :].astype(q.dtype)  # [BS, Dh]
         # Select, not multiply by a zero probability: a block's unwritten tail may hold NaN or Inf.
-        values = jnp.where((key_positions <= last_position)[:, None], v_pool_ref[block, :, kv_head, :], 0)
+        values = v_pool_ref[block, :, kv_head, :].astype(q.dtype)
+        values = jnp.where((key_positions <= last_position)[:, None], values, 0)
         scores = dots(q, keys.T) * scale  # [M, BS]
         scores = jnp.where(key_positions[None, :] <= positions[:, None], scores, -jnp.inf)
         return _online_softmax_step(carry, scores, values, dots)
@@ -171,19 +172,22 @@ def _partial_shapes(num_splits, padded_shape):
     return acc, stat, stat
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_m", "num_splits", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "k_scale", "v_scale", "block_m", "num_splits", "num_warps",
+                                             "num_stages", "interpret"))
 def ragged_paged_attention(
     q, k, v, k_pool, v_pool, slot_mapping, block_table, cu_seqlens, context_lens, *, scale,
-    block_m: int | None = None, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+    k_scale: float = 1.0, v_scale: float = 1.0, block_m: int | None = None, num_splits: int | None = None,
+    num_warps: int = 4, num_stages: int = 2,
     interpret: bool = False,
 ):  # fmt: skip
-    """Same contract as `reference.ragged_paged_attention`.
+    """Same contract as `reference.ragged_paged_attention`. An fp8 pool's entries are cast to q.dtype in the
+    kernel, k_scale folds into the softmax scale and v_scale into the output.
 
     block_m: dot rows per program (power of two >= 16); None = `default_block_m`.
     num_splits: KV splits per tile (1 = no split); None = `default_num_splits`.
     num_warps, num_stages: Triton launch parameters.
     """
-    k_pool, v_pool = write_kv(k, v, k_pool, v_pool, slot_mapping)
+    k_pool, v_pool = write_kv(k, v, k_pool, v_pool, slot_mapping, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     num_rows, max_blocks = block_table.shape
     block_size, num_kv_heads = k_pool.shape[1:3]
@@ -208,7 +212,8 @@ def ragged_paged_attention(
     dots = Dots(q.dtype, interpret, f32_on_gpu=HIGHEST)
     kernel = functools.partial(
         _attention_kernel,
-        tokens_per_tile=tokens_per_tile, block_size=block_size, num_splits=num_splits, scale=scale, dots=dots,
+        tokens_per_tile=tokens_per_tile, block_size=block_size, num_splits=num_splits, scale=scale * k_scale,
+        dots=dots,
     )  # fmt: skip
     outs = pl.pallas_call(
         kernel,
@@ -221,4 +226,6 @@ def ragged_paged_attention(
     )(table.rows, table.starts, table.lengths, cu_seqlens, context_lens, block_table, grouped, k_pool, v_pool)
     out = outs if num_splits == 1 else _merge_splits(*outs)
     out = out[:num_tokens, :, :group].reshape(q.shape)
+    if v_scale != 1.0:
+        out = (out.astype(jnp.float32) * v_scale).astype(q.dtype)
     return zero_padding(out, cu_seqlens, q.dtype), k_pool, v_pool

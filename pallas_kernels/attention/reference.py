@@ -8,13 +8,29 @@ import jax.numpy as jnp
 from pallas_kernels.tiles import HIGHEST
 from pallas_kernels.varlen import chunk_table, gather_chunks, max_num_chunks, real_blocks, scatter_chunks
 
+FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448: e4m3fn has no infinity, a cast past it would be NaN
 
-def write_kv(k, v, k_pool, v_pool, slot_mapping):
-    """Store each token's K/V at flat slot `block * BS + offset` (padding tokens -> null block 0)."""
+
+def is_fp8(pool) -> bool:
+    """Whether a pool holds float8 e4m3 values, each the stored tensor divided by its per-tensor scale."""
+    return pool.dtype == jnp.float8_e4m3fn
+
+
+def quantize(x, dtype, scale: float = 1.0):
+    """x as a pool of `dtype` stores it: cast, or for an fp8 pool x / scale saturated to +-448 then cast (vLLM's
+    `scaled_fp8_quant`)."""
+    if jnp.dtype(dtype) != jnp.float8_e4m3fn:
+        return x.astype(dtype)
+    return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX).astype(dtype)
+
+
+def write_kv(k, v, k_pool, v_pool, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0):
+    """Store each token's K/V at flat slot `block * BS + offset` (padding tokens -> null block 0), quantized
+    to the pools' dtype (`quantize`)."""
     num_blocks, block_size = k_pool.shape[:2]
     flat = (num_blocks * block_size,) + k_pool.shape[2:]
-    k_pool = k_pool.reshape(flat).at[slot_mapping].set(k.astype(k_pool.dtype)).reshape(k_pool.shape)
-    v_pool = v_pool.reshape(flat).at[slot_mapping].set(v.astype(v_pool.dtype)).reshape(v_pool.shape)
+    k_pool = k_pool.reshape(flat).at[slot_mapping].set(quantize(k, k_pool.dtype, k_scale)).reshape(k_pool.shape)
+    v_pool = v_pool.reshape(flat).at[slot_mapping].set(quantize(v, v_pool.dtype, v_scale)).reshape(v_pool.shape)
     return k_pool, v_pool
 
 
@@ -45,8 +61,9 @@ def _online_softmax_step(carry, scores, values):
     return new_max, rescale * running_sum + probs.sum(-1), acc
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def ragged_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, block_table, cu_seqlens, context_lens, *, scale):
+@functools.partial(jax.jit, static_argnames=("scale", "k_scale", "v_scale"))
+def ragged_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, block_table, cu_seqlens, context_lens, *, scale,
+                           k_scale: float = 1.0, v_scale: float = 1.0):
     """Write the new K/V into the paged pool, then attend causally within each row.
 
     Query token i of row r sits at position context_lens[r] + i and sees cache positions 0..that position
@@ -65,11 +82,12 @@ def ragged_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, block_table, c
       cu_seqlens: [R+1] i32 row boundaries.
       context_lens: [R] i32 tokens of each row in the cache before this step (the plan's).
       scale: softmax scale.
+      k_scale, v_scale: the pools' per-tensor scales: a pool entry times its scale is the key or value (fp8 pools).
 
     Returns:
       o: [T, HQ, Dh] in q.dtype (padding tokens zero), k_pool, v_pool updated.
     """
-    k_pool, v_pool = write_kv(k, v, k_pool, v_pool, slot_mapping)
+    k_pool, v_pool = write_kv(k, v, k_pool, v_pool, slot_mapping, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     num_rows, max_blocks = block_table.shape
     block_size, num_kv_heads = k_pool.shape[1:3]
@@ -81,7 +99,8 @@ def ragged_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, block_table, c
     positions = (context_lens[rows] + table.offsets)[:, None] + jnp.arange(tile)  # [NC, C]
     last_position = positions[:, 0] + table.lengths - 1  # [NC]: keys past it are never written for the tile
     reach = jnp.where(table.lengths > 0, last_position + 1, 0)  # [NC]: keys a tile sees
-    queries = gather_chunks(q.astype(jnp.float32) * scale, table, tile)
+    # the keys' scale folds into the queries' and the values' into the output: the pools are read as stored
+    queries = gather_chunks(q.astype(jnp.float32) * (scale * k_scale), table, tile)
     group = num_q_heads // num_kv_heads
     # [NC, HKV, C * G, Dh]: each (tile, kv head) is one [C * G, Dh] x [Dh, K] matmul
     queries = queries.reshape(-1, tile, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
@@ -121,5 +140,5 @@ def ragged_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, block_table, c
     # Only the blocks that hold tiles: the table has a partial tile's room in every row, mostly padding.
     o = jax.lax.fori_loop(0, real_blocks(table, num_rows, tiles_per_block),
                           lambda b, out: attend(b * tiles_per_block, out), jnp.zeros(queries.shape))
-    o = o.reshape(-1, num_kv_heads, tile, group, head_dim).transpose(0, 2, 1, 3, 4)  # [NC, C, HKV, G, Dh]
+    o = o.reshape(-1, num_kv_heads, tile, group, head_dim).transpose(0, 2, 1, 3, 4) * v_scale  # [NC, C, HKV, G, Dh]
     return scatter_chunks(o, table).reshape(q.shape).astype(q.dtype), k_pool, v_pool

@@ -6,21 +6,45 @@ of `block`, the last one zero-padded) and `scale` [blocks, out] float32; a leadi
 over the block's columns, so that any column permutation of a weight (fused projections, the tensor-parallel
 layout) applies to its scale unchanged; a per-tensor checkpoint (ModelOpt) is one block of all rows.
 
-The product runs as XLA's dot on the weight dequantized in float32 and rounded to the activation dtype
+The reference runs as XLA's dot on the weight dequantized in float32 and rounded to the activation dtype
 (`reference.matmul_dequantized`): it equals the dot of a checkpoint dequantized on the host, and XLA fuses the
-dequantization into the dot's operand. `reference.matmul_scaled` is the block-scaled form of the same
-product, the reference for a fused kernel.
+dequantization into the dot's operand. The Pallas kernel (`pallas.fp8_matmul`) reads the FP8 weight and its
+scales as they are and computes the block-scaled form, `reference.matmul_scaled`.
 """
 
 from __future__ import annotations
 
-import jax
+import math
 
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import tuning
+from pallas_kernels.backend import resolve_backend
+from pallas_kernels.fp8_matmul import pallas
 from pallas_kernels.fp8_matmul.reference import dequantize, matmul_dequantized, matmul_scaled
 
 __all__ = ["dequantize", "fp8_matmul", "matmul_scaled"]
 
 
-def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
-    """x [..., in] @ (kernel [blocks, block, out] f8 scaled by scale [blocks, out]) -> [..., out] in x's dtype."""
-    return matmul_dequantized(x, kernel, scale)
+def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, backend: str | None = None) -> jax.Array:
+    """x [..., in] @ (kernel [blocks, block, out] f8 scaled by scale [blocks, out]) -> [..., out] in x's dtype.
+
+    backend: "reference" (the dequantized weight's dot in XLA), "pallas" or "interpret" (the kernel, on the
+      rows of x flattened to [M, in]); None: pallas on GPU, reference elsewhere.
+    """
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return matmul_dequantized(x, kernel, scale)
+    *lead, in_features = x.shape
+    out_features = kernel.shape[-1]
+    num_rows = math.prod(lead)
+    if num_rows == 0:
+        return jnp.zeros((*lead, out_features), x.dtype)
+    # decode-sized and prefill-sized M get different tiles by default, so they are separate classes
+    shape_class = tuning.shape_class(x.dtype, M=pallas.default_block_m(num_rows), K=in_features, N=out_features,
+                                     B=kernel.shape[1])
+    launch = tuning.for_launcher("fp8_matmul", pallas.fp8_matmul, shape_class, "block_m", "block_n", "block_k",
+                                 "num_splits")
+    y = pallas.fp8_matmul(x.reshape(num_rows, in_features), kernel, scale, interpret=backend == "interpret", **launch)
+    return y.reshape(*lead, out_features)

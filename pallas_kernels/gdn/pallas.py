@@ -67,14 +67,14 @@ def _gdn_replay_kernel(
     i_r, i_h, i_v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     i_k, cols = i_h // group, pl.ds(i_v * block_v, block_v)
     slot = slots_ref[i_r]
-    state = state_ref[slot, i_h, :, cols]
+    state = state_ref[slot, i_h, :, cols].astype(jnp.float32)  # a bf16 state pool computes in f32
     state = _fold_ring(
         ring_k_ref, ring_u_ref, ring_g_ref, slot, i_k, i_h, cols, start_ref[i_r], committed_ref[i_r], state
     )
 
     @pl.when((flush_ref[i_r] != 0) & (slot > 0))
     def _():  # a flush makes S0 + committed entries the new checkpoint
-        state_out_ref[slot, i_h, :, cols] = state
+        state_out_ref[slot, i_h, :, cols] = state.astype(state_out_ref.dtype)
 
     def step(t, s):
         s, delta = _token(t, s, q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, i_k, i_h, cols)
@@ -86,7 +86,7 @@ def _gdn_replay_kernel(
 
         @pl.when(slot > 0)
         def _():
-            state_out_ref[slot, i_h, :, cols] = state
+            state_out_ref[slot, i_h, :, cols] = state.astype(state_out_ref.dtype)
 
 
 _STATIC = ("scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages", "interpret")
@@ -157,11 +157,11 @@ def _gdn_snapshot_kernel(
     slot, committed, width = slots_ref[i_r], committed_ref[i_r], snapshots_ref.shape[2]
     first, new = cu_ref[i_r], start_ref[i_r] + committed  # ring index of the row's first new entry
     live = snapshots_ref[slot, i_h, (new + width - 1) % width, :, cols]
-    state = jnp.where(committed > 0, live, state_ref[slot, i_h, :, cols])
+    state = jnp.where(committed > 0, live, state_ref[slot, i_h, :, cols].astype(jnp.float32))
 
     @pl.when((flush_ref[i_r] != 0) & (slot > 0))
     def _():
-        state_out_ref[slot, i_h, :, cols] = state
+        state_out_ref[slot, i_h, :, cols] = state.astype(state_out_ref.dtype)
 
     def step(t, s):
         s, _ = _token(t, s, q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, i_k, i_h, cols)
@@ -245,12 +245,12 @@ def _gdn_materialize_kernel(
     cols, src, dst = pl.ds(i_v * block_v, block_v), src_ref[i_m], dst_ref[i_m]
     state = _fold_ring(
         ring_k_ref, ring_u_ref, ring_g_ref, src, i_h // group, i_h, cols, start_ref[i_m], count_ref[i_m],
-        state_ref[src, i_h, :, cols],
+        state_ref[src, i_h, :, cols].astype(jnp.float32),
     )  # fmt: skip
 
     @pl.when(dst > 0)
     def _():
-        state_out_ref[dst, i_h, :, cols] = state
+        state_out_ref[dst, i_h, :, cols] = state.astype(state_out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "num_stages", "interpret"),

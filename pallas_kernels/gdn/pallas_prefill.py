@@ -140,11 +140,11 @@ def _state_pass_kernel(
     slot, bos, eos, first = slots_ref[i_r], cu_ref[i_r], cu_ref[i_r + 1], first_chunk_ref[i_r]
     ckpt_len, ckpt_slot = checkpoint_lens_ref[i_r], checkpoint_slots_ref[i_r]
     # where, not a product: a stale slot may hold NaN or Inf, and 0 * NaN is NaN.
-    state = jnp.where(has_initial_ref[i_r] != 0, state_ref[slot, i_h, :, cols], 0.0)
+    state = jnp.where(has_initial_ref[i_r] != 0, state_ref[slot, i_h, :, cols].astype(jnp.float32), 0.0)
 
     @pl.when((ckpt_len == 0) & (ckpt_slot > 0) & (slot > 0))
     def _():
-        state_out_ref[ckpt_slot, i_h, :, cols] = state
+        state_out_ref[ckpt_slot, i_h, :, cols] = state.astype(state_out_ref.dtype)
 
     def chunk(c, s):
         start = bos + c * size
@@ -159,7 +159,8 @@ def _state_pass_kernel(
 
         @pl.when((count >= 1) & (count <= length) & (ckpt_slot > 0) & (slot > 0))
         def _():
-            state_out_ref[ckpt_slot, i_h, :, cols] = _state_after(s, k, v_new, cum, count, cfg.dots)
+            after = _state_after(s, k, v_new, cum, count, cfg.dots)
+            state_out_ref[ckpt_slot, i_h, :, cols] = after.astype(state_out_ref.dtype)
 
         return _state_after(s, k, v_new, cum, length, cfg.dots)
 
@@ -167,7 +168,7 @@ def _state_pass_kernel(
 
     @pl.when(slot > 0)
     def _():
-        state_out_ref[slot, i_h, :, cols] = state
+        state_out_ref[slot, i_h, :, cols] = state.astype(state_out_ref.dtype)
 
 
 def _output_kernel(

@@ -147,11 +147,11 @@ def _ssd_prefill_kernel(
     checkpoint_len, checkpoint_slot = checkpoint_lens_ref[i_row], checkpoint_slots_ref[i_row]
     checkpoint = (checkpoint_slot > 0) & (slot > 0) & (checkpoint_len <= end - begin)
     # where, not a product: a stale slot may hold NaN.
-    state = jnp.where(has_initial_ref[i_row] != 0, state_ref[slot, head, rows, cols], 0.0)
+    state = jnp.where(has_initial_ref[i_row] != 0, state_ref[slot, head, rows, cols].astype(jnp.float32), 0.0)
 
     @pl.when(checkpoint & (checkpoint_len == 0))
     def _():
-        state_out_ref[checkpoint_slot, head, rows, cols] = state
+        state_out_ref[checkpoint_slot, head, rows, cols] = state.astype(state_out_ref.dtype)
 
     def chunk(i, state):
         start = begin + i * block_t
@@ -169,7 +169,8 @@ def _ssd_prefill_kernel(
 
         @pl.when(checkpoint & (in_chunk >= 1) & (in_chunk <= block_t))
         def _():
-            state_out_ref[checkpoint_slot, head, rows, cols] = _state_after(state, x, dt, b, cum, in_chunk, dots)
+            after = _state_after(state, x, dt, b, cum, in_chunk, dots)
+            state_out_ref[checkpoint_slot, head, rows, cols] = after.astype(state_out_ref.dtype)
 
         return _state_after(state, x, dt, b, cum, count, dots)
 
@@ -177,7 +178,7 @@ def _ssd_prefill_kernel(
 
     @pl.when(slot > 0)
     def _():
-        state_out_ref[slot, head, rows, cols] = state
+        state_out_ref[slot, head, rows, cols] = state.astype(state_out_ref.dtype)
 
     if state_parts > 1:  # the launcher sums the parts and zeroes the padding tokens
         return
@@ -199,8 +200,8 @@ def _check_operands(x, B, C, state_pool, block_p, block_t, state_parts, interpre
     """Validated (block_p, block_t); x, B and C share the dots' operand dtype."""
     if B.dtype != x.dtype or C.dtype != x.dtype:
         raise ValueError(f"x, B and C must share one dtype, got {x.dtype}, {B.dtype}, {C.dtype}")
-    if state_pool.dtype != _f32:
-        raise ValueError(f"state_pool must be float32, got {state_pool.dtype}")
+    if state_pool.dtype not in (_f32, jnp.bfloat16):  # a bf16 pool is read as f32 and rounded once per store
+        raise ValueError(f"state_pool must be float32 or bfloat16, got {state_pool.dtype}")
     block_p = check_tiles(state_pool, block_p)
     if block_t & (block_t - 1):
         raise ValueError(f"block_t={block_t} (min of block_t and chunk_size) must be a power of two")

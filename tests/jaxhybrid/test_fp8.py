@@ -21,7 +21,13 @@ from jaxhybrid.models.tensor_parallel import param_sharding
 from jaxhybrid.models.weights import CheckpointError
 from jaxhybrid.worker.memory import param_bytes
 from pallas_kernels.fp8_matmul import dequantize, fp8_matmul, matmul_scaled
-from tests.fixtures.make_fp8_fixture import decode_e4m3, write_dequantized_twin
+from tests.fixtures.make_fp8_fixture import (
+    WHOLE_BLOCK,
+    checkpoint_digest,
+    decode_e4m3,
+    make_block_fp8,
+    write_dequantized_twin,
+)
 from tests.hf_fixtures import HF_FIXTURES
 from tests.jaxhybrid.distributed.workers import WORKER_TIMEOUT, worker_env
 from tests.tolerances import assert_float32_close, float32_atol, model_depth
@@ -76,6 +82,33 @@ def _twin_size(twin, name: str) -> int:
     return node.size
 
 
+def test_fp8_load_matches_transformers(tmp_path):
+    """Logits of a Qwen block-wise FP8 load against transformers' for the same checkpoint
+    (tests/fixtures/make_fp8_transformers_reference.py): the qwen3_next weights in blocks of WHOLE_BLOCK, as
+    transformers cannot read the partial blocks of qwen3_next_fp8. Rebuilt here byte for byte (NumPy only).
+
+    The tolerance: transformers (on CPU) dequantizes each FP8 weight at load to decode(q) * weight_scale_inv in
+    float32, the IEEE product of the same two float32 numbers our step forms, so both models hold the same
+    weights (the script checks transformers' equal the dequantized twin's bit for bit) and differ only in the
+    order of their float32 sums, PyTorch's GDN recurrence included: the bound of test_hf_parity,
+    2 * depth * 2^-24 * max|logit|. Reading the format otherwise (scales divided, the block grid transposed or
+    shifted, a module's scales missed) changes weights by e4m3's step or more, a relative 2^-4: the original
+    float32 model, which differs by e4m3's rounding alone, lies far outside the bound.
+    """
+    make_block_fp8(HF_FIXTURES / "qwen3_next", tmp_path, block=WHOLE_BLOCK)
+    reference = np.load(HF_FIXTURES / "qwen3_next_fp8_whole_blocks" / "reference.npz")
+    # the checkpoint transformers read: a change to make_fp8_fixture.py needs the reference regenerated
+    assert checkpoint_digest(tmp_path) == str(reference["checkpoint_sha256"])
+    model = jaxhybrid.load_model(tmp_path)
+    tokens, expected = reference["tokens_L63"], reference["logits_L63"]
+    depth = model_depth(model.config, tokens.shape[1])
+    assert_float32_close(np.asarray(model(tokens)), expected, depth, "FP8 load against transformers")
+    original = np.load(HF_FIXTURES / "qwen3_next" / "reference.npz")
+    assert np.array_equal(original["tokens_L63"], tokens)
+    bound = float32_atol(depth, np.abs(expected).max())
+    assert np.abs(original["logits_L63"] - expected).max() > 100 * bound
+
+
 def test_fp8_matmul_block_forms_agree_on_partial_blocks():
     """Dequantize-then-dot and the per-block scaled dot (the fused kernel's form) against a float64 product,
     on a weight of 40 rows in blocks of 16 (the last one partial, its padding zero)."""
@@ -117,6 +150,8 @@ def test_fp8_loads_straight_into_shards():
     assert done.returncode == 0, done.stderr[-3000:]
     for case, run in json.loads(done.stdout.splitlines()[-1]).items():
         assert run["same_as_runner_layout"], case
+        assert run["restored_same"] and run["tp_layout"] == int(case.split("/")[1]), case  # a save_params copy too
+        assert run["refuses_direct_calls"], case
         assert run["split_fp8_leaves"] > 0, case
         assert run["peak"] <= run["share"] + run["largest_shard"], (case, run)
 

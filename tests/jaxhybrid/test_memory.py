@@ -6,6 +6,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from jaxhybrid.engine import builder
 from jaxhybrid.engine.args import CLI_DEFAULTS, EngineArgs
@@ -95,6 +97,22 @@ def test_scarce_slots_cap_max_num_seqs_and_a_tiny_budget_names_the_problem():
     with pytest.raises(ValueError, match="max_model_len 4096"):
         size_pools(cfg, 10 * per_slot, block_size=16, ring_size=16, num_spec_tokens=3, max_num_seqs=8,
                    max_model_len=4096)
+
+
+@given(budget_slots=st.integers(6, 4000), max_model_len=st.integers(16, 4096), cache_fraction=st.floats(0, 0.9))
+@example(budget_slots=60, max_model_len=4096, cache_fraction=0.1)
+def test_the_pools_always_hold_one_request_of_max_model_len(budget_slots, max_model_len, cache_fraction):
+    """Whatever the budget left after the running requests' slots, the cached states' share never takes the
+    blocks one request of max_model_len needs (the null block besides)."""
+    cfg = fixture_model("nemotron_h").config
+    per_slot = slot_bytes(cfg, 16, 3)
+    try:
+        sizes = size_pools(cfg, budget_slots * per_slot, block_size=16, ring_size=16, num_spec_tokens=3,
+                           max_num_seqs=64, max_model_len=max_model_len, cache_fraction=cache_fraction)
+    except ValueError:
+        return  # too small even for one request: named by the error (the test above)
+    assert sizes.num_blocks >= 1 + -(-(max_model_len + 3) // 16)
+    assert sizes.num_state_slots >= 1 + 2 * sizes.max_num_seqs + 1 and sizes.max_num_seqs >= 1
 
 
 def test_default_ladders_keep_two_token_steps_and_the_server_s_compiled_steps_few():

@@ -1,4 +1,4 @@
-"""One process of a two-process multi-host job on local CPUs (test_multihost.py starts both): each has one
+"""One process of a two-process multi-host job on local CPUs (test_tensor_parallel.py starts both): each has one
 device, the engine runs tensor parallel over both. Process 0 generates and prints what `tp_worker.generate`
 reports; process 1 follows and prints how many steps it ran. Still running after the seconds given, it prints
 every thread's stack and exits: a hang in a collective shows where each process waits."""

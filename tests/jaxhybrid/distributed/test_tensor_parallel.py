@@ -1,10 +1,19 @@
 """Tensor parallelism on 4 host devices (a subprocess: the device count is fixed when JAX starts): TP = 2 and 4
-give TP = 1's greedy tokens and logprobs with the Pallas kernels (interpreted, in shard_map), and TP = 2 does
-with the reference ops, on a Qwen3-Next-style model (GDN, MTP) and a Nemotron-H-style one (Mamba2), through prefix
-hits, publishes and materializations, with the weights and pools really split by heads (4 ways on a model
-four heads wide); and the head-aligned conv layout, which needs no devices."""
+give TP = 1's greedy tokens and logprobs (the reference ops on one device) with the Pallas kernels (interpreted,
+in shard_map), and TP = 2 does with the reference ops, on a Qwen3-Next-style model (GDN, MTP) and a
+Nemotron-H-style one (Mamba2), through prefix hits, publishes and materializations, with the weights and pools
+really split by heads (4 ways on a model four heads wide); and the head-aligned conv layout, which needs no
+devices. Two local processes under `jax.distributed` (multihost.py) give the same output as one: process 0
+schedules and broadcasts its plans, process 1 follows, the engine runs tensor parallel over both processes'
+devices; that test lives in this file so that its one-process baseline is the qwen3_next/reference case's TP = 1
+run, computed once."""
 
 import dataclasses
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -13,7 +22,7 @@ import pytest
 from jaxhybrid.models.hf_config import load_config
 from jaxhybrid.models.tensor_parallel import layout_orders, to_tp_layout
 from tests.jaxhybrid.distributed.tp_worker import MODELS
-from tests.jaxhybrid.distributed.workers import LOGPROB_ATOL, WORKER_TIMEOUT, split_axis, tp_runs
+from tests.jaxhybrid.distributed.workers import LOGPROB_ATOL, WORKER_TIMEOUT, split_axis, tp_runs, worker_env
 from tests.tolerances import assert_close
 
 # each case's TP sizes: the Pallas kernels (the GPU's path) at 2 and 4, the reference ops at 2 (4 ways
@@ -24,9 +33,14 @@ pytestmark = pytest.mark.timeout(WORKER_TIMEOUT + 60)
 
 
 def tp_reports(case: str) -> dict:
-    """One case's reports at TP = 1 and its CASES sizes (a subprocess per case keeps each test well inside its
-    timeout)."""
-    return tp_runs(f"{case}={','.join(('1', *CASES[case]))}")[case]
+    """One case's reports at its CASES sizes, and as "1" its model's one-device run with the reference ops: the
+    baseline of both backends' cases (on one device the two backends agree far inside LOGPROB_ATOL, so a TP
+    error still shows). One subprocess per model runs all its cases, well inside the timeout."""
+    model = case.split("/")[0]
+    arguments = [f"{name}={','.join(('1',) * name.endswith('/reference') + sizes)}"
+                 for name, sizes in CASES.items() if name.startswith(f"{model}/")]
+    runs = tp_runs(*arguments)
+    return {"1": runs[f"{model}/reference"]["1"]} | {tp: runs[case][tp] for tp in CASES[case]}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -39,6 +53,7 @@ def test_tp_gives_one_devices_tokens_and_logprobs(case):
     for tp in CASES[case]:
         run = runs[tp]
         assert run["state_devices"] == int(tp)
+        assert run["tp_layout"] == int(tp)  # loaded straight into the mesh's shards, not laid out again
         assert run["page_ops"] == one["page_ops"]
         assert run["tokens"] == one["tokens"], f"tp={tp}"
         for key in ("logprobs", "prompt_logprobs"):
@@ -74,6 +89,42 @@ def test_a_model_four_heads_wide_splits_every_mixer_four_ways():
     assert four["tokens"] == one["tokens"]
     for key in ("logprobs", "prompt_logprobs"):
         assert_close(np.concatenate(four[key]), np.concatenate(one[key]), LOGPROB_ATOL, f"wide tp=4 {key}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(2 * WORKER_TIMEOUT + 60)  # the two processes, then (uncached) the one-process run
+def test_two_processes_give_the_single_process_output(tmp_path):
+    worker, port = "tests.jaxhybrid.distributed.multihost_worker", str(free_port())
+    processes = []
+    for rank in (0, 1):  # files, not pipes: a process blocked on a full pipe would stall the other's collectives
+        with open(tmp_path / f"{rank}.out", "w") as out, open(tmp_path / f"{rank}.err", "w") as err:
+            processes.append(subprocess.Popen([sys.executable, "-m", worker, port, str(rank), str(WORKER_TIMEOUT)],
+                                              env=worker_env(1), cwd=Path(__file__).parents[3], stdout=out,
+                                              stderr=err))
+    try:
+        for p in processes:  # a hung worker prints its threads' stacks and exits at WORKER_TIMEOUT
+            p.wait(timeout=WORKER_TIMEOUT + 60)
+    finally:
+        for p in processes:
+            p.kill()
+    done = [((tmp_path / f"{rank}.out").read_text(), (tmp_path / f"{rank}.err").read_text()) for rank in (0, 1)]
+    assert [p.returncode for p in processes] == [0, 0], "\n".join(f"rank {rank}: {err[-3000:]}"
+                                                                  for rank, (_, err) in enumerate(done))
+    leader, follower = (json.loads(out.splitlines()[-1]) for out, _ in done)
+    assert follower["steps"] == leader["steps"] > 0  # every step ran on both processes
+    # the same maths as one process's, with the heads' partial sums added in another order
+    one = tp_reports("qwen3_next/reference")["1"]
+    assert leader["tokens"] == one["tokens"]
+    for key in ("logprobs", "prompt_logprobs"):
+        assert_close(np.concatenate(leader[key]), np.concatenate(one[key]), LOGPROB_ATOL, key)
+    # the pools span both processes' devices; each process holds its own shard
+    assert leader["state_devices"] == 2 and leader["state_local_devices"] == 1
+    assert split_axis(leader["specs"]["state"]) == 1 and split_axis(leader["specs"]["in_proj"]) == 1
 
 
 def channels(offset: int, heads: range, head_dim: int) -> list[int]:
