@@ -15,10 +15,7 @@ from jaxhybrid.models.pools import AUTO_CACHE, CacheDtypes
 from jaxhybrid.models.tensor_parallel import AXIS, MixerConfig
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.backend import resolve_backend
-from pallas_kernels.gdn import cpu as gdn_cpu
 from pallas_kernels.gdn import gdn_prefill
-
-CPU_KERNELS = ("auto", "ffi", "reference")
 
 
 @dataclass(frozen=True)
@@ -36,27 +33,6 @@ class ModelOps:
     scan_layers: bool = True
     # what the pools store (--kv-cache-dtype, --mamba-ssm-cache-dtype) and the fp8 KV pools' scales
     cache: CacheDtypes = AUTO_CACHE
-    # where the GDN decode/verify ops would run the reference on CPU (--cpu-kernels): "ffi" the C++ kernels
-    # (pallas_kernels/gdn/cpu; fails here where they cannot be built), "auto" those where they build (else the
-    # reference, with one warning), "reference" the reference
-    cpu_kernels: str = "reference"
-
-    def __post_init__(self) -> None:
-        if self.cpu_kernels not in CPU_KERNELS:
-            raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, got {self.cpu_kernels!r}")
-        if self.cpu_kernels == "ffi" and self._reference_on_cpu() and not gdn_cpu.available():
-            raise RuntimeError(f"cpu_kernels='ffi': the CPU FFI kernels cannot be built "
-                               f"({gdn_cpu.unavailable_reason()})")
-
-    def _reference_on_cpu(self) -> bool:
-        return resolve_backend(self.backend) == "reference" and jax.default_backend() == "cpu"
-
-    def gdn_decode_backend(self) -> str | None:
-        """The backend of the GDN decode/verify ops: "ffi" where `cpu_kernels` puts the C++ kernels in place of
-        the CPU reference, else `backend`."""
-        if self.cpu_kernels == "reference" or not self._reference_on_cpu():
-            return self.backend
-        return "ffi" if gdn_cpu.available() else self.backend
 
     def platform(self) -> str:
         """The platform the step is compiled for: "gpu" with the Triton kernels (also when compiling for a GPU
