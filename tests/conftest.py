@@ -29,3 +29,9 @@ settings.register_profile("ci", derandomize=True, database=None, print_blob=True
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+# XLA's FFI handler registry has no lock: each test process registers the CPU FFI kernels once, here, before any
+# test compiles on another thread (a server's background compile) that registering could race.
+from pallas_kernels import cpu_ffi as _cpu_ffi  # noqa: E402  (after the environment above)
+
+_cpu_ffi.available()

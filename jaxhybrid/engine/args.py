@@ -14,6 +14,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxhybrid.models.ops import CPU_KERNELS
 from jaxhybrid.models.pools import KV_CACHE_DTYPES, MAMBA_SSM_CACHE_DTYPES
 from jaxhybrid.parsers.reasoning import REASONING_PARSERS
 from jaxhybrid.sample.sampler import DEFAULT_CONSTRAINT_WIDTH
@@ -72,6 +73,9 @@ class EngineArgs:
                                      aliases=("-tp",))
     backend: str | None = _arg(None, "the kernels (default: pallas on GPU, reference on CPU)",
                                choices=("reference", "pallas", "interpret"))
+    cpu_kernels: str = _arg("auto", "on CPU, the GDN and Mamba2 decode/verify ops: ffi (C++ kernels built on first "
+                            "use; start-up fails without them), reference, or auto (ffi where they build)",
+                            choices=CPU_KERNELS)
     token_buckets: tuple[int, ...] = _arg((), "step token buckets (default: a ladder up to max_num_batched_tokens)",
                                           type=int, nargs="+")
     row_buckets: tuple[int, ...] = _arg((), "step row buckets (default: a ladder up to max_num_seqs)",

@@ -13,9 +13,12 @@ from jax.sharding import Mesh
 from jaxhybrid.models import tensor_parallel
 from jaxhybrid.models.pools import AUTO_CACHE, CacheDtypes
 from jaxhybrid.models.tensor_parallel import AXIS, MixerConfig
+from pallas_kernels import cpu_ffi
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.gdn import gdn_prefill
+
+CPU_KERNELS = ("auto", "ffi", "reference")
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,30 @@ class ModelOps:
     scan_layers: bool = True
     # what the pools store (--kv-cache-dtype, --mamba-ssm-cache-dtype) and the fp8 KV pools' scales
     cache: CacheDtypes = AUTO_CACHE
+    # where the GDN and Mamba2 decode/verify ops would run the reference on CPU (--cpu-kernels): "ffi" the C++
+    # kernels (pallas_kernels/cpu_ffi.py; fails here where they cannot be built), "auto" those where they build
+    # (else the reference, with one warning), "reference" the reference
+    cpu_kernels: str = "reference"
+
+    def __post_init__(self) -> None:
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, got {self.cpu_kernels!r}")
+        # built and registered here, on the thread that builds the model: XLA's handler registry has no lock,
+        # so registering from a step's trace (a background compile thread) could race another thread's compile
+        wants_ffi = self.cpu_kernels != "reference" and self._reference_on_cpu()
+        if wants_ffi and not cpu_ffi.available() and self.cpu_kernels == "ffi":
+            raise RuntimeError(f"cpu_kernels='ffi': the CPU FFI kernels cannot be built "
+                               f"({cpu_ffi.unavailable_reason()})")
+
+    def _reference_on_cpu(self) -> bool:
+        return resolve_backend(self.backend) == "reference" and jax.default_backend() == "cpu"
+
+    def decode_backend(self) -> str | None:
+        """The backend of the recurrent mixers' decode/verify ops: "ffi" where `cpu_kernels` puts the C++ kernels
+        in place of the CPU reference, else `backend`."""
+        if self.cpu_kernels == "reference" or not self._reference_on_cpu():
+            return self.backend
+        return "ffi" if cpu_ffi.available() else self.backend
 
     def platform(self) -> str:
         """The platform the step is compiled for: "gpu" with the Triton kernels (also when compiling for a GPU

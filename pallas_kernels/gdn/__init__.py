@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import tuning
 from pallas_kernels.backend import resolve_backend
-from pallas_kernels.gdn import pallas, pallas_prefill, reference
+from pallas_kernels.gdn import cpu, pallas, pallas_prefill, reference
 from pallas_kernels.gdn.reference import gdn_chunked, gdn_recurrent
 
 REFERENCE_CHUNK = 16
@@ -77,8 +77,11 @@ def gdn_decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, *, scale=None, u
     """Plain decoding: rows of 0 or 1 token; each row's state is read from and written back to its slot.
 
     Arguments as in `gdn_prefill` (no has_initial: decode rows always continue a state); backend:
-    "reference", "pallas" or "interpret" (the Pallas kernel interpreted on CPU); None: pallas on GPU.
+    "reference", "pallas", "interpret" (the Pallas kernel interpreted on CPU) or "ffi" (the C++ CPU kernel,
+    `pallas_kernels.gdn.cpu`; the reference where it cannot be built); None: pallas on GPU, reference on CPU.
     """
+    if backend == "ffi":
+        return cpu.gdn_decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, scale=scale, use_qk_l2norm=use_qk_l2norm)
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.gdn_decode(
@@ -112,12 +115,16 @@ def gdn_verify(
       max_committed: static bound on every `committed`; the reference folds this many entries per row, masked
         (None: the ring's width). The engine's is `scheduler.replay.max_committed`. The Pallas kernel stops at
         each row's own count.
-      backend: "reference", "pallas" or "interpret"; None: pallas on GPU, reference on CPU.
+      backend: "reference", "pallas", "interpret" or "ffi" (as in `gdn_decode`); None: pallas on GPU,
+        reference on CPU.
 
     Returns:
       o: [T, HV, V] in v.dtype, state_pool, ring_k, ring_u, ring_g.
     """
     args = (q, k, v, g, beta, cu_seqlens, state_pool, ring_k, ring_u, ring_g, slots, ring_start, committed, flush)
+    if backend == "ffi":
+        return cpu.gdn_verify(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, max_query_len=max_query_len,
+                              max_committed=max_committed)
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.gdn_verify(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, max_query_len=max_query_len,
@@ -139,11 +146,13 @@ def gdn_verify_snapshots(
     state after each of the row's T_r tokens is stored at ring positions committed .. committed + T_r - 1
     (mod E, from ring_start). Materializing is `pallas_kernels.rings.snapshot_materialize`.
 
+    backend "ffi" runs the reference: the CPU kernels cover the ReplaySSM rings only.
+
     Returns:
       o: [T, HV, V] in v.dtype, state_pool, snapshots.
     """
     args = (q, k, v, g, beta, cu_seqlens, state_pool, snapshots, slots, ring_start, committed, flush)
-    backend = resolve_backend(backend)
+    backend = resolve_backend("reference" if backend == "ffi" else backend)
     if backend == "reference":
         return reference.gdn_verify_snapshots(*args, scale=scale, use_qk_l2norm=use_qk_l2norm,
                                               max_query_len=max_query_len)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import tuning
 from pallas_kernels.backend import resolve_backend
-from pallas_kernels.mamba2 import pallas, pallas_prefill, reference
+from pallas_kernels.mamba2 import cpu, pallas, pallas_prefill, reference
 from pallas_kernels.mamba2.reference import ssd_chunked, ssd_recurrent
 
 __all__ = [
@@ -64,8 +64,14 @@ def ssd_prefill(
 
 
 def ssd_decode(x, dt, A, B, C, D, cu_seqlens, state_pool, slots, *, backend=None):
-    """Plain decoding: rows of 0 or 1 token; each row's state is read from and written back to its slot."""
+    """Plain decoding: rows of 0 or 1 token; each row's state is read from and written back to its slot.
+
+    backend: "reference", "pallas", "interpret" or "ffi" (the C++ CPU kernel, `pallas_kernels.mamba2.cpu`; the
+    reference where it cannot be built); None: pallas on GPU, reference on CPU.
+    """
     args = (x, dt, A, B, C, D, cu_seqlens, state_pool, slots)
+    if backend == "ffi":
+        return cpu.ssd_decode(*args)
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.ssd_decode(*args)
@@ -90,11 +96,14 @@ def ssd_verify(
       state_pool, ring_x, ring_dt, ring_B: the slot page (module docstring), donated, updated in place.
       ring_start, committed: [R] i32 trackers of each row's slot.  flush: [R] bool.
       max_query_len, max_committed: static bounds on every T_r and every committed, as in `gdn_verify`.
+      backend: as in `ssd_decode`.
 
     Returns:
       y: [T, NH, P] in x.dtype, state_pool, ring_x, ring_dt, ring_B.
     """
     args = (x, dt, A, B, C, D, cu_seqlens, state_pool, ring_x, ring_dt, ring_B, slots, ring_start, committed, flush)
+    if backend == "ffi":
+        return cpu.ssd_verify(*args, max_query_len=max_query_len, max_committed=max_committed)
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.ssd_verify(*args, max_query_len=max_query_len, max_committed=max_committed)
@@ -110,13 +119,14 @@ def ssd_verify_snapshots(
 
     The same trackers and results as `ssd_verify` with `snapshots` [S, NH, E, P, N] f32 in place of the
     rings (contract: `pallas_kernels.gdn.gdn_verify_snapshots`). Materializing is
-    `pallas_kernels.rings.snapshot_materialize`.
+    `pallas_kernels.rings.snapshot_materialize`. backend "ffi" runs the reference: the CPU kernels cover the
+    ReplaySSM rings only.
 
     Returns:
       y: [T, NH, P] in x.dtype, state_pool, snapshots.
     """
     args = (x, dt, A, B, C, D, cu_seqlens, state_pool, snapshots, slots, ring_start, committed, flush)
-    backend = resolve_backend(backend)
+    backend = resolve_backend("reference" if backend == "ffi" else backend)
     if backend == "reference":
         return reference.ssd_verify_snapshots(*args, max_query_len=max_query_len)
     launch = _launch("ssd_verify_snapshots", pallas.ssd_verify_snapshots, state_pool, "block_p")

@@ -3,7 +3,8 @@ on the way: prefix caching on or off, MTP with K in {0, 1, 3} (random MTP weight
 ReplaySSM windows 1, 4 and 16 and the snapshot baseline (W = 0), checkpoint markers present or absent, a
 consumer paired with its producer in one step or arriving later, small and large chunk budgets, a request
 alone or mixed with others, preemptions forced by a small KV pool, and the engine one step ahead of the
-device or serial. After every workload each block and slot is free or cached.
+device or serial. After every workload each block and slot is free or cached. Most settings run the GDN and
+Mamba2 decode/verify ops through the C++ FFI kernels, the others the pure-JAX reference (FFI_RINGS).
 
 Every engine setting runs every workload, one after another on the same engine (later workloads also hit
 the prefixes that earlier ones cached).
@@ -18,6 +19,8 @@ import pytest
 
 from jaxhybrid.engine.core import Engine
 from jaxhybrid.engine.requests import Prompt
+from jaxhybrid.models.model import Model
+from jaxhybrid.models.ops import ModelOps
 from jaxhybrid.sample.params import SamplingParams
 from tests.hf_fixtures import fixture_model
 from tests.jaxhybrid.engine_helpers import engine_for, greedy_continuation, run_to_completion
@@ -74,6 +77,10 @@ SETTINGS = [  # (cache mode, K, ring size W, chunk budget, KV blocks): each valu
 
 
 FAMILIES = ["qwen3_next", "qwen3_5_text", "qwen3_5", "nemotron_h"]
+# the ring sizes at which a family's decode/verify ops run the C++ FFI kernels (pallas_kernels/cpu_ffi.py): two
+# GDN families at every ring, Mamba2 at 1 and 4; qwen3_5_text keeps the reference at every ring, nemotron_h at 16
+# (a setting's serial and one-step-ahead runs share their compiles)
+FFI_RINGS = {"qwen3_next": (1, 4, 16), "qwen3_5": (1, 4, 16), "nemotron_h": (1, 4)}
 # the engine schedules one step ahead by default: every family runs every setting that way; the serial loop
 # (the debugging switch) runs every setting with one family each, in turn, since the loops share the model
 # code and test_engine_async.py compares the two loops directly
@@ -85,10 +92,13 @@ CASES = ([(family, *setting, True) for setting in SETTINGS for family in FAMILIE
 def test_greedy_output_equals_the_full_forward(family, cache_mode, k, ring_size, budget, num_blocks,
                                                async_scheduling):
     model = fixture_model(family)
+    ffi = ring_size in FFI_RINGS.get(family, ())
+    ops = ModelOps(cpu_kernels="ffi" if ffi else "reference")
+    assert (ops.decode_backend() == "ffi") == ffi
     if k and not model.config.mtp_layers:
         k = 0  # nemotron_h has no MTP head: the same setting without drafts
-    engine = engine_for(model, k=k, ring_size=ring_size, cache_mode=cache_mode, budget=budget,
-                        num_blocks=num_blocks, async_scheduling=async_scheduling)
+    engine = engine_for(Model(model.config, model.params, ops=ops), k=k, ring_size=ring_size, cache_mode=cache_mode,
+                        budget=budget, num_blocks=num_blocks, async_scheduling=async_scheduling)
     assert engine.async_scheduling == async_scheduling
     seen = _check_engine(engine, model)
     # the settings exercise what they claim to

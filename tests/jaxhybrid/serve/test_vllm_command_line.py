@@ -23,6 +23,7 @@ OPTION = re.compile(r"^  (-[^ ].*?)(?: {2,}|$)")
 # Our flags that vLLM does not have, each for a setting of ours with no vLLM counterpart.
 JAXHYBRID_ONLY = {
     "--backend": "the kernels: pallas or the pure-JAX reference",
+    "--cpu-kernels": "the C++ FFI kernels on CPU or the pure-JAX reference",
     "--bucket-growth": "the step's shape ladders (each shape compiles once)",
     "--token-buckets": "the step's token ladder",
     "--row-buckets": "the step's row ladder",
