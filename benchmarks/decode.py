@@ -192,11 +192,14 @@ def engine_split(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[d
 def op_category(op_name: str) -> str:
     """An XLA op's share of the step, from its name (the jitted step's module path)."""
     path = re.sub(r"(while/body/eval_jaxpr/)?(segment_\d+/)?layers_\d+", "L", op_name.removeprefix("jit(_step_fn)/"))
+    if re.search(r"while/body/jit\(dynamic_index_in_dim\)", path):  # a scanned layer's weights, copied out
+        return "layer scan: weight slices"
     if "HybridLM/L/moe" in path:
         return "moe: expert matmuls (routed, shared)" if "dot_general" in path else (
             "moe: expert weight gathers" if path.endswith("gather") else "moe: routing, combine")
     if "HybridLM/L/gdn" in path:
-        recurrent = any(op in path for op in ("gdn_verify", "gdn_prefill", "gdn_decode", "conv1d"))
+        recurrent = any(op in path for op in ("gdn_verify", "gdn_prefill", "gdn_decode", "conv1d", "/jit(_verify)/",
+                                              "/jit(_decode)/"))  # the last two: the CPU FFI kernels' calls
         return "gdn: state (conv, recurrence)" if recurrent else "gdn: projections"
     if "HybridLM/L/attention" in path:
         return "attention: projections" if "proj" in path else "attention: kernel"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -37,19 +38,23 @@ def model_gemms(config, tokens: int, logits_rows: int) -> list[dict]:
 
     gemms: dict[tuple, dict] = {}
 
-    def add(name: str, batch: int, m: int, k: int, n: int) -> None:
+    def add(name: str, batch: int, m: int, k: int, n: int, count: int) -> None:
         key = (name, batch, m, k, n)
-        gemms.setdefault(key, dict(name=name, count=0, batch=batch, m=m, k=k, n=n))["count"] += 1
+        gemms.setdefault(key, dict(name=name, count=0, batch=batch, m=m, k=k, n=n))["count"] += count
 
+    # a segment of repeating layers stacks its layers' weights on a leading axis: `repeats` GEMMs of one shape
     for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params(config, jnp.bfloat16)):
         names = [str(getattr(p, "key", p)) for p in path]
         if names[-1] in ("kernel", "router"):  # a Dense layer (named by its module) or the router
             name = names[-2] if names[-1] == "kernel" else "router"
-            add(name, 0, logits_rows if name == "lm_head" else tokens, *leaf.shape)
-        elif names[-1] in ("up_proj", "gate_proj", "down_proj") and leaf.ndim == 3:
-            plan = plan_experts(tokens, config.moe.top_k, ExpertWeights(leaf, leaf, leaf), "cpu")
-            groups, rows = (leaf.shape[0], plan.capacity) if plan.capacity else (plan.num_tiles, plan.tile)
-            add(f"experts.{names[-1]}", groups, rows, *leaf.shape[1:])
+            *stack, k, n = leaf.shape
+            add(name, 0, logits_rows if name == "lm_head" else tokens, k, n, math.prod(stack))
+        elif names[-1] in ("up_proj", "gate_proj", "down_proj") and leaf.ndim >= 3:
+            *stack, experts, k, n = leaf.shape
+            weights = jax.ShapeDtypeStruct((experts, k, n), leaf.dtype)
+            plan = plan_experts(tokens, config.moe.top_k, ExpertWeights(weights, weights, weights), "cpu")
+            groups, rows = (experts, plan.capacity) if plan.capacity else (plan.num_tiles, plan.tile)
+            add(f"experts.{names[-1]}", groups, rows, k, n, math.prod(stack))
     return list(gemms.values())
 
 

@@ -16,7 +16,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import replay_sim
-from ffi_kernels import kernels  # noqa: F401  (the module's fixture)
+from ffi_kernels import (  # noqa: F401  (kernels: the module's fixture)
+    E,
+    S,
+    T,
+    check_bf16_outputs,
+    check_decode,
+    check_updated_in_place,
+    check_verify_pools,
+    check_width_one_is_plain_decoding,
+    kernels,
+    rows,
+    state_pool,
+    verify_trackers,
+)
 from gdn_replay_op import GdnReplay
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,7 +41,6 @@ from tests.tolerances import Float32
 
 pytestmark = pytest.mark.usefixtures("kernels")
 
-T, R, S, E = 8, 4, 8, 5
 SHAPES = [(1, 2, 8, 8), (2, 4, 16, 8)]  # (H, HV, K, V): GVA groups of 2, one and two qk heads
 
 
@@ -43,37 +55,20 @@ def _tokens(rng, shape):
             rng.uniform(0, 1, (T, hv)).astype(np.float32))
 
 
-def _state_pool(rng, shape):
+def _pool(rng, shape):
     h, hv, k, v = shape
-    pool = rng.standard_normal((S, hv, k, v), np.float32)
-    pool[0] = 0
-    return pool
-
-
-def _rows(rng, max_length):
-    """R rows of 0..max_length tokens (at most T in all) on distinct running slots, some aimed at the null slot."""
-    lengths = rng.integers(0, max_length + 1, R)
-    while lengths.sum() > T:
-        lengths[np.argmax(lengths)] -= 1
-    slots = rng.permutation(np.arange(1, S))[:R].astype(np.int32)
-    slots[rng.uniform(size=R) < 0.3] = 0  # padding rows
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32), slots
+    return state_pool(rng, (hv, k, v))
 
 
 @settings(max_examples=6, deadline=None)
 @given(shape=st.sampled_from(SHAPES), seed=st.integers(0, 2**16))
 def test_decode_matches_the_reference(shape, seed):
     rng = np.random.default_rng(seed)
-    tokens, pool = _tokens(rng, shape), _state_pool(rng, shape)
-    cu, slots = _rows(rng, 1)
-    o_ref, pool_ref = reference.gdn_decode(*tokens, cu, pool.copy(), slots)
-    o, pool_ffi = gdn_decode(*tokens, cu, pool.copy(), slots, backend="ffi")
-    tol = _tolerance(shape[2], 1)
-    tol.check(o, o_ref, "o")
-    tol.check(pool_ffi, pool_ref, "state_pool")
-    assert not np.asarray(o)[cu[-1]:].any()  # padding tokens
-    untouched = np.setdiff1d(np.arange(S), slots[np.diff(cu) > 0])  # the null slot, idle rows and other slots
-    np.testing.assert_array_equal(np.asarray(pool_ffi)[untouched], pool[untouched])
+    tokens, pool = _tokens(rng, shape), _pool(rng, shape)
+    cu, slots = rows(rng, 1)
+    expected = reference.gdn_decode(*tokens, cu, pool.copy(), slots)
+    actual = gdn_decode(*tokens, cu, pool.copy(), slots, backend="ffi")
+    check_decode(actual, expected, pool, cu, slots, _tolerance(shape[2], 1))
 
 
 @settings(max_examples=8, deadline=None)
@@ -91,28 +86,20 @@ def test_work_shared_among_threads_matches_the_reference():
 def _check_verify(shape, seed):
     rng = np.random.default_rng(seed)
     h, hv, k, v = shape
-    tokens, pool = _tokens(rng, shape), _state_pool(rng, shape)
-    cu, slots = _rows(rng, 3)
-    lengths = np.diff(cu)
-    flush = rng.uniform(size=R) < 0.5
-    # committed + T_r <= E unless flushing
-    committed = np.where(flush, rng.integers(0, E + 1, R), rng.integers(0, E - lengths + 1)).astype(np.int32)
-    ring_start = rng.integers(0, E, R).astype(np.int32)
+    tokens, pool = _tokens(rng, shape), _pool(rng, shape)
+    cu, slots = rows(rng, 3)
+    trackers = verify_trackers(rng, cu, slots)
     rings = [rng.standard_normal((S, h, E, k), np.float32), rng.standard_normal((S, hv, E, v), np.float32),
              -rng.exponential(0.3, (S, hv, E)).astype(np.float32)]
     for ring in rings:
         ring[0] = 0
-    trackers = (slots, ring_start, committed, flush)
     expected = reference.gdn_verify(*tokens, cu, pool.copy(), *(r.copy() for r in rings), *trackers)
     actual = gdn_verify(*tokens, cu, pool.copy(), *(r.copy() for r in rings), *trackers, backend="ffi")
-    steps = 1 + int(np.max(committed + lengths))
+    steps = 1 + int(np.max(trackers[2] + np.diff(cu)))
     for i, name in enumerate(("o", "state_pool", "ring_k", "ring_u")):
         _tolerance(k, steps).check(actual[i], expected[i], name)
     np.testing.assert_array_equal(actual[4], expected[4])  # ring_g: the tokens' g, copied
-    for pool_out in actual[1:]:
-        assert not np.asarray(pool_out)[0].any()  # the null slot is never written
-    kept = np.setdiff1d(np.arange(S), slots[flush])
-    np.testing.assert_array_equal(np.asarray(actual[1])[kept], pool[kept])  # only a flush writes a state
+    check_verify_pools(actual, pool, slots, trackers[3])
 
 
 class FfiReplay(GdnReplay):
@@ -132,38 +119,19 @@ def test_verify_steps_match_recurrent_decoding(max_drafts, seed, data):
 
 
 def test_width_one_is_bit_identical_to_plain_decoding():
-    """W = 1: each verify folds and flushes the entry the step before appended, the very update a decode makes, so
-    its outputs and its flushed states are plain decoding's bits (a state lags one token: the last is in the ring).
-    (replay_sim's check also compares a reference materialize with these states: the kernels have none.)"""
-    op, rng = FfiReplay(), np.random.default_rng(3)
-    pools = op.make_pools(1, rng)
-    plain = pools[0].copy()
-    slots, cu = np.array([3, 1, 0], np.int32), np.array([0, 1, 2, 2], np.int32)  # the third row is padding
-    committed = np.zeros(3, np.int32)
-    for _ in range(7):
-        tokens = op.tokens(rng, 3)
-        out, pools = op.verify(tokens, cu, pools, slots, np.zeros(3, np.int32), committed, committed > 0)
-        np.testing.assert_array_equal(np.asarray(pools[0]), np.asarray(plain))
-        out_plain, plain = op.decode(tokens, cu, plain, slots)
-        np.testing.assert_array_equal(np.asarray(out)[:2], np.asarray(out_plain)[:2])
-        committed = np.array([1, 1, 0], np.int32)
+    check_width_one_is_plain_decoding(FfiReplay())
 
 
 def test_the_pool_is_updated_in_place():
     rng = np.random.default_rng(0)
-    tokens, host_pool = _tokens(rng, SHAPES[1]), _state_pool(rng, SHAPES[1])
-    cu, slots = np.array([0, 1, 2, 2, 3], np.int32), np.array([3, 0, 5, 6], np.int32)
-    pool = jnp.asarray(host_pool)
-    address = pool.unsafe_buffer_pointer()
-    _, updated = gdn_decode(*tokens, cu, pool, slots, backend="ffi")
-    assert pool.is_deleted() and updated.unsafe_buffer_pointer() == address  # donated, aliased: no copy
-    np.testing.assert_array_equal(np.asarray(updated)[[0, 1, 2, 4, 5, 7]], host_pool[[0, 1, 2, 4, 5, 7]])
-    assert not np.array_equal(np.asarray(updated)[[3, 6]], host_pool[[3, 6]])
+    tokens = _tokens(rng, SHAPES[1])
+    check_updated_in_place(lambda cu, pool, slots: gdn_decode(*tokens, cu, pool, slots, backend="ffi"),
+                           _pool(rng, SHAPES[1]))
 
 
 def test_two_rows_on_one_slot_fail():
     rng = np.random.default_rng(0)
-    tokens, pool = _tokens(rng, SHAPES[0]), _state_pool(rng, SHAPES[0])
+    tokens, pool = _tokens(rng, SHAPES[0]), _pool(rng, SHAPES[0])
     with pytest.raises(Exception, match="aimed at by two rows"):
         jax.block_until_ready(gdn_decode(*tokens, np.array([0, 1, 2, 2, 2], np.int32), pool,
                                          np.array([3, 3, 0, 0], np.int32), backend="ffi"))
@@ -171,7 +139,7 @@ def test_two_rows_on_one_slot_fail():
 
 def test_without_a_compiler_one_warning_and_the_reference_runs(monkeypatch, caplog):
     rng = np.random.default_rng(0)
-    tokens, pool = _tokens(rng, SHAPES[0]), _state_pool(rng, SHAPES[0])
+    tokens, pool = _tokens(rng, SHAPES[0]), _pool(rng, SHAPES[0])
     cu, slots = np.array([0, 1, 2, 2, 2], np.int32), np.array([3, 1, 0, 0], np.int32)
     monkeypatch.setenv(cpu_ffi.COMPILER_ENV, "/nonexistent/c++")
     cpu_ffi.unavailable_reason.cache_clear()
@@ -199,3 +167,16 @@ def test_the_model_registers_the_kernels_where_it_is_built():
     cpu_ffi.unavailable_reason.cache_clear()
     ModelOps(cpu_kernels="auto")
     assert cpu_ffi.unavailable_reason.cache_info().currsize == 1
+
+
+def test_bf16_activations_round_alike():
+    """bf16 q, k, v (the bf16 model's): both paths normalise with the same JAX code and compute in f32, so the
+    states agree to the f32 bound and the bf16 outputs to it plus one bf16 ulp."""
+    rng = np.random.default_rng(1)
+    q, k, v, g, beta = _tokens(rng, SHAPES[1])
+    tokens = (*(jnp.asarray(t, jnp.bfloat16) for t in (q, k, v)), g, beta)
+    pool, (cu, slots) = _pool(rng, SHAPES[1]), rows(rng, 1)
+    o_ref, pool_ref = reference.gdn_decode(*tokens, cu, pool.copy(), slots)
+    o, pool_ffi = gdn_decode(*tokens, cu, pool.copy(), slots, backend="ffi")
+    _tolerance(SHAPES[1][2], 1).check(pool_ffi, pool_ref, "state_pool")
+    check_bf16_outputs(o, o_ref, SHAPES[1][2] + 4)

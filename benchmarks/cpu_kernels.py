@@ -1,0 +1,151 @@
+"""The CPU FFI kernels (pallas_kernels/cpu_ffi.py) against the XLA reference, per call of one layer's op.
+
+Ops: each recurrent mixer's decode (a row's state read, advanced by one token, written back) and its verify as
+the engine runs it on CPU without MTP (W = 1: each row folds the one committed entry, flushes it into its state
+and verifies one token). Shapes, batches 1, 16 and 64:
+  gdn (H, HV, K, V): Qwen3-Next-80B's GDN layer (16, 32, 128, 128) whole and at TP 4, the embedded model's;
+  ssd (NH, P, G, N): Nemotron-3-Nano-30B-A3B's Mamba2 layer (64, 64, 8, 128) and Nemotron-H-8B's (128, 64, 8, 128).
+The floor is XLA scaling the rows' states in place, one read and one write of every byte, on the same threads.
+Prints a table and writes benchmarks/results/cpu_kernels.json.
+
+`--engine DIR` instead times the engine on a Qwen3-Next checkpoint (vs_vllm.py's), bf16, with `--cpu-kernels
+reference` and `ffi` built side by side in one process (prefill buckets of 1,024 tokens only) and run alternately
+(A B A B): greedy generation of 64
+tokens after prompts of 128 at batches 1, 16 and 64, fresh prompts each time (vs_vllm.py's gen jobs). Writes
+benchmarks/results/cpu_kernels_engine.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+import peer_work as peer
+from common import write_results  # benchmarks/ is sys.path[0]
+from kernels import Pools, median_ms
+
+from jaxhybrid import LLM
+from pallas_kernels import cpu_ffi
+from pallas_kernels.gdn import gdn_decode, gdn_verify
+from pallas_kernels.mamba2 import ssd_decode, ssd_verify
+
+SHAPES = {
+    "qwen3-next-80b": ("gdn", (16, 32, 128, 128)), "qwen3-next-80b tp4": ("gdn", (4, 8, 128, 128)),
+    "embedded": ("gdn", (2, 4, 32, 32)),
+    "nemotron-3-nano": ("ssd", (64, 64, 8, 128)), "nemotron-h-8b": ("ssd", (128, 64, 8, 128)),
+}
+BATCHES = (1, 16, 64)
+RING = 2  # E = W + 1 entries
+
+
+def _gdn_inputs(rng, shape, batch):
+    """Tokens, state pool and rings of `batch` one-token rows on slots 1..batch (slot 0 the null slot)."""
+    h, hv, k, v = shape
+    tokens = (rng.standard_normal((batch, h, k), np.float32), rng.standard_normal((batch, h, k), np.float32),
+              rng.standard_normal((batch, hv, v), np.float32), -rng.exponential(0.3, (batch, hv)).astype(np.float32),
+              rng.uniform(0, 1, (batch, hv)).astype(np.float32))
+    state = 0.1 * rng.standard_normal((batch + 1, hv, k, v), np.float32)
+    rings = (rng.standard_normal((batch + 1, h, RING, k), np.float32),
+             rng.standard_normal((batch + 1, hv, RING, v), np.float32),
+             -rng.exponential(0.3, (batch + 1, hv, RING)).astype(np.float32))
+    return tokens, state, rings
+
+
+def _ssd_inputs(rng, shape, batch):
+    nh, p, g, n = shape
+    tokens = (rng.standard_normal((batch, nh, p), np.float32), rng.uniform(0.01, 0.5, (batch, nh)).astype(np.float32),
+              -np.exp(rng.uniform(-1, 1, nh)).astype(np.float32), rng.standard_normal((batch, g, n), np.float32),
+              rng.standard_normal((batch, g, n), np.float32), rng.standard_normal(nh).astype(np.float32))
+    state = 0.1 * rng.standard_normal((batch + 1, nh, p, n), np.float32)
+    rings = (rng.standard_normal((batch + 1, nh, RING, p), np.float32),
+             rng.uniform(0.01, 0.5, (batch + 1, nh, RING)).astype(np.float32),
+             rng.standard_normal((batch + 1, g, RING, n), np.float32))
+    return tokens, state, rings
+
+
+OPS = {"gdn": (_gdn_inputs, gdn_decode, gdn_verify), "ssd": (_ssd_inputs, ssd_decode, ssd_verify)}
+
+
+def _floor_ms(state, slots, repeats: int) -> float:
+    """One read and one write of every byte of the rows' states, by XLA on its threads: a donated in-place scale."""
+    rows, scale = Pools(state[slots]), jax.jit(lambda s: s * 2.0, donate_argnums=0)
+    return median_ms(lambda: rows.call(lambda s: (None, scale(s))), repeats)
+
+
+def run_case(name, batch, repeats, rng):
+    family, shape = SHAPES[name]
+    make_inputs, decode_op, verify_op = OPS[family]
+    tokens, state, rings = make_inputs(rng, shape, batch)
+    cu, slots = np.arange(batch + 1, dtype=np.int32), rng.permutation(np.arange(1, batch + 1)).astype(np.int32)
+    trackers = (slots, np.zeros(batch, np.int32), np.ones(batch, np.int32), np.ones(batch, bool))
+    row = {"shape": name, "op": family, "dims": list(shape), "batch": batch, "state_mb": state[1:].nbytes / 2**20,
+           "floor_ms": _floor_ms(state, slots, repeats)}
+    for backend in ("reference", "ffi"):
+        decode = Pools(state)
+        row[f"decode_{backend}_ms"] = median_ms(
+            lambda d=decode, b=backend: d.call(decode_op, *tokens, cu, slots=slots, backend=b), repeats)
+        verify = Pools(state, *rings)
+        row[f"verify_{backend}_ms"] = median_ms(
+            lambda p=verify, b=backend: p.call(lambda *a, **kw: verify_op(*a, *trackers, **kw), *tokens, cu,
+                                               backend=b), repeats)
+    for op in ("decode", "verify"):
+        row[f"{op}_speedup"] = row[f"{op}_reference_ms"] / row[f"{op}_ffi_ms"]
+        row[f"{op}_ffi_vs_floor"] = row[f"{op}_ffi_ms"] / row["floor_ms"]
+    return row
+
+
+def engine_rows(checkpoint: Path, rounds: int) -> list[dict]:
+    """Tokens/s of greedy generation per batch, each mode's best of `rounds`, the modes alternating."""
+    # vs_vllm.py's engine with fewer prefill buckets: both engines' compiled steps within the host's memory maps
+    llms = {mode: LLM(str(checkpoint), dtype="bfloat16", skip_tokenizer_init=True, num_blocks=4096, num_state_slots=160,
+                      max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=512,
+                      token_buckets=(2, 16, 64, 1024), row_buckets=(2, 16, 64), cpu_kernels=mode)
+            for mode in ("reference", "ffi")}
+    for llm in llms.values():
+        llm.engine.precompile(progress=False)
+    vocab, rng = llms["ffi"].model.config.vocab_size, np.random.default_rng(0)
+    rows = []
+    for batch in BATCHES:
+        rates = {mode: [] for mode in llms}
+        for _ in range(1 + rounds):  # the first round warms both up
+            for mode, llm in llms.items():
+                seconds, _ = peer.generate(llm, [peer.random_ids(rng, vocab, 128) for _ in range(batch)], 64)
+                rates[mode].append(batch * 64 / seconds)
+        best = {mode: max(values[1:]) for mode, values in rates.items()}
+        rows.append({"batch": batch, **{f"{mode}_tok_s": rate for mode, rate in best.items()},
+                     "rounds": {mode: values[1:] for mode, values in rates.items()},
+                     "speedup": best["ffi"] / best["reference"]})
+        print(f"batch {batch:>3}: reference {best['reference']:8.1f}  ffi {best['ffi']:8.1f} tok/s  "
+              f"x{rows[-1]['speedup']:.2f}  ({os.cpu_count()} cores)")
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    parser.add_argument("--engine", type=Path, help="a Qwen3-Next checkpoint: time the engine A B A B instead")
+    parser.add_argument("--rounds", type=int, default=2, help="with --engine: timed rounds per mode and batch")
+    args = parser.parse_args()
+    if not cpu_ffi.available():
+        raise SystemExit(f"the CPU FFI kernels cannot be built: {cpu_ffi.unavailable_reason()}")
+    if args.engine:
+        write_results("cpu_kernels_engine", engine_rows(args.engine, args.rounds), {"checkpoint": str(args.engine)})
+        return
+    rng = np.random.default_rng(0)
+    rows = [run_case(name, batch, args.repeats, rng) for name in args.shapes for batch in args.batches]
+    print(f"{'shape':<20}{'batch':>6}{'MiB':>8}{'floor':>8}{'decode ref':>12}{'ffi':>8}{'x':>6}"
+          f"{'verify ref':>12}{'ffi':>8}{'x':>6}  (ms; {os.cpu_count()} cores)")
+    for r in rows:
+        print(f"{r['shape']:<20}{r['batch']:>6}{r['state_mb']:>8.1f}{r['floor_ms']:>8.2f}"
+              f"{r['decode_reference_ms']:>12.2f}{r['decode_ffi_ms']:>8.2f}{r['decode_speedup']:>6.1f}"
+              f"{r['verify_reference_ms']:>12.2f}{r['verify_ffi_ms']:>8.2f}{r['verify_speedup']:>6.1f}")
+    write_results("cpu_kernels", rows, {"repeats": args.repeats})
+
+
+if __name__ == "__main__":
+    main()
