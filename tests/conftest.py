@@ -1,10 +1,12 @@
 """Test-session settings."""
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # Engines with equal configs compile equal steps (the greedy matrix runs each setting serially and one step
@@ -32,6 +34,19 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 # XLA's FFI handler registry has no lock: each test process registers the CPU FFI kernels once, here, before any
 # test compiles on another thread (a server's background compile) that registering could race.
-from pallas_kernels import cpu_ffi as _cpu_ffi  # noqa: E402  (after the environment above)
+import jax  # noqa: E402  (after the environment above)
+
+from pallas_kernels import cpu_ffi as _cpu_ffi  # noqa: E402
 
 _cpu_ffi.available()
+
+
+# Every loaded XLA:CPU executable maps each of its kernels into memory (about 1,450 maps for a tiny model's step),
+# and Linux allows 65,530 maps per process (vm.max_map_count): past it the next compile or cache read dies with
+# SIGSEGV. A test process runs many files' engines, so each file's executables are released when it ends.
+@pytest.fixture(scope="module", autouse=True)
+def _release_executables():
+    yield
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
