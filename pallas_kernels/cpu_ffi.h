@@ -88,9 +88,12 @@ inline ffi::Error CheckRows(const char* op, int64_t tokens, int64_t rows, int64_
   return ffi::Error::Success();
 }
 
-// ReplaySSM trackers: each row's ring_start inside the ring of `entries`, committed at most `entries`.
-inline ffi::Error CheckTrackers(const char* op, int64_t rows, int64_t entries, const int32_t* ring_start,
-                                const int32_t* committed) {
+// A verify's rows (as CheckRows) and ReplaySSM trackers: each row's ring_start inside the ring of `entries`,
+// committed at most `entries`.
+inline ffi::Error CheckVerifyRows(const char* op, int64_t tokens, int64_t rows, int64_t num_slots, int64_t entries,
+                                  const int32_t* cu, const int32_t* slots, const int32_t* ring_start,
+                                  const int32_t* committed) {
+  if (auto error = CheckRows(op, tokens, rows, num_slots, cu, slots); error.failure()) return error;
   for (int64_t r = 0; r < rows; ++r) {
     if (ring_start[r] < 0 || ring_start[r] >= entries || committed[r] < 0 || committed[r] > entries) {
       return ffi::Error::InvalidArgument(std::string(op) + ": ring_start or committed outside the ring");

@@ -6,6 +6,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from varlen_inputs import cu_seqlens
 
 from pallas_kernels import cpu_ffi
 from tests.tolerances import U_BFLOAT16, assert_close, float32_atol
@@ -34,7 +35,7 @@ def rows(rng, max_length):
         lengths[np.argmax(lengths)] -= 1
     slots = rng.permutation(np.arange(1, S))[:R].astype(np.int32)
     slots[rng.uniform(size=R) < 0.3] = 0  # padding rows
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32), slots
+    return cu_seqlens(lengths, R), slots
 
 
 def verify_trackers(rng, cu, slots):

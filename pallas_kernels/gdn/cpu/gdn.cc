@@ -202,8 +202,9 @@ ffi::Error GdnVerifyImpl(ffi::ThreadPool pool, F32Buffer q, F32Buffer k, F32Buff
   const int32_t* slots = slot_ids.typed_data();
   const int32_t *ring_start = ring_start_in.typed_data(), *committed = committed_in.typed_data();
   const int32_t* flush = flush_in.typed_data();
-  if (auto error = CheckRows("gdn", s.tokens, s.rows, s.slots, cu, slots); error.failure()) return error;
-  if (auto error = CheckTrackers("gdn_verify", s.rows, s.entries, ring_start, committed); error.failure()) {
+  if (auto error = CheckVerifyRows("gdn_verify", s.tokens, s.rows, s.slots, s.entries, cu, slots, ring_start,
+                                   committed);
+      error.failure()) {
     return error;
   }
   AliasOrCopy(state_in, state_out);

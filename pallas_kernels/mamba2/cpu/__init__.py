@@ -20,13 +20,10 @@ import jax.numpy as jnp
 
 from pallas_kernels.cpu_ffi import result_like, runs_kernel
 from pallas_kernels.mamba2 import reference
+from pallas_kernels.mamba2.reference import _f32
 from pallas_kernels.varlen import check_rows
 
 DECODE_TARGET, VERIFY_TARGET = "jaxhybrid_ssd_decode", "jaxhybrid_ssd_verify"
-
-
-def _f32(*xs: jax.Array) -> tuple[jax.Array, ...]:
-    return tuple(x.astype(jnp.float32) for x in xs)
 
 
 @functools.partial(jax.jit, donate_argnames="state_pool")

@@ -177,8 +177,9 @@ ffi::Error SsdVerifyImpl(ffi::ThreadPool pool, F32Buffer x, F32Buffer dt, F32Buf
   const int32_t* slots = slot_ids.typed_data();
   const int32_t *ring_start = ring_start_in.typed_data(), *committed = committed_in.typed_data();
   const int32_t* flush = flush_in.typed_data();
-  if (auto error = CheckRows("ssd", s.tokens, s.rows, s.slots, cu, slots); error.failure()) return error;
-  if (auto error = CheckTrackers("ssd_verify", s.rows, s.entries, ring_start, committed); error.failure()) {
+  if (auto error = CheckVerifyRows("ssd_verify", s.tokens, s.rows, s.slots, s.entries, cu, slots, ring_start,
+                                   committed);
+      error.failure()) {
     return error;
   }
   AliasOrCopy(state_in, state_out);
