@@ -8,11 +8,11 @@ and verifies one token). Shapes, batches 1, 16 and 64:
 The floor is XLA scaling the rows' states in place, one read and one write of every byte, on the same threads.
 Prints a table and writes benchmarks/results/cpu_kernels.json.
 
-`--engine DIR` instead times the engine on a Qwen3-Next checkpoint (vs_vllm.py's), bf16, with `--cpu-kernels
-reference` and `ffi` built side by side in one process (prefill buckets of 1,024 tokens only) and run alternately
-(A B A B): greedy generation of 64
-tokens after prompts of 128 at batches 1, 16 and 64, fresh prompts each time (vs_vllm.py's gen jobs). Writes
-benchmarks/results/cpu_kernels_engine.json.
+`--engine DIR` instead times the engine on a Qwen3-Next checkpoint (vs_vllm.py's), bf16, in two settings
+(`--modes`, of: reference, `--cpu-kernels reference`; ffi, `--cpu-kernels ffi`; ffi_unrolled, that and
+`--no-scan-layers`) built side by side in one process (prefill buckets of 1,024 tokens only) and run alternately
+(A B A B): greedy generation of 64 tokens after prompts of 128 at batches 1, 16 and 64, fresh prompts each time
+(vs_vllm.py's gen jobs). Writes benchmarks/results/cpu_kernels_engine_{A}_{B}.json.
 """
 
 from __future__ import annotations
@@ -97,16 +97,21 @@ def run_case(name, batch, repeats, rng):
     return row
 
 
-def engine_rows(checkpoint: Path, rounds: int) -> list[dict]:
-    """Tokens/s of greedy generation per batch, each mode's best of `rounds`, the modes alternating."""
+ENGINE_MODES = {"reference": dict(cpu_kernels="reference"), "ffi": dict(cpu_kernels="ffi"),
+                "ffi_unrolled": dict(cpu_kernels="ffi", scan_layers=False)}
+
+
+def engine_rows(checkpoint: Path, rounds: int, modes: list[str]) -> list[dict]:
+    """Tokens/s of greedy generation per batch, each mode's best of `rounds`, the modes alternating; the speedup
+    is the second mode's over the first's."""
     # vs_vllm.py's engine with fewer prefill buckets: both engines' compiled steps within the host's memory maps
     llms = {mode: LLM(str(checkpoint), dtype="bfloat16", skip_tokenizer_init=True, num_blocks=4096, num_state_slots=160,
                       max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=512,
-                      token_buckets=(2, 16, 64, 1024), row_buckets=(2, 16, 64), cpu_kernels=mode)
-            for mode in ("reference", "ffi")}
+                      token_buckets=(2, 16, 64, 1024), row_buckets=(2, 16, 64), **ENGINE_MODES[mode])
+            for mode in modes}
     for llm in llms.values():
         llm.engine.precompile(progress=False)
-    vocab, rng = llms["ffi"].model.config.vocab_size, np.random.default_rng(0)
+    vocab, rng = llms[modes[0]].model.config.vocab_size, np.random.default_rng(0)
     rows = []
     for batch in BATCHES:
         rates = {mode: [] for mode in llms}
@@ -117,9 +122,9 @@ def engine_rows(checkpoint: Path, rounds: int) -> list[dict]:
         best = {mode: max(values[1:]) for mode, values in rates.items()}
         rows.append({"batch": batch, **{f"{mode}_tok_s": rate for mode, rate in best.items()},
                      "rounds": {mode: values[1:] for mode, values in rates.items()},
-                     "speedup": best["ffi"] / best["reference"]})
-        print(f"batch {batch:>3}: reference {best['reference']:8.1f}  ffi {best['ffi']:8.1f} tok/s  "
-              f"x{rows[-1]['speedup']:.2f}  ({os.cpu_count()} cores)")
+                     "speedup": best[modes[1]] / best[modes[0]]})
+        print(f"batch {batch:>3}: " + "  ".join(f"{mode} {best[mode]:8.1f}" for mode in modes) +
+              f" tok/s  x{rows[-1]['speedup']:.2f}  ({os.cpu_count()} cores)")
     return rows
 
 
@@ -130,11 +135,14 @@ def main():
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     parser.add_argument("--engine", type=Path, help="a Qwen3-Next checkpoint: time the engine A B A B instead")
     parser.add_argument("--rounds", type=int, default=2, help="with --engine: timed rounds per mode and batch")
+    parser.add_argument("--modes", nargs=2, default=["reference", "ffi"], choices=list(ENGINE_MODES),
+                        help="with --engine: the two settings timed")
     args = parser.parse_args()
     if not cpu_ffi.available():
         raise SystemExit(f"the CPU FFI kernels cannot be built: {cpu_ffi.unavailable_reason()}")
     if args.engine:
-        write_results("cpu_kernels_engine", engine_rows(args.engine, args.rounds), {"checkpoint": str(args.engine)})
+        write_results("_".join(["cpu_kernels_engine", *args.modes]), engine_rows(args.engine, args.rounds, args.modes),
+                      {"checkpoint": str(args.engine), "modes": args.modes})
         return
     rng = np.random.default_rng(0)
     rows = [run_case(name, batch, args.repeats, rng) for name in args.shapes for batch in args.batches]

@@ -26,7 +26,7 @@ head dims 64; written in bf16 through `jaxhybrid.models.export`, or `--checkpoin
                 sampling, history and plan included), as fractions scaled to the step's time.
 Times are medians of wall time and of the process's CPU time (the CPU "device" computes on the same cores
 the host runs on: on a shared machine the CPU time is the steadier of the two). Writes
-benchmarks/results/decode_breakdown.json.
+benchmarks/results/decode_breakdown.json (with `--no-scan-layers`, decode_breakdown_unrolled.json).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from jaxhybrid.models.hf_config import parse_hf_config
 from jaxhybrid.models.hybrid import HybridLM
 from jaxhybrid.models.model import init_params
 from jaxhybrid.models.plan_transfer import pack_plan, unpack_plan
+from jaxhybrid.models.stack import unflatten_params
 from jaxhybrid.sample.sampler import ROW_DTYPE, batch_constraints
 from jaxhybrid.tiny.corpus import HELD_OUT_MODULES, stdlib_dir
 from jaxhybrid.worker.memory import slot_bytes
@@ -191,7 +192,8 @@ def engine_split(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[d
 
 def op_category(op_name: str) -> str:
     """An XLA op's share of the step, from its name (the jitted step's module path)."""
-    path = re.sub(r"(while/body/eval_jaxpr/)?(segment_\d+/)?layers_\d+", "L", op_name.removeprefix("jit(_step_fn)/"))
+    # a layer's module path, scanned or unrolled: HybridLM/L/<sublayer>
+    path = re.sub(r"(?:(?:segment_\d+|while/body|eval_jaxpr)/)*layers_\d+", "L", op_name.removeprefix("jit(_step_fn)/"))
     if re.search(r"while/body/jit\(dynamic_index_in_dim\)", path):  # a scanned layer's weights, copied out
         return "layer scan: weight slices"
     if "HybridLM/L/moe" in path:
@@ -255,11 +257,11 @@ class PreparedForward:
 
     def __init__(self, runner, step: PreparedStep) -> None:
         self.runner, self.step = runner, step
-        tree, module = runner._param_tree, runner.module
+        param_layout, module = runner._param_layout, runner.module
 
         def forward(leaves, state, buffer):
             plan = unpack_plan(buffer, step.layout, ROW_DTYPE.itemsize)
-            variables = {"params": jax.tree.unflatten(tree, leaves)}
+            variables = {"params": unflatten_params(leaves, param_layout)}
             hidden, state = module.apply(variables, plan.token_ids, plan, state)
             return state, module.apply(variables, hidden[plan.logits_indices], method=HybridLM.logits)
 
@@ -271,9 +273,10 @@ class PreparedForward:
         logits.block_until_ready()
 
 
-def breakdown(checkpoint: Path, dtype: str, batch: int, new_tokens: int, repeats: int) -> dict:
+def breakdown(checkpoint: Path, dtype: str, batch: int, new_tokens: int, repeats: int, scan_layers: bool) -> dict:
     llm = LLM(str(checkpoint), dtype=dtype, max_num_seqs=max(batch, 16), max_num_batched_tokens=256, max_model_len=256,
-              num_blocks=512, num_state_slots=2 * max(batch, 16) + 8, enable_prefix_caching=False)
+              num_blocks=512, num_state_slots=2 * max(batch, 16) + 8, enable_prefix_caching=False,
+              scan_layers=scan_layers)
     rng = np.random.default_rng(0)
     # 16-token prompts: the whole batch prefills in one step and then decodes together
     prompts = [rng.integers(3, llm.model.config.vocab_size, 16).tolist() for _ in range(batch)]
@@ -282,7 +285,8 @@ def breakdown(checkpoint: Path, dtype: str, batch: int, new_tokens: int, repeats
     forward = PreparedForward(llm.engine.runner, step)
     step_time = timed(step, repeats)
     shares = op_split(step, max(repeats // 2, 1))
-    return {"dtype": dtype, "batch": batch, "bucket": [plan.token_bucket, plan.row_bucket, plan.logits_bucket],
+    return {"dtype": dtype, "batch": batch, "scan_layers": scan_layers,
+            "bucket": [plan.token_bucket, plan.row_bucket, plan.logits_bucket],
             "engine_ms": engine, "step": step_time, "forward": timed(forward, repeats),
             "ops_ms": {name: share * step_time["wall_ms"] for name, share in shares.items()}}
 
@@ -305,9 +309,10 @@ def run_breakdown(args: argparse.Namespace) -> None:
         rows = []
         for dtype in args.dtypes:
             for batch in args.batches:
-                rows.append(breakdown(checkpoint, dtype, batch, args.new_tokens, args.repeats))
+                rows.append(breakdown(checkpoint, dtype, batch, args.new_tokens, args.repeats, args.scan_layers))
                 print_breakdown(rows[-1:])
-    write_results("decode_breakdown", rows, {"new_tokens": args.new_tokens})
+    write_results("decode_breakdown" if args.scan_layers else "decode_breakdown_unrolled", rows,
+                  {"new_tokens": args.new_tokens, "scan_layers": args.scan_layers})
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -334,6 +339,9 @@ def main() -> None:
     parser.add_argument("--checkpoint", help="with --breakdown: a Qwen3-Next MoE checkpoint (else a random one)")
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --breakdown: the engine's --scan-layers (--no-: each layer reads its weights "
+                        "in place)")
     args = parser.parse_args()
     if args.breakdown:
         run_breakdown(args)

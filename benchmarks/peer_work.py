@@ -33,15 +33,16 @@ CAR = {"type": "object", "properties": {"brand": {"type": "string", "maxLength":
 JSON_SCHEMA = {"type": "array", "items": CAR}
 
 
-def engine(directory: Path, dtype: str = "auto", max_num_seqs: int = 64, tokenizer: bool = False) -> LLM:
+def engine(directory: Path, dtype: str = "auto", max_num_seqs: int = 64, tokenizer: bool = False,
+           scan_layers: bool = True) -> LLM:
     """An LLM sized for these jobs, every bucket compiled before anything is timed; `tokenizer` for the `json`
-    job (a grammar is compiled over the checkpoint's tokenizer)."""
+    job (a grammar is compiled over the checkpoint's tokenizer); `scan_layers` as `EngineArgs.scan_layers`."""
     # buckets of 2 for decoding one sequence: XLA:CPU turns a one-row bf16 matmul into a convert of the whole
     # weight to f32 (2.3x slower), and a wider bucket computes padding
     llm = LLM(directory, dtype=dtype, skip_tokenizer_init=not tokenizer, num_blocks=4096, num_state_slots=160,
               max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, max_model_len=ANCHOR + CANDIDATE_LEN + 16,
               mamba_block_size=BLOCK, token_buckets=(2, 16, 64, 128, 512, 1024),
-              row_buckets=tuple(r for r in (2, 16, 64) if r <= max_num_seqs))
+              row_buckets=tuple(r for r in (2, 16, 64) if r <= max_num_seqs), scan_layers=scan_layers)
     llm.engine.precompile(progress=False)
     return llm
 

@@ -21,6 +21,8 @@ default, jaxhybrid, vLLM on both cores, jaxhybrid (round 0 and round 1 use diffe
 engine's prefix cache carries over); the servers then run one after the other on the same requests. Both sides
 run with tcmalloc preloaded when it is installed: vLLM's recommended setup, and jaxhybrid's programs' own
 (`jaxhybrid/malloc.py`; this script re-executes itself with it).
+jaxhybrid runs its layer stack unrolled, each layer reading its weights in place (`--no-scan-layers`, its faster
+setting on CPU); `--scan-layers` runs its default, the stack as one loop.
 
 The ratio is jaxhybrid / vLLM at equal cores (both), and jaxhybrid / vLLM's faster setting. Targets at equal
 cores: gen_b16, gen_b64 and serving >= 1.0, gen_b1 >= 0.7, score_n64 >= 3. Greedy agreement (the agreeing
@@ -129,7 +131,8 @@ def offline(args: argparse.Namespace, directory: Path, vocab: int, tmp: Path) ->
               for seed in range(ROUNDS)]
     start = time.perf_counter()
     # one engine per process: a second one's programs would pass the host's memory-map limit
-    llm = peer.engine(directory, dtype="bfloat16", tokenizer=any(job["kind"] == "json" for job in rounds[0].values()))
+    llm = peer.engine(directory, dtype="bfloat16", tokenizer=any(job["kind"] == "json" for job in rounds[0].values()),
+                      scan_layers=args.scan_layers)
     compile_s = time.perf_counter() - start
     theirs, ours = {}, []
     for side, work in zip(BINDINGS, rounds, strict=True):
@@ -161,7 +164,8 @@ def serving(args: argparse.Namespace, directory: Path, tmp: Path) -> list[dict]:
                         "--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "64"],
                        vllm_env(args.vllm_python, binding)) for side, binding in BINDINGS.items()}
     commands["jaxhybrid"] = ([sys.executable, "-m", "jaxhybrid.serve", "--model", str(directory), "--dtype",
-                              "bfloat16", "--max-num-seqs", "64", "--max-model-len", "1024"], None)
+                              "bfloat16", "--max-num-seqs", "64", "--max-model-len", "1024",
+                              "--scan-layers" if args.scan_layers else "--no-scan-layers"], None)
     outputs: dict[str, dict[int, dict]] = {}
     for side, (cmd, env) in commands.items():
         port = serve_load.free_port()
@@ -194,6 +198,9 @@ def main() -> None:
     parser.add_argument("--jobs", nargs="*", default=[],
                         help="only these offline jobs (e.g. json_b16 json_b64), no servers, results in their own file")
     parser.add_argument("--server-timeout", type=float, default=1800.0, help="seconds to wait for /health")
+    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=False,
+                        help="jaxhybrid's layer stack as one loop (its default); by default here unrolled, each layer "
+                        "reading its weights in place (--no-scan-layers, the faster on CPU)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="vs_vllm_") as tmp:
         tmp = Path(tmp)
@@ -210,7 +217,8 @@ def main() -> None:
         row["ratio_equal_cores"] = row["jaxhybrid"] / row["vllm_both"]
         row["ratio_vs_best"] = row["jaxhybrid"] / max(row["vllm_both"], row["vllm_default"])
         row["target"] = TARGETS.get(row["job"])
-    meta |= {"parameters": params, "repeats": REPEATS, "jaxhybrid_ld_preload": os.environ.get("LD_PRELOAD", ""),
+    meta |= {"parameters": params, "repeats": REPEATS, "jaxhybrid_scan_layers": args.scan_layers,
+             "jaxhybrid_ld_preload": os.environ.get("LD_PRELOAD", ""),
              "vllm_ld_preload": vllm_env(args.vllm_python, "auto").get("LD_PRELOAD", ""),
              "vllm_version": subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"],
                                             capture_output=True, text=True).stdout.strip()}

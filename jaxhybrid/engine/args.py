@@ -76,6 +76,9 @@ class EngineArgs:
     cpu_kernels: str = _arg("auto", "on CPU, the GDN and Mamba2 decode/verify ops: ffi (C++ kernels built on first "
                             "use; start-up fails without them), reference, or auto (ffi where they build)",
                             choices=CPU_KERNELS)
+    scan_layers: bool = _arg(True, "compile each segment of repeating layers as one loop over its repeats (compile "
+                             "time flat in depth); --no-: every layer its own copy, which on CPU reads each layer's "
+                             "weights in place (faster steps; compile time grows with depth)")
     token_buckets: tuple[int, ...] = _arg((), "step token buckets (default: a ladder up to max_num_batched_tokens)",
                                           type=int, nargs="+")
     row_buckets: tuple[int, ...] = _arg((), "step row buckets (default: a ladder up to max_num_seqs)",

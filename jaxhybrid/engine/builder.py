@@ -79,7 +79,7 @@ def build_engine(args: EngineArgs, background_compile: bool = False) -> BuiltEng
     mesh = make_mesh(args.tensor_parallel_size) if args.tensor_parallel_size > 1 else None
     # one process: each tensor goes straight to its shards; in a multi-host job each process loads whole params
     # and the Runner places its shards
-    ops = ModelOps(backend=args.backend, cpu_kernels=args.cpu_kernels,
+    ops = ModelOps(backend=args.backend, cpu_kernels=args.cpu_kernels, scan_layers=args.scan_layers,
                    cache=cache_dtypes(args.kv_cache_dtype, args.mamba_ssm_cache_dtype, directory))
     model = load_model(directory, dtype=dtype, ops=ops, block_size=args.block_size,
                        hf_overrides=args.hf_overrides, mesh=mesh if jax.process_count() == 1 else None)

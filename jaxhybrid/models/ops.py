@@ -32,7 +32,8 @@ class ModelOps:
     # (jaxhybrid.models.tensor_parallel); None: one device, no shard_map
     mesh: Mesh | None = None
     # each segment of repeating layers (models/stack.py) compiles as one scan over its repeats; off, every
-    # repeat is its own copy in the program (same bits; for XLA's cost analysis, which counts a loop's body once)
+    # repeat is its own copy in the program (same bits; for XLA's cost analysis, which counts a loop's body once,
+    # and on CPU, where the engine's unrolled step reads each layer's weights in place: `stack.flatten_params`)
     scan_layers: bool = True
     # what the pools store (--kv-cache-dtype, --mamba-ssm-cache-dtype) and the fp8 KV pools' scales
     cache: CacheDtypes = AUTO_CACHE

@@ -9,6 +9,11 @@ layers before and after it the same way; a run with no repeat is one segment of 
 Params are stored per segment and period position, stacked on a leading `repeats` axis: model layer
 `Segment.layer(j, r)` is entry r of `segment_{k}/layers_{j}` (`layer_location` is the inverse). The pools of
 a segment that repeats are stacked the same way (`pools.py`).
+
+A step takes its params as flat leaves (`flatten_params`). On CPU an unrolled step takes each stacked leaf as its
+per-repeat views and restacks them in its program (`unflatten_params`): XLA folds each repeat's slice of that
+stack back to its view, where slicing a stacked argument copies the layer's weights out, every layer of every
+step (docs/engine.md#inside-the-jitted-step).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 Layers = tuple[tuple[str, ...], ...]
@@ -91,3 +97,42 @@ def per_layer(params: dict, segments: tuple[Segment, ...]) -> dict:
             for r in range(segment.repeats):
                 out[f"layers_{segment.layer(j, r)}"] = jax.tree.map(lambda w, r=r: np.asarray(w[r]), stacked)
     return out
+
+
+class ParamLayout(NamedTuple):
+    """How a step's flat param leaves make up the params: `tree`'s leaves in order, each stacked leaf either
+    whole (0) or as that many per-repeat views (its repeats)."""
+
+    tree: Any  # jax.tree_util.PyTreeDef
+    views: tuple[int, ...]
+
+
+def flatten_params(params: Any, *, repeat_views: bool) -> tuple[list[jax.Array], ParamLayout]:
+    """The params as flat leaves; with `repeat_views` (CPU arrays only) each segment's stacked leaf is passed as
+    views of its repeats (`layer_views`)."""
+    paths, tree = jax.tree_util.tree_flatten_with_path(params)
+    leaves, views = [], []
+    for path, leaf in paths:
+        split = repeat_views and is_stacked(path)
+        leaves += layer_views(leaf) if split else [leaf]
+        views.append(leaf.shape[0] if split else 0)
+    return leaves, ParamLayout(tree, tuple(views))
+
+
+def unflatten_params(leaves: list[jax.Array], layout: ParamLayout) -> Any:
+    """The params from `flatten_params`' leaves: each leaf's views restacked (in the step's program)."""
+    whole, start = [], 0
+    for count in layout.views:
+        whole.append(jnp.stack(leaves[start:start + count]) if count else leaves[start])
+        start += max(count, 1)
+    return jax.tree.unflatten(layout.tree, whole)
+
+
+def layer_views(stacked: jax.Array) -> list[jax.Array]:
+    """Each repeat of a stacked CPU array as an array that shares its memory: the host view of repeat r put on the
+    array's device, which the CPU client aliases rather than copies where the view is aligned (every weight
+    matrix; a small vector may be copied)."""
+    host = np.asarray(stacked)  # the CPU buffer itself, read-only
+    # placed as the stack is: a committed argument where the step was traced with an uncommitted one retraces it
+    place = (lambda view: jax.device_put(view, stacked.sharding)) if stacked.committed else jax.device_put
+    return [place(host[r]) for r in range(stacked.shape[0])]

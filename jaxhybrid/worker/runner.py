@@ -30,6 +30,7 @@ from jaxhybrid.models.hybrid import HybridLM
 from jaxhybrid.models.model import Model
 from jaxhybrid.models.plan_transfer import PlanLayout, pack_plan
 from jaxhybrid.models.pools import DeviceState, init_device_state
+from jaxhybrid.models.stack import flatten_params
 from jaxhybrid.models.tensor_parallel import AXIS, param_shardings, shard_params, state_shardings
 from jaxhybrid.sample.sampler import DEFAULT_CONSTRAINT_WIDTH, ROW_DTYPE, Logprobs, batch_constraints
 from jaxhybrid.worker.buckets import padding_plan, plan_shapes
@@ -79,15 +80,18 @@ class Runner:
             shardings = dict(out_shardings=(self._state_shardings(), replicated, replicated))
             halves = (dict(out_shardings=(self._state_shardings(), replicated)), shardings)
         # the nested params dict flattened once: the jitted call then takes a flat list, and does not sort
-        # every dict's keys again on each step (0.1 ms of the host's step on the embedded model)
-        self.param_leaves, self._param_tree = jax.tree.flatten(self.params)
+        # every dict's keys again on each step (0.1 ms of the host's step on the embedded model); an unrolled
+        # step on CPU takes each layer's weights as views of their stack (`stack.flatten_params`)
+        ops = self.module.ops
+        repeat_views = not self.abstract and mesh is None and ops.platform() == "cpu" and not ops.scan_layers
+        self.param_leaves, self._param_layout = flatten_params(self.params, repeat_views=repeat_views)
         # what each bucket's step is lowered for: the params', pools' and carried tokens' shapes and placements
         # (never the arrays themselves, which the engine's thread donates while another thread compiles)
         self._param_specs = [_spec(leaf, getattr(leaf, "sharding", None)) for leaf in self.param_leaves]
         self._pool_specs = self._abstract_pools()
         self._fresh_pools()
         self._no_constraints: dict[int, jax.Array] = {}  # rows -> all padding, on the device once
-        step = functools.partial(run_step, self.module, self._param_tree, config, self.num_logprobs)
+        step = functools.partial(run_step, self.module, self._param_layout, config, self.num_logprobs)
         options = self.module.ops.compiler_options()
         self._step = jax.jit(step, static_argnums=3, donate_argnums=(1, 2), compiler_options=options, **shardings)
         self._executables: dict[PlanLayout, jax.stages.Compiled] = {}  # read without the lock by `_executable`
@@ -99,9 +103,9 @@ class Runner:
         self.background: BackgroundCompile | None = None
         # a step with token masks runs in two halves: the host fills the masks while the device runs the first
         # (compiled on first use: a step without masks never needs them)
-        forward = functools.partial(run_forward, self.module, self._param_tree, config)
+        forward = functools.partial(run_forward, self.module, self._param_layout, config)
         self._forward = jax.jit(forward, static_argnums=3, donate_argnums=1, compiler_options=options, **halves[0])
-        sampling = functools.partial(run_sampling, self.module, self._param_tree, config, self.num_logprobs)
+        sampling = functools.partial(run_sampling, self.module, self._param_layout, config, self.num_logprobs)
         self._sampling = jax.jit(sampling, donate_argnums=(1, 2), compiler_options=options, **halves[1])
         self.mask_words = (model.config.vocab_size + 31) // 32
         # the sampling half reads the params only to draft: without MTP its call passes none (a shorter dispatch)
@@ -430,7 +434,7 @@ def step_temporaries(model: Model, config: SchedulerConfig, mesh: Mesh | None = 
         pool_shardings = state_shardings(state, cfg, mesh)
         state = _sharded_specs(state, pool_shardings)
         out_shardings = dict(out_shardings=(pool_shardings, replicated, replicated))
-    leaves, tree = jax.tree.flatten(params)
+    leaves, tree = flatten_params(params, repeat_views=False)
     step = jax.jit(functools.partial(run_step, module, tree, config, num_logprobs), static_argnums=3,
                    donate_argnums=(1, 2), compiler_options=module.ops.compiler_options(), **out_shardings)
     bucket = plan_shapes(config)[-1]

@@ -7,7 +7,7 @@ its drafts; with MTP the module drafts K tokens for every row; logprobs only in 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxhybrid.models.hybrid import HybridLM
 from jaxhybrid.models.plan_transfer import DevicePlan, PlanLayout, next_tokens, row_of, unpack_plan
 from jaxhybrid.models.pools import DeviceState, copy_pages
+from jaxhybrid.models.stack import ParamLayout, unflatten_params
 from jaxhybrid.sample.rows import sample_rows
 from jaxhybrid.sample.sampler import ROW_DTYPE, Logprobs, SamplingRows, logprobs
 from jaxhybrid.spec_decode.mtp import draft
@@ -37,12 +38,12 @@ class Carried(NamedTuple):
     accepted: jax.Array  # [R_max] row r's accepted drafts
 
 
-def run_step(module: HybridLM, param_tree: Any, config: SchedulerConfig, num_logprobs: int,
+def run_step(module: HybridLM, param_layout: ParamLayout, config: SchedulerConfig, num_logprobs: int,
              param_leaves: list[jax.Array], state: DeviceState, carried: Carried, layout: PlanLayout,
              buffer: jax.Array, constraints: jax.Array) -> tuple[DeviceState, Carried, StepOutput]:
     """One step (the runner jits it per bucket: `layout` static, the state and the carried tokens donated)."""
-    state, forwarded = run_forward(module, param_tree, config, param_leaves, state, carried, layout, buffer)
-    return run_sampling(module, param_tree, config, num_logprobs, param_leaves, state, carried, forwarded,
+    state, forwarded = run_forward(module, param_layout, config, param_leaves, state, carried, layout, buffer)
+    return run_sampling(module, param_layout, config, num_logprobs, param_leaves, state, carried, forwarded,
                         constraints, None)
 
 
@@ -54,20 +55,20 @@ class Forwarded(NamedTuple):
     logits: jax.Array  # [L, V]
 
 
-def run_forward(module: HybridLM, param_tree: Any, config: SchedulerConfig, param_leaves: list[jax.Array],
+def run_forward(module: HybridLM, param_layout: ParamLayout, config: SchedulerConfig, param_leaves: list[jax.Array],
                 state: DeviceState, carried: Carried, layout: PlanLayout,
                 buffer: jax.Array) -> tuple[DeviceState, Forwarded]:
     """The layers and the logits of a step."""
     plan = with_carried(unpack_plan(buffer, layout, ROW_DTYPE.itemsize), carried, config.num_spec_tokens,
                         config.block_size)
-    variables = {"params": jax.tree.unflatten(param_tree, param_leaves)}
+    variables = {"params": unflatten_params(param_leaves, param_layout)}
     state = state._replace(token_history=record_history(state.token_history, plan))
     hidden, state = module.apply(variables, plan.token_ids, plan, state)
     logits = module.apply(variables, hidden[plan.logits_indices], method=HybridLM.logits)  # [L, V]
     return state, Forwarded(plan, hidden, logits)
 
 
-def run_sampling(module: HybridLM, param_tree: Any, config: SchedulerConfig, num_logprobs: int,
+def run_sampling(module: HybridLM, param_layout: ParamLayout, config: SchedulerConfig, num_logprobs: int,
                  param_leaves: list[jax.Array], state: DeviceState, carried: Carried, forwarded: Forwarded,
                  constraints: jax.Array, token_mask: jax.Array | None) -> tuple[DeviceState, Carried, StepOutput]:
     """Sampling (under `token_mask` [L, words], if given), logprobs, MTP drafts and the tokens carried on. The
@@ -82,7 +83,7 @@ def run_sampling(module: HybridLM, param_tree: Any, config: SchedulerConfig, num
                             lambda: _no_logprobs(logits.shape[0], num_logprobs))
     drafts = jnp.zeros((plan.row_kind.shape[0], 0), jnp.int32)
     if config.num_spec_tokens:
-        variables = {"params": jax.tree.unflatten(param_tree, param_leaves)}
+        variables = {"params": unflatten_params(param_leaves, param_layout)}
         drafts, state = draft(module, variables, hidden, plan, sampled, accepted, state, config.num_spec_tokens,
                               config.block_size)
     # penalties read the history before the publishes write it (the barrier orders them; without it

@@ -1,8 +1,10 @@
 """The layer stack as scanned segments: the cut reproduces the model's layers and finds the published
 periods, and a scan over the repeats gives the same bits as the unrolled stack, in a forward pass and through
-the engine (decode, MTP verify, prefix hits and publishes on the stacked pools)."""
+the engine (decode, MTP verify, prefix hits and publishes on the stacked pools); on CPU the unrolled step reads
+each layer's weights in place."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,12 +18,22 @@ from jaxhybrid.models.config import ATTENTION, GDN, MOE
 from jaxhybrid.models.hf_config import load_config
 from jaxhybrid.models.model import Model, full_forward, init_params
 from jaxhybrid.models.ops import ModelOps
-from jaxhybrid.models.stack import layer_location, layer_segments, per_layer
+from jaxhybrid.models.plan_transfer import pack_plan
+from jaxhybrid.models.stack import (
+    flatten_params,
+    is_stacked,
+    layer_location,
+    layer_segments,
+    per_layer,
+    unflatten_params,
+)
 from jaxhybrid.sample.params import SamplingParams
+from jaxhybrid.sample.sampler import batch_constraints
+from jaxhybrid.worker.buckets import padding_plan
 from tests.hf_fixtures import fixture_model
 from tests.jaxhybrid.engine_helpers import engine_for, run_to_completion
 
-UNROLLED = ModelOps(scan_layers=False)
+SCANNED, UNROLLED = ModelOps(scan_layers=True), ModelOps(scan_layers=False)
 
 
 def _concatenated(segments) -> tuple:
@@ -63,7 +75,7 @@ def test_scanned_and_unrolled_forward_give_the_same_bits():
     params = init_params(cfg, seed=3)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 24)), jnp.int32)
     outputs = [jax.jit(lambda p, t, ops=ops: full_forward(Model(cfg, p, ops=ops).module, p, t, 16, with_mtp=True))(
-        params, tokens) for ops in (ModelOps(), UNROLLED)]
+        params, tokens) for ops in (SCANNED, UNROLLED)]
     for scanned, unrolled in zip(*outputs, strict=True):
         assert np.array_equal(np.asarray(scanned), np.asarray(unrolled))
 
@@ -83,7 +95,7 @@ def test_the_engine_gives_the_same_tokens_and_logprobs_scanned_or_unrolled():
                for n in (5, 19, 33)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     results = []
-    for ops in (ModelOps(), UNROLLED):
+    for ops in (SCANNED, UNROLLED):
         engine = engine_for(Model(model.config, model.params, ops=ops), k=3, ring_size=4)
         outputs = {}
         for wave in ([0], [1, 2]):  # the later ones start from the first one's checkpoint
@@ -94,3 +106,42 @@ def test_the_engine_gives_the_same_tokens_and_logprobs_scanned_or_unrolled():
                         for o in (outputs[str(i)] for i in range(len(prompts)))])
         assert engine.stats.hit_copies > 0 and engine.stats.accepted_tokens > 0  # hits and verify both ran
     assert results[0] == results[1]
+
+
+def test_the_cpu_layer_views_share_the_stacks_memory_and_restack_to_the_params():
+    params = fixture_model("qwen3_5").params
+    leaves, layout = flatten_params(params, repeat_views=True)
+    restacked = unflatten_params(leaves, layout)
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, b) and a.shape == b.shape, params, restacked))
+    views = iter(leaves)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not is_stacked(path):
+            assert next(views) is leaf
+            continue
+        stride = leaf[0].nbytes
+        pointers = [next(views).unsafe_buffer_pointer() for _ in range(leaf.shape[0])]
+        if leaf.ndim >= 3 and stride % 64 == 0:  # each weight matrix aliased, never copied
+            assert pointers == [leaf.unsafe_buffer_pointer() + r * stride for r in range(leaf.shape[0])]
+    assert next(views, None) is None
+
+
+def _compiled_step(model: Model) -> str:
+    engine = engine_for(model, k=0, ring_size=4, budget=16, max_num_seqs=2)
+    runner, config = engine.runner, engine.config
+    buffer, layout = pack_plan(padding_plan(config, 16, 2, config.block_table_buckets[0], 16))
+    constraints = batch_constraints([], 2)
+    return runner._step.lower(runner.param_leaves, runner.state, runner.carried, layout, buffer,
+                              constraints).compile().as_text()
+
+
+def test_the_unrolled_cpu_step_never_holds_a_stack_of_layer_weights():
+    """An unrolled step on CPU reads each layer's weights from its view in place (XLA folds each repeat's slice of
+    the restacked views back to the view); a scanned step takes, and slices, the stacks."""
+    model = fixture_model("qwen3_5")  # layers 0-2 stacked in one segment
+    hlo_dtype = {"float32": "f32", "bfloat16": "bf16"}
+    stacks = {f"= {hlo_dtype[leaf.dtype.name]}[{','.join(map(str, leaf.shape))}]"
+              for path, leaf in jax.tree_util.tree_flatten_with_path(model.params)[0]
+              if is_stacked(path) and leaf.ndim >= 3}
+    pattern = re.compile("|".join(map(re.escape, stacks)))
+    assert not pattern.findall(_compiled_step(Model(model.config, model.params, ops=UNROLLED)))
+    assert pattern.findall(_compiled_step(Model(model.config, model.params, ops=SCANNED)))  # the check can fail

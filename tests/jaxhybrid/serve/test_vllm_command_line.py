@@ -24,6 +24,7 @@ OPTION = re.compile(r"^  (-[^ ].*?)(?: {2,}|$)")
 JAXHYBRID_ONLY = {
     "--backend": "the kernels: pallas or the pure-JAX reference",
     "--cpu-kernels": "the C++ FFI kernels on CPU or the pure-JAX reference",
+    "--scan-layers": "the layer stack as one loop over its repeats, or unrolled",
     "--bucket-growth": "the step's shape ladders (each shape compiles once)",
     "--token-buckets": "the step's token ladder",
     "--row-buckets": "the step's row ladder",
