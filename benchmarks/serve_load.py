@@ -474,6 +474,20 @@ def wait_ready(proc: subprocess.Popen, base_url: str, timeout: float, log_path: 
     raise RuntimeError(f"server not healthy after {timeout:.0f} s:\n{tail(log_path)}")
 
 
+def wait_compiled(proc: subprocess.Popen, timeout: float, log_path: Path) -> float:
+    """Seconds until a jaxhybrid server's log says its background compile ended (every bucket compiled, or the
+    walk stopped): its steady state, as vLLM's /health comes after its own warm-up."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{tail(log_path)}")
+        text = log_path.read_text(errors="replace")
+        if "every bucket compiled" in text or "background compile stopped" in text:
+            return time.perf_counter() - start
+        time.sleep(1)
+    raise RuntimeError(f"server still compiling after {timeout:.0f} s:\n{tail(log_path)}")
+
+
 def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 

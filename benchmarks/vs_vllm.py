@@ -14,7 +14,9 @@ Jobs, each a warm-up on other prompts and then REPEATS timed repeats on fresh pr
                       (candidates/s), each side at its best: vLLM reads its prefix cache (whole 384-token
                       blocks on this model), jaxhybrid starts each candidate from a checkpoint at the anchor;
   serve_c{16,64}      `serve_load.py` against `vllm serve` and `python -m jaxhybrid.serve`: 4 C requests of
-                      128 -> 64 tokens at concurrency C (output tokens/s).
+                      128 -> 64 tokens at concurrency C (output tokens/s), once each server is at its steady
+                      state (vLLM's /health; jaxhybrid's /health answers while its buckets compile on a worker
+                      thread, so the loads wait for its log to say they all compiled).
 vLLM runs twice: with its default binding (on 2 cores it computes on one and reserves the other) and with
 `VLLM_CPU_OMP_THREADS_BIND=0-1` (both, as jaxhybrid). The offline jobs alternate A B A B in one run: vLLM
 default, jaxhybrid, vLLM on both cores, jaxhybrid (round 0 and round 1 use different prompts, so neither
@@ -173,6 +175,9 @@ def serving(args: argparse.Namespace, directory: Path, tmp: Path) -> list[dict]:
         base_url, log_path = f"http://{serve_load.HOST}:{port}", tmp / f"{side}.log"
         with serve_load.server(cmd, log_path, HERE.parent, env) as proc:
             serve_load.wait_ready(proc, base_url, args.server_timeout, log_path)
+            if side == "jaxhybrid":  # steady state: its buckets compile on a worker thread after /health
+                compiled_s = serve_load.wait_compiled(proc, args.server_timeout, log_path)
+                print(f"jaxhybrid compiled every bucket {compiled_s:.0f} s after /health", flush=True)
             outputs[side] = {c: load(base_url, str(directory), tokenizer, c) for c in CONCURRENCY}
     return [{"job": f"serve_c{c}", "unit": "output tokens/s",
              **{side: outputs[side][c]["output_throughput"] for side in commands},
