@@ -8,6 +8,10 @@ and verifies one token). Shapes, batches 1, 16 and 64:
 The floor is XLA scaling the rows' states in place, one read and one write of every byte, on the same threads.
 Prints a table and writes benchmarks/results/cpu_kernels.json.
 
+`--prefill` instead times each shape's prefill of one layer: a 1,024-token step of 8 fresh rows of 128 tokens
+(vs_vllm.py's prompts), the reference's chunked form against the kernel's token recurrence; it writes
+benchmarks/results/cpu_kernels_prefill.json.
+
 `--engine DIR` instead times the engine on a Qwen3-Next checkpoint (vs_vllm.py's), bf16, in two settings
 (`--modes`, of: reference, `--cpu-kernels reference`; ffi, `--cpu-kernels ffi`; ffi_unrolled, that and
 `--no-scan-layers`) built side by side in one process (prefill buckets of 1,024 tokens only) and run alternately
@@ -29,24 +33,27 @@ from kernels import Pools, median_ms
 
 from jaxhybrid import LLM
 from pallas_kernels import cpu_ffi
-from pallas_kernels.gdn import gdn_decode, gdn_verify
-from pallas_kernels.mamba2 import ssd_decode, ssd_verify
+from pallas_kernels.gdn import gdn_decode, gdn_prefill, gdn_verify
+from pallas_kernels.mamba2 import ssd_decode, ssd_prefill, ssd_verify
 
 SHAPES = {
     "qwen3-next-80b": ("gdn", (16, 32, 128, 128)), "qwen3-next-80b tp4": ("gdn", (4, 8, 128, 128)),
-    "embedded": ("gdn", (2, 4, 32, 32)),
+    "embedded": ("gdn", (2, 4, 32, 32)), "vs_vllm 40m": ("gdn", (4, 8, 64, 64)),
     "nemotron-3-nano": ("ssd", (64, 64, 8, 128)), "nemotron-h-8b": ("ssd", (128, 64, 8, 128)),
 }
 BATCHES = (1, 16, 64)
 RING = 2  # E = W + 1 entries
+PREFILL_ROWS, PREFILL_LEN = 8, 128
 
 
-def _gdn_inputs(rng, shape, batch):
-    """Tokens, state pool and rings of `batch` one-token rows on slots 1..batch (slot 0 the null slot)."""
+def _gdn_inputs(rng, shape, batch, num_tokens=None):
+    """`num_tokens` (default `batch`) tokens, and the state pool and rings of `batch` rows on slots 1..batch (slot 0
+    the null slot)."""
     h, hv, k, v = shape
-    tokens = (rng.standard_normal((batch, h, k), np.float32), rng.standard_normal((batch, h, k), np.float32),
-              rng.standard_normal((batch, hv, v), np.float32), -rng.exponential(0.3, (batch, hv)).astype(np.float32),
-              rng.uniform(0, 1, (batch, hv)).astype(np.float32))
+    t = num_tokens or batch
+    tokens = (rng.standard_normal((t, h, k), np.float32), rng.standard_normal((t, h, k), np.float32),
+              rng.standard_normal((t, hv, v), np.float32), -rng.exponential(0.3, (t, hv)).astype(np.float32),
+              rng.uniform(0, 1, (t, hv)).astype(np.float32))
     state = 0.1 * rng.standard_normal((batch + 1, hv, k, v), np.float32)
     rings = (rng.standard_normal((batch + 1, h, RING, k), np.float32),
              rng.standard_normal((batch + 1, hv, RING, v), np.float32),
@@ -54,11 +61,12 @@ def _gdn_inputs(rng, shape, batch):
     return tokens, state, rings
 
 
-def _ssd_inputs(rng, shape, batch):
+def _ssd_inputs(rng, shape, batch, num_tokens=None):
     nh, p, g, n = shape
-    tokens = (rng.standard_normal((batch, nh, p), np.float32), rng.uniform(0.01, 0.5, (batch, nh)).astype(np.float32),
-              -np.exp(rng.uniform(-1, 1, nh)).astype(np.float32), rng.standard_normal((batch, g, n), np.float32),
-              rng.standard_normal((batch, g, n), np.float32), rng.standard_normal(nh).astype(np.float32))
+    t = num_tokens or batch
+    tokens = (rng.standard_normal((t, nh, p), np.float32), rng.uniform(0.01, 0.5, (t, nh)).astype(np.float32),
+              -np.exp(rng.uniform(-1, 1, nh)).astype(np.float32), rng.standard_normal((t, g, n), np.float32),
+              rng.standard_normal((t, g, n), np.float32), rng.standard_normal(nh).astype(np.float32))
     state = 0.1 * rng.standard_normal((batch + 1, nh, p, n), np.float32)
     rings = (rng.standard_normal((batch + 1, nh, RING, p), np.float32),
              rng.uniform(0.01, 0.5, (batch + 1, nh, RING)).astype(np.float32),
@@ -66,7 +74,8 @@ def _ssd_inputs(rng, shape, batch):
     return tokens, state, rings
 
 
-OPS = {"gdn": (_gdn_inputs, gdn_decode, gdn_verify), "ssd": (_ssd_inputs, ssd_decode, ssd_verify)}
+OPS = {"gdn": (_gdn_inputs, gdn_decode, gdn_verify, gdn_prefill),
+       "ssd": (_ssd_inputs, ssd_decode, ssd_verify, ssd_prefill)}
 
 
 def _floor_ms(state, slots, repeats: int) -> float:
@@ -77,7 +86,7 @@ def _floor_ms(state, slots, repeats: int) -> float:
 
 def run_case(name, batch, repeats, rng):
     family, shape = SHAPES[name]
-    make_inputs, decode_op, verify_op = OPS[family]
+    make_inputs, decode_op, verify_op, _ = OPS[family]
     tokens, state, rings = make_inputs(rng, shape, batch)
     cu, slots = np.arange(batch + 1, dtype=np.int32), rng.permutation(np.arange(1, batch + 1)).astype(np.int32)
     trackers = (slots, np.zeros(batch, np.int32), np.ones(batch, np.int32), np.ones(batch, bool))
@@ -95,6 +104,33 @@ def run_case(name, batch, repeats, rng):
         row[f"{op}_speedup"] = row[f"{op}_reference_ms"] / row[f"{op}_ffi_ms"]
         row[f"{op}_ffi_vs_floor"] = row[f"{op}_ffi_ms"] / row["floor_ms"]
     return row
+
+
+def run_prefill_case(name, repeats, rng):
+    """One layer's prefill of PREFILL_ROWS fresh rows of PREFILL_LEN tokens, reference and kernel."""
+    family, shape = SHAPES[name]
+    make_inputs, *_, prefill_op = OPS[family]
+    tokens, state, _ = make_inputs(rng, shape, PREFILL_ROWS, PREFILL_ROWS * PREFILL_LEN)
+    cu = np.arange(PREFILL_ROWS + 1, dtype=np.int32) * PREFILL_LEN
+    slots, fresh = np.arange(1, PREFILL_ROWS + 1, dtype=np.int32), np.zeros(PREFILL_ROWS, bool)
+    row = {"shape": name, "op": family, "dims": list(shape), "rows": PREFILL_ROWS, "tokens": int(cu[-1])}
+    for backend in ("reference", "ffi"):
+        pools = Pools(state)
+        row[f"prefill_{backend}_ms"] = median_ms(
+            lambda p=pools, b=backend: p.call(lambda *a, **kw: prefill_op(*a, slots, fresh, **kw), *tokens, cu,
+                                              backend=b), repeats)
+    row["prefill_speedup"] = row["prefill_reference_ms"] / row["prefill_ffi_ms"]
+    return row
+
+
+def prefill_table(shapes: list[str], repeats: int) -> None:
+    rng = np.random.default_rng(0)
+    rows = [run_prefill_case(name, repeats, rng) for name in shapes]
+    print(f"{'shape':<20}{'tokens':>8}{'reference':>11}{'ffi':>8}{'x':>6}  (ms; {os.cpu_count()} cores)")
+    for r in rows:
+        print(f"{r['shape']:<20}{r['tokens']:>8}{r['prefill_reference_ms']:>11.2f}{r['prefill_ffi_ms']:>8.2f}"
+              f"{r['prefill_speedup']:>6.1f}")
+    write_results("cpu_kernels_prefill", rows, {"repeats": repeats})
 
 
 ENGINE_MODES = {"reference": dict(cpu_kernels="reference"), "ffi": dict(cpu_kernels="ffi"),
@@ -133,6 +169,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    parser.add_argument("--prefill", action="store_true", help="time one layer's 1,024-token prefill instead")
     parser.add_argument("--engine", type=Path, help="a Qwen3-Next checkpoint: time the engine A B A B instead")
     parser.add_argument("--rounds", type=int, default=2, help="with --engine: timed rounds per mode and batch")
     parser.add_argument("--modes", nargs=2, default=["reference", "ffi"], choices=list(ENGINE_MODES),
@@ -143,6 +180,9 @@ def main():
     if args.engine:
         write_results("_".join(["cpu_kernels_engine", *args.modes]), engine_rows(args.engine, args.rounds, args.modes),
                       {"checkpoint": str(args.engine), "modes": args.modes})
+        return
+    if args.prefill:
+        prefill_table(args.shapes, args.repeats)
         return
     rng = np.random.default_rng(0)
     rows = [run_case(name, batch, args.repeats, rng) for name in args.shapes for batch in args.batches]

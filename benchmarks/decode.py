@@ -201,7 +201,7 @@ def op_category(op_name: str) -> str:
             "moe: expert weight gathers" if path.endswith("gather") else "moe: routing, combine")
     if "HybridLM/L/gdn" in path:
         recurrent = any(op in path for op in ("gdn_verify", "gdn_prefill", "gdn_decode", "conv1d", "/jit(_verify)/",
-                                              "/jit(_decode)/"))  # the last two: the CPU FFI kernels' calls
+                                              "/jit(_rows)/"))  # the last two: the CPU FFI kernels' calls
         return "gdn: state (conv, recurrence)" if recurrent else "gdn: projections"
     if "HybridLM/L/attention" in path:
         return "attention: projections" if "proj" in path else "attention: kernel"

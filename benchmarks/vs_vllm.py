@@ -202,6 +202,8 @@ def main() -> None:
     parser.add_argument("--skip-serve", action="store_true", help="only the offline jobs")
     parser.add_argument("--jobs", nargs="*", default=[],
                         help="only these offline jobs (e.g. json_b16 json_b64), no servers, results in their own file")
+    parser.add_argument("--tag", default="", help="a suffix for the results' file names (e.g. the CPU: epyc), so "
+                        "that a run on another machine keeps this one's")
     parser.add_argument("--server-timeout", type=float, default=1800.0, help="seconds to wait for /health")
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=False,
                         help="jaxhybrid's layer stack as one loop (its default); by default here unrolled, each layer "
@@ -228,11 +230,12 @@ def main() -> None:
              "vllm_version": subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"],
                                             capture_output=True, text=True).stdout.strip()}
     report(rows, meta)
-    name = "_".join(["vs_vllm", *args.jobs])  # a run of chosen jobs keeps the full run's results
+    tag = [args.tag] if args.tag else []
+    name = "_".join(["vs_vllm", *args.jobs, *tag])  # a run of chosen jobs keeps the full run's results
     plot(rows, write_results(name, rows, meta).with_suffix(".png"))
     if floor is not None:
         gemm_floor.report(floor)
-        write_results("gemm_floor", floor, {"torch_python": args.vllm_python})
+        write_results("_".join(["gemm_floor", *tag]), floor, {"torch_python": args.vllm_python})
 
 
 def report(rows: list[dict], meta: dict) -> None:

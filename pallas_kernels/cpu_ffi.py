@@ -45,8 +45,10 @@ HEADERS = (HERE / "cpu_ffi.h",)
 LIBRARY = "libjaxhybrid_cpu.so"
 TARGETS = {
     "jaxhybrid_gdn_decode": "JaxhybridGdnDecode",
+    "jaxhybrid_gdn_prefill": "JaxhybridGdnPrefill",
     "jaxhybrid_gdn_verify": "JaxhybridGdnVerify",
     "jaxhybrid_ssd_decode": "JaxhybridSsdDecode",
+    "jaxhybrid_ssd_prefill": "JaxhybridSsdPrefill",
     "jaxhybrid_ssd_verify": "JaxhybridSsdVerify",
 }
 

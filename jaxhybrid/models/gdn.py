@@ -79,8 +79,8 @@ def _core(cfg: GDNConfig, ops: ModelOps, g: jax.Array, beta: jax.Array, out_shap
 
     return MixerCore(
         prefill=lambda mixed, cu, state, slots, has_initial: ops.gdn_prefill(
-            *heads(mixed), cu, state, slots, has_initial, backend=backend),
-        verify=ring_verify(gdn_verify, gdn_verify_snapshots, heads, ops.decode_backend()),
+            *heads(mixed), cu, state, slots, has_initial, backend=ops.state_backend()),
+        verify=ring_verify(gdn_verify, gdn_verify_snapshots, heads, ops.state_backend()),
         materialize=lambda state, rings, *copies, max_committed: gdn_materialize(
             state, *rings, *copies, max_committed=max_committed, backend=backend),
         out=out_shape)

@@ -85,8 +85,8 @@ def _core(cfg: Mamba2Config, ops: ModelOps, dt: jax.Array, a: jax.Array, d: jax.
 
     return MixerCore(
         prefill=lambda mixed, cu, state, slots, has_initial: ssd_prefill(
-            *inputs(mixed), cu, state, slots, has_initial, chunk_size=cfg.chunk_size, backend=backend),
-        verify=ring_verify(ssd_verify, ssd_verify_snapshots, inputs, ops.decode_backend()),
+            *inputs(mixed), cu, state, slots, has_initial, chunk_size=cfg.chunk_size, backend=ops.state_backend()),
+        verify=ring_verify(ssd_verify, ssd_verify_snapshots, inputs, ops.state_backend()),
         materialize=lambda state, rings, *copies, max_committed: ssd_materialize(
             state, *rings, a, *copies, max_committed=max_committed, backend=backend),
         out=out_shape)

@@ -37,7 +37,7 @@ class ModelOps:
     scan_layers: bool = True
     # what the pools store (--kv-cache-dtype, --mamba-ssm-cache-dtype) and the fp8 KV pools' scales
     cache: CacheDtypes = AUTO_CACHE
-    # where the GDN and Mamba2 decode/verify ops would run the reference on CPU (--cpu-kernels): "ffi" the C++
+    # where the GDN and Mamba2 prefill/decode/verify ops would run the reference on CPU (--cpu-kernels): "ffi" the C++
     # kernels (pallas_kernels/cpu_ffi.py; fails here where they cannot be built), "auto" those where they build
     # (else the reference, with one warning), "reference" the reference
     cpu_kernels: str = "reference"
@@ -55,9 +55,9 @@ class ModelOps:
     def _reference_on_cpu(self) -> bool:
         return resolve_backend(self.backend) == "reference" and jax.default_backend() == "cpu"
 
-    def decode_backend(self) -> str | None:
-        """The backend of the recurrent mixers' decode/verify ops: "ffi" where `cpu_kernels` puts the C++ kernels
-        in place of the CPU reference, else `backend`."""
+    def state_backend(self) -> str | None:
+        """The backend of the recurrent mixers' prefill, decode and verify ops: "ffi" where `cpu_kernels` puts the
+        C++ kernels in place of the CPU reference, else `backend`."""
         if self.cpu_kernels == "reference" or not self._reference_on_cpu():
             return self.backend
         return "ffi" if cpu_ffi.available() else self.backend

@@ -56,13 +56,16 @@ def gdn_prefill(
         from its own first token.
         None: `KERNEL_CHUNK` of the activations' dtype for the kernel (64; f32: 16), 16 for the reference,
         whose in-chunk solve costs C^2 per token (docs/benchmarks.md#where-a-cpu-decode-step-goes).
-      backend: "reference", "pallas" or "interpret" (the Pallas kernel interpreted on CPU); None: pallas
-        on GPU, reference on CPU.
+      backend: "reference", "pallas", "interpret" (the Pallas kernel interpreted on CPU) or "ffi" (the C++ CPU
+        kernel, token by token, `pallas_kernels.gdn.cpu`); None: pallas on GPU, reference on CPU.
 
     Returns:
       o: [T, HV, V] in v.dtype, state_pool with each row's final state in its slot.
     """
     args = (q, k, v, g, beta, cu_seqlens, state_pool, slots, has_initial, checkpoint_lens, checkpoint_slots)
+    if backend == "ffi":
+        chunk_size = chunk_size or REFERENCE_CHUNK  # for mid-row checkpoints, which run the reference
+        return cpu.gdn_prefill(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
     backend = resolve_backend(backend)
     chunk_size = chunk_size or (REFERENCE_CHUNK if backend == "reference" else KERNEL_CHUNK[jnp.dtype(v.dtype)])
     options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)

@@ -48,13 +48,15 @@ def ssd_prefill(
         row's tokens ...
       checkpoint_slots: ... into this slot ([R] i32, 0 = no checkpoint).
       chunk_size: C; each row is chunked from its own first token.
-      backend: "reference", "pallas" (Triton) or "interpret" (the Pallas kernel on CPU); None picks
-        "pallas" on GPU, else "reference".
+      backend: "reference", "pallas" (Triton), "interpret" (the Pallas kernel on CPU) or "ffi" (the C++ CPU
+        kernel, token by token, `pallas_kernels.mamba2.cpu`); None picks "pallas" on GPU, else "reference".
 
     Returns:
       y: [T, NH, P] in x.dtype, state_pool with each row's final state in its slot.
     """
     args = (x, dt, A, B, C, D, cu_seqlens, state_pool, slots, has_initial, checkpoint_lens, checkpoint_slots)
+    if backend == "ffi":
+        return cpu.ssd_prefill(*args, chunk_size=chunk_size)
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.ssd_prefill(*args, chunk_size=chunk_size)

@@ -4,7 +4,7 @@ ReplaySSM windows 1, 4 and 16 and the snapshot baseline (W = 0), checkpoint mark
 consumer paired with its producer in one step or arriving later, small and large chunk budgets, a request
 alone or mixed with others, preemptions forced by a small KV pool, and the engine one step ahead of the
 device or serial. After every workload each block and slot is free or cached. Most settings run the GDN and
-Mamba2 decode/verify ops through the C++ FFI kernels, the others the pure-JAX reference (FFI_RINGS); some
+Mamba2 prefill/decode/verify ops through the C++ FFI kernels, the others the pure-JAX reference (FFI_RINGS); some
 run the layer stack unrolled, each layer reading its weights in place (UNROLLED_RINGS).
 
 Every engine setting runs every workload, one after another on the same engine (later workloads also hit
@@ -78,8 +78,8 @@ SETTINGS = [  # (cache mode, K, ring size W, chunk budget, KV blocks): each valu
 
 
 FAMILIES = ["qwen3_next", "qwen3_5_text", "qwen3_5", "nemotron_h"]
-# the ring sizes at which a family's decode/verify ops run the C++ FFI kernels (pallas_kernels/cpu_ffi.py): two
-# GDN families at every ring, Mamba2 at 1 and 4; qwen3_5_text keeps the reference at every ring, nemotron_h at 16
+# the ring sizes at which a family's prefill/decode/verify ops run the C++ FFI kernels (pallas_kernels/cpu_ffi.py):
+# two GDN families at every ring, Mamba2 at 1 and 4; qwen3_5_text keeps the reference at every ring, nemotron_h at 16
 # (a setting's serial and one-step-ahead runs share their compiles)
 FFI_RINGS = {"qwen3_next": (1, 4, 16), "qwen3_5": (1, 4, 16), "nemotron_h": (1, 4)}
 # the ring sizes at which a family's layers run unrolled, each reading its weights in place (ModelOps.scan_layers
@@ -99,7 +99,7 @@ def test_greedy_output_equals_the_full_forward(family, cache_mode, k, ring_size,
     ffi = ring_size in FFI_RINGS.get(family, ())
     ops = ModelOps(cpu_kernels="ffi" if ffi else "reference",
                    scan_layers=ring_size not in UNROLLED_RINGS.get(family, ()))
-    assert (ops.decode_backend() == "ffi") == ffi
+    assert (ops.state_backend() == "ffi") == ffi
     if k and not model.config.mtp_layers:
         k = 0  # nemotron_h has no MTP head: the same setting without drafts
     engine = engine_for(Model(model.config, model.params, ops=ops), k=k, ring_size=ring_size, cache_mode=cache_mode,

@@ -54,6 +54,23 @@ def check_decode(actual, expected, pool, cu, slots, tolerance):
     np.testing.assert_array_equal(np.asarray(actual[1])[untouched], pool[untouched])
 
 
+def check_prefill(prefill, reference, tokens, pool, seed, tolerance):
+    """`prefill(*tokens, cu, pool, slots, has_initial)` (the FFI kernel, token by token) against the reference's
+    chunked form, on rows of up to T tokens with random fresh rows: a fresh row starts from zeros, even without
+    tokens (its slot is zeroed), the null slot and the other slots stay as they were."""
+    rng = np.random.default_rng(seed)
+    cu, slots = rows(rng, T)
+    has_initial = rng.uniform(size=R) < 0.5
+    expected = reference(*tokens, cu, pool.copy(), slots, has_initial)
+    actual = prefill(*tokens, cu, pool.copy(), slots, has_initial)
+    for got, want, name in zip(actual, expected, ("out", "state_pool"), strict=True):
+        tolerance.check(got, want, name)
+    assert not np.asarray(actual[0])[cu[-1]:].any()  # padding tokens
+    written = slots[(np.diff(cu) > 0) | ~has_initial]
+    untouched = np.setdiff1d(np.arange(S), written[written > 0])
+    np.testing.assert_array_equal(np.asarray(actual[1])[untouched], pool[untouched])
+
+
 def check_verify_pools(actual, pool, slots, flush):
     """Nothing written to the null slot; a state written only where the row flushes."""
     for pool_out in actual[1:]:

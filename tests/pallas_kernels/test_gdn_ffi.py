@@ -1,5 +1,5 @@
-"""The C++ FFI GDN kernels on CPU (pallas_kernels/gdn/cpu) against the reference: decode and ReplaySSM verify,
-the pools updated in place, the fallback without a compiler, and where the engine registers them (greedy
+"""The C++ FFI GDN kernels on CPU (pallas_kernels/gdn/cpu) against the reference: decode, prefill and ReplaySSM
+verify, the pools updated in place, the fallback without a compiler, and where the engine registers them (greedy
 engine output through them: tests/jaxhybrid/test_engine_greedy.py).
 
 Tolerance: the kernels and the reference evaluate the same f32 recurrence in different orders (the kernel sums
@@ -9,6 +9,7 @@ its output sum: `depth` = K + 4 per step, the earlier steps' errors carried with
 contracting recurrence (tests/tolerances.py).
 """
 
+import functools
 import logging
 
 import jax
@@ -22,6 +23,7 @@ from ffi_kernels import (  # noqa: F401  (kernels: the module's fixture)
     T,
     check_bf16_outputs,
     check_decode,
+    check_prefill,
     check_updated_in_place,
     check_verify_pools,
     check_width_one_is_plain_decoding,
@@ -36,7 +38,7 @@ from hypothesis import strategies as st
 
 from jaxhybrid.models.ops import ModelOps
 from pallas_kernels import cpu_ffi
-from pallas_kernels.gdn import gdn_decode, gdn_materialize, gdn_verify, reference
+from pallas_kernels.gdn import REFERENCE_CHUNK, gdn_decode, gdn_materialize, gdn_prefill, gdn_verify, reference
 from tests.tolerances import Float32
 
 pytestmark = pytest.mark.usefixtures("kernels")
@@ -69,6 +71,17 @@ def test_decode_matches_the_reference(shape, seed):
     expected = reference.gdn_decode(*tokens, cu, pool.copy(), slots)
     actual = gdn_decode(*tokens, cu, pool.copy(), slots, backend="ffi")
     check_decode(actual, expected, pool, cu, slots, _tolerance(shape[2], 1))
+
+
+@settings(max_examples=6, deadline=None)
+@given(shape=st.sampled_from(SHAPES), seed=st.integers(0, 2**16))
+def test_prefill_matches_the_reference(shape, seed):
+    """Rows of up to T tokens, fresh and continued: the token recurrence against the reference's chunked form, whose
+    in-chunk triangular solve adds a chunk's depth."""
+    rng = np.random.default_rng(seed)
+    tolerance = Float32(depth=_tolerance(shape[2], T).depth + REFERENCE_CHUNK)
+    check_prefill(functools.partial(gdn_prefill, backend="ffi"), reference.gdn_prefill, _tokens(rng, shape),
+                  _pool(rng, shape), seed, tolerance)
 
 
 @settings(max_examples=8, deadline=None)
@@ -150,7 +163,7 @@ def test_without_a_compiler_one_warning_and_the_reference_runs(monkeypatch, capl
             gdn_decode(*tokens, cu, pool.copy(), slots, backend="ffi")
             with pytest.raises(RuntimeError, match="cannot be built"):
                 ModelOps(cpu_kernels="ffi")
-            assert ModelOps(cpu_kernels="auto").decode_backend() is None  # the reference
+            assert ModelOps(cpu_kernels="auto").state_backend() is None  # the reference
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1 and "unavailable" in warnings[0].getMessage(), warnings
         o_ref, state_ref = reference.gdn_decode(*tokens, cu, pool.copy(), slots)
@@ -159,7 +172,7 @@ def test_without_a_compiler_one_warning_and_the_reference_runs(monkeypatch, capl
     finally:
         monkeypatch.undo()
         cpu_ffi.unavailable_reason.cache_clear()
-    assert cpu_ffi.available() and ModelOps(cpu_kernels="auto").decode_backend() == "ffi"
+    assert cpu_ffi.available() and ModelOps(cpu_kernels="auto").state_backend() == "ffi"
 
 
 def test_the_model_registers_the_kernels_where_it_is_built():

@@ -1,5 +1,5 @@
-"""The C++ FFI Mamba2 SSD kernels on CPU (pallas_kernels/mamba2/cpu) against the reference: decode and ReplaySSM
-verify, the pools updated in place, ReplaySSM with W = 1 as plain decoding bit for bit. Greedy engine output
+"""The C++ FFI Mamba2 SSD kernels on CPU (pallas_kernels/mamba2/cpu) against the reference: decode, prefill and
+ReplaySSM verify, the pools updated in place, ReplaySSM with W = 1 as plain decoding bit for bit. Greedy engine output
 through them: tests/jaxhybrid/test_engine_greedy.py.
 
 Tolerance: the kernels and the reference evaluate the same f32 recurrence in different orders (the kernel sums
@@ -7,6 +7,8 @@ C . h in 16 fixed lanes and uses libm's exp). Along a chain of dependent roundin
 step (a fold entry or a token) rounds its decay, its dt x, its update and its output terms: `depth` = N + 4 per
 step, the earlier steps' errors carried without amplification by the contracting recurrence (tests/tolerances.py).
 """
+
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from ffi_kernels import (  # noqa: F401  (kernels: the module's fixture)
     T,
     check_bf16_outputs,
     check_decode,
+    check_prefill,
     check_updated_in_place,
     check_verify_pools,
     check_width_one_is_plain_decoding,
@@ -30,7 +33,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ssd_replay_op import A, SsdReplay
 
-from pallas_kernels.mamba2 import reference, ssd_decode, ssd_materialize, ssd_verify
+from pallas_kernels.mamba2 import reference, ssd_decode, ssd_materialize, ssd_prefill, ssd_verify
 from tests.tolerances import Float32
 
 pytestmark = pytest.mark.usefixtures("kernels")
@@ -63,6 +66,17 @@ def test_decode_matches_the_reference(shape, seed):
     expected = reference.ssd_decode(*tokens, cu, pool.copy(), slots)
     actual = ssd_decode(*tokens, cu, pool.copy(), slots, backend="ffi")
     check_decode(actual, expected, pool, cu, slots, _tolerance(shape[3], 1))
+
+
+@settings(max_examples=6, deadline=None)
+@given(shape=st.sampled_from(SHAPES), seed=st.integers(0, 2**16))
+def test_prefill_matches_the_reference(shape, seed):
+    """Rows of up to T tokens, fresh and continued: the token recurrence against the reference's chunked form (one
+    chunk here: its in-chunk sums add T terms)."""
+    rng = np.random.default_rng(seed)
+    tolerance = Float32(depth=_tolerance(shape[3], T).depth + T)
+    check_prefill(functools.partial(ssd_prefill, backend="ffi"), reference.ssd_prefill, _tokens(rng, shape),
+                  _pool(rng, shape), seed, tolerance)
 
 
 @settings(max_examples=8, deadline=None)

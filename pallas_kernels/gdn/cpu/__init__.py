@@ -1,10 +1,12 @@
-"""Gated DeltaNet decode and ReplaySSM verify as C++ XLA FFI kernels for CPU (`gdn.cc`,
+"""Gated DeltaNet decode, prefill and ReplaySSM verify as C++ XLA FFI kernels for CPU (`gdn.cc`,
 docs/kernels.md#cpu-ffi-kernels).
 
 XLA:CPU runs the reference's state gather, decay, reads, write and scatter as separate loops over the states;
-the kernels walk each row's state once, in place in the donated pools. Same arguments, results and pool contract
-as `pallas_kernels.gdn.gdn_decode` / `gdn_verify`, and one more precondition: no two rows aim at the same slot
-other than the null slot 0 (the call fails; the scheduler never does it).
+the kernels walk each row's state once, in place in the donated pools. Prefill runs the recurrence token by token
+as decode does: on a CPU that takes about half the reference's chunked form (whose matrix products pay off on
+matrix units), and a row's state stays in cache through all its tokens. Same arguments, results and pool contract
+as `pallas_kernels.gdn.gdn_decode` / `gdn_prefill` / `gdn_verify`, and one more precondition: no two rows aim at
+the same slot other than the null slot 0 (the call fails; the scheduler never does it).
 
 The library is built and registered by `pallas_kernels.cpu_ffi` (`available()`); without a compiler, or where
 the build fails, the ops here run the reference. They also run it on bf16 state pools (the kernels read and
@@ -23,7 +25,7 @@ from pallas_kernels.gdn import reference
 from pallas_kernels.gdn.reference import normalise_qk
 from pallas_kernels.varlen import check_rows
 
-DECODE_TARGET, VERIFY_TARGET = "jaxhybrid_gdn_decode", "jaxhybrid_gdn_verify"
+DECODE_TARGET, PREFILL_TARGET, VERIFY_TARGET = "jaxhybrid_gdn_decode", "jaxhybrid_gdn_prefill", "jaxhybrid_gdn_verify"
 
 
 def _token_inputs(q, k, v, g, beta, scale, use_qk_l2norm):
@@ -33,11 +35,13 @@ def _token_inputs(q, k, v, g, beta, scale, use_qk_l2norm):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm"), donate_argnames="state_pool")
-def _decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, *, scale, use_qk_l2norm):
+def _rows(q, k, v, g, beta, cu_seqlens, state_pool, slots, has_initial, *, scale, use_qk_l2norm):
+    """Rows token by token from their slots: decode, or prefill with `has_initial` (None: decode)."""
     tokens = _token_inputs(q, k, v, g, beta, scale, use_qk_l2norm)
-    call = jax.ffi.ffi_call(DECODE_TARGET, (jax.ShapeDtypeStruct(v.shape, jnp.float32), result_like(state_pool)),
+    target, fresh = (DECODE_TARGET, ()) if has_initial is None else (PREFILL_TARGET, (has_initial.astype(jnp.int32),))
+    call = jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct(v.shape, jnp.float32), result_like(state_pool)),
                             input_output_aliases={6: 1})
-    o, state_pool = call(*tokens, cu_seqlens.astype(jnp.int32), state_pool, slots.astype(jnp.int32))
+    o, state_pool = call(*tokens, cu_seqlens.astype(jnp.int32), state_pool, slots.astype(jnp.int32), *fresh)
     return o.astype(v.dtype), state_pool
 
 
@@ -60,7 +64,20 @@ def gdn_decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, *, scale=None, u
     if not runs_kernel(state_pool):
         return reference.gdn_decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, scale=scale,
                                     use_qk_l2norm=use_qk_l2norm)
-    return _decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    return _rows(q, k, v, g, beta, cu_seqlens, state_pool, slots, None, scale=scale, use_qk_l2norm=use_qk_l2norm)
+
+
+def gdn_prefill(q, k, v, g, beta, cu_seqlens, state_pool, slots, has_initial, checkpoint_lens=None,
+                checkpoint_slots=None, *, scale=None, use_qk_l2norm=True, chunk_size=16):
+    """`pallas_kernels.gdn.gdn_prefill` on the CPU kernel. Mid-row checkpoints (`checkpoint_lens`, which the
+    engine does not use: its producers end their rows at the checkpoint) run the reference, chunked by
+    `chunk_size`, as do bf16 state pools."""
+    check_rows(cu_seqlens, slots, "slots")
+    if checkpoint_lens is not None or not runs_kernel(state_pool):
+        return reference.gdn_prefill(q, k, v, g, beta, cu_seqlens, state_pool, slots, has_initial, checkpoint_lens,
+                                     checkpoint_slots, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
+    return _rows(q, k, v, g, beta, cu_seqlens, state_pool, slots, has_initial, scale=scale,
+                 use_qk_l2norm=use_qk_l2norm)
 
 
 def gdn_verify(

@@ -1,4 +1,5 @@
-// Gated DeltaNet decode and ReplaySSM verify on CPU, as XLA FFI handlers (docs/kernels.md#cpu-ffi-kernels).
+// Gated DeltaNet decode, prefill and ReplaySSM verify on CPU, as XLA FFI handlers
+// (docs/kernels.md#cpu-ffi-kernels).
 //
 // XLA:CPU runs the reference's gather, decay, reads, write and scatter over the states as separate loops, each
 // streaming every state from memory. Here each (row, qk head) work item walks its value heads' [K, V] states
@@ -144,9 +145,11 @@ Shape ShapeOf(const F32Buffer& q, const F32Buffer& v, const I32Buffer& slots, co
 
 size_t ScratchFloats(const Shape& s) { return static_cast<size_t>(s.k * s.v + 4 * s.v); }
 
-ffi::Error GdnDecodeImpl(ffi::ThreadPool pool, F32Buffer q, F32Buffer k, F32Buffer v, F32Buffer g, F32Buffer beta,
-                         I32Buffer cu_seqlens, F32Buffer state_in, I32Buffer slot_ids, F32Result o,
-                         F32Result state_out) {
+// Rows of any length token by token from their slots' states, each row's final state written back (never to the
+// null slot 0). With `has_initial`, a row where it is 0 starts from zeros instead (a fresh prefill row).
+ffi::Error GdnRows(ffi::ThreadPool& pool, const F32Buffer& q, const F32Buffer& k, const F32Buffer& v,
+                   const F32Buffer& g, const F32Buffer& beta, const I32Buffer& cu_seqlens, const F32Buffer& state_in,
+                   const I32Buffer& slot_ids, const int32_t* has_initial, F32Result& o, F32Result& state_out) {
   const Shape s = ShapeOf(q, v, slot_ids, state_in, 0);
   if (auto error = CheckShape(s, q, k, v, g, beta, cu_seqlens, state_in, slot_ids); error.failure()) return error;
   const int32_t* cu = cu_seqlens.typed_data();
@@ -164,8 +167,10 @@ ffi::Error GdnDecodeImpl(ffi::ThreadPool pool, F32Buffer q, F32Buffer k, F32Buff
     const int64_t row = item / s.qk_heads, h = item % s.qk_heads, slot = slots[row];
     for (int64_t hv = h * group; hv < (h + 1) * group; ++hv) {
       float* page = states + (slot * s.heads + hv) * KV;
-      HeadWalk walk{s, scratch + KV, scratch + KV + 2 * V, page, {}};
       float* update_dst = slot > 0 ? page : scratch;
+      const bool fresh = has_initial != nullptr && !has_initial[row];
+      if (fresh) std::fill(update_dst, update_dst + KV, 0.0f);
+      HeadWalk walk{s, scratch + KV, scratch + KV + 2 * V, fresh ? update_dst : page, {}};
       for (int64_t t = cu[row], i = 0; t < cu[row + 1]; ++t, ++i) {
         const float* q_hat = qp + (t * s.qk_heads + h) * K;
         const float* k_hat = kp + (t * s.qk_heads + h) * K;
@@ -176,11 +181,24 @@ ffi::Error GdnDecodeImpl(ffi::ThreadPool pool, F32Buffer q, F32Buffer k, F32Buff
                      delta, out + (t * s.heads + hv) * V);
         walk.pending = Pending{true, a, k_hat, delta, update_dst};
       }
-      if (slot > 0) walk.Apply(Pending{});  // the final state is the decode's one write
+      if (slot > 0) walk.Apply(Pending{});  // the final state is the row's one write
     }
   };
   ParallelFor(pool, s.rows * s.qk_heads, group * KV, ScratchFloats(s), work);
   return ffi::Error::Success();
+}
+
+ffi::Error GdnDecodeImpl(ffi::ThreadPool pool, F32Buffer q, F32Buffer k, F32Buffer v, F32Buffer g, F32Buffer beta,
+                         I32Buffer cu_seqlens, F32Buffer state_in, I32Buffer slot_ids, F32Result o,
+                         F32Result state_out) {
+  return GdnRows(pool, q, k, v, g, beta, cu_seqlens, state_in, slot_ids, nullptr, o, state_out);
+}
+
+ffi::Error GdnPrefillImpl(ffi::ThreadPool pool, F32Buffer q, F32Buffer k, F32Buffer v, F32Buffer g,
+                          F32Buffer beta, I32Buffer cu_seqlens, F32Buffer state_in, I32Buffer slot_ids,
+                          I32Buffer has_initial, F32Result o, F32Result state_out) {
+  if (Dims(has_initial) != Dims(slot_ids)) return ffi::Error::InvalidArgument("gdn_prefill: has_initial is not [R]");
+  return GdnRows(pool, q, k, v, g, beta, cu_seqlens, state_in, slot_ids, has_initial.typed_data(), o, state_out);
 }
 
 ffi::Error GdnVerifyImpl(ffi::ThreadPool pool, F32Buffer q, F32Buffer k, F32Buffer v, F32Buffer g, F32Buffer beta,
@@ -279,6 +297,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxhybridGdnDecode, GdnDecodeImpl,
                                   .Arg<I32Buffer>()  // cu_seqlens [R + 1]
                                   .Arg<F32Buffer>()  // state_pool [S, HV, K, V]
                                   .Arg<I32Buffer>()  // slots [R]
+                                  .Ret<F32Buffer>()  // o [T, HV, V]
+                                  .Ret<F32Buffer>()  // state_pool, aliased
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxhybridGdnPrefill, GdnPrefillImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32Buffer>()  // q^ [T, H, K]
+                                  .Arg<F32Buffer>()  // k^ [T, H, K]
+                                  .Arg<F32Buffer>()  // v [T, HV, V]
+                                  .Arg<F32Buffer>()  // g [T, HV]
+                                  .Arg<F32Buffer>()  // beta [T, HV]
+                                  .Arg<I32Buffer>()  // cu_seqlens [R + 1]
+                                  .Arg<F32Buffer>()  // state_pool [S, HV, K, V]
+                                  .Arg<I32Buffer>()  // slots [R]
+                                  .Arg<I32Buffer>()  // has_initial [R], 0 or 1
                                   .Ret<F32Buffer>()  // o [T, HV, V]
                                   .Ret<F32Buffer>()  // state_pool, aliased
 );

@@ -1,10 +1,11 @@
-"""Mamba2 SSD decode and ReplaySSM verify as C++ XLA FFI kernels for CPU (`ssd.cc`,
+"""Mamba2 SSD decode, prefill and ReplaySSM verify as C++ XLA FFI kernels for CPU (`ssd.cc`,
 docs/kernels.md#cpu-ffi-kernels).
 
 XLA:CPU runs the reference's state gather, decay, read-out, write and scatter as separate loops over the states;
-the kernels walk each row's state once per token, in place in the donated pools. Same arguments, results and pool
-contract as `pallas_kernels.mamba2.ssd_decode` / `ssd_verify`, and one more precondition: no two rows aim at the
-same slot other than the null slot 0 (the call fails; the scheduler never does it).
+the kernels walk each row's state once per token, in place in the donated pools; prefill too, token by token (as
+in `pallas_kernels.gdn.cpu`). Same arguments, results and pool contract as `pallas_kernels.mamba2.ssd_decode` /
+`ssd_prefill` / `ssd_verify`, and one more precondition: no two rows aim at the same slot other than the null
+slot 0 (the call fails; the scheduler never does it).
 
 The library is built and registered by `pallas_kernels.cpu_ffi` (`available()`); without a compiler, or where
 the build fails, the ops here run the reference. They also run it on bf16 state pools (the kernels read and
@@ -23,14 +24,17 @@ from pallas_kernels.mamba2 import reference
 from pallas_kernels.mamba2.reference import _f32
 from pallas_kernels.varlen import check_rows
 
-DECODE_TARGET, VERIFY_TARGET = "jaxhybrid_ssd_decode", "jaxhybrid_ssd_verify"
+DECODE_TARGET, PREFILL_TARGET, VERIFY_TARGET = "jaxhybrid_ssd_decode", "jaxhybrid_ssd_prefill", "jaxhybrid_ssd_verify"
 
 
 @functools.partial(jax.jit, donate_argnames="state_pool")
-def _decode(x, dt, A, B, C, D, cu_seqlens, state_pool, slots):
-    call = jax.ffi.ffi_call(DECODE_TARGET, (jax.ShapeDtypeStruct(x.shape, jnp.float32), result_like(state_pool)),
+def _rows(x, dt, A, B, C, D, cu_seqlens, state_pool, slots, has_initial):
+    """Rows token by token from their slots: decode, or prefill with `has_initial` (None: decode)."""
+    target, fresh = (DECODE_TARGET, ()) if has_initial is None else (PREFILL_TARGET, (has_initial.astype(jnp.int32),))
+    call = jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct(x.shape, jnp.float32), result_like(state_pool)),
                             input_output_aliases={7: 1})
-    y, state_pool = call(*_f32(x, dt, A, B, C, D), cu_seqlens.astype(jnp.int32), state_pool, slots.astype(jnp.int32))
+    y, state_pool = call(*_f32(x, dt, A, B, C, D), cu_seqlens.astype(jnp.int32), state_pool, slots.astype(jnp.int32),
+                         *fresh)
     return y.astype(x.dtype), state_pool
 
 
@@ -48,7 +52,19 @@ def ssd_decode(x, dt, A, B, C, D, cu_seqlens, state_pool, slots):
     """`pallas_kernels.mamba2.ssd_decode` on the CPU kernel (rows of any length run token by token)."""
     check_rows(cu_seqlens, slots, "slots")
     args = (x, dt, A, B, C, D, cu_seqlens, state_pool, slots)
-    return _decode(*args) if runs_kernel(state_pool) else reference.ssd_decode(*args)
+    return _rows(*args, None) if runs_kernel(state_pool) else reference.ssd_decode(*args)
+
+
+def ssd_prefill(x, dt, A, B, C, D, cu_seqlens, state_pool, slots, has_initial, checkpoint_lens=None,
+                checkpoint_slots=None, *, chunk_size=128):
+    """`pallas_kernels.mamba2.ssd_prefill` on the CPU kernel. Mid-row checkpoints (`checkpoint_lens`, which the
+    engine does not use: its producers end their rows at the checkpoint) run the reference, chunked by
+    `chunk_size`, as do bf16 state pools."""
+    check_rows(cu_seqlens, slots, "slots")
+    args = (x, dt, A, B, C, D, cu_seqlens, state_pool, slots, has_initial)
+    if checkpoint_lens is not None or not runs_kernel(state_pool):
+        return reference.ssd_prefill(*args, checkpoint_lens, checkpoint_slots, chunk_size=chunk_size)
+    return _rows(*args)
 
 
 def ssd_verify(

@@ -1,4 +1,4 @@
-// Mamba2 SSD decode and ReplaySSM verify on CPU, as XLA FFI handlers (docs/kernels.md#cpu-ffi-kernels).
+// Mamba2 SSD decode, prefill and ReplaySSM verify on CPU, as XLA FFI handlers (docs/kernels.md#cpu-ffi-kernels).
 //
 // XLA:CPU runs the reference's state gather, decay, read-out, write and scatter as separate loops, each
 // streaming every state from memory. Here each (row, group) work item walks its heads' [P, N] states in place:
@@ -121,9 +121,12 @@ Shape ShapeOf(const F32Buffer& x, const F32Buffer& b, const I32Buffer& slots, co
 // Scratch per item: a state, the pass's row, the reads and two dt x vectors.
 size_t ScratchFloats(const Shape& s) { return static_cast<size_t>(s.p * s.n + s.n + 3 * s.p); }
 
-ffi::Error SsdDecodeImpl(ffi::ThreadPool pool, F32Buffer x, F32Buffer dt, F32Buffer a, F32Buffer b, F32Buffer c,
-                         F32Buffer d, I32Buffer cu_seqlens, F32Buffer state_in, I32Buffer slot_ids, F32Result y,
-                         F32Result state_out) {
+// Rows of any length token by token from their slots' states, each row's final state written back (never to the
+// null slot 0). With `has_initial`, a row where it is 0 starts from zeros instead (a fresh prefill row).
+ffi::Error SsdRows(ffi::ThreadPool& pool, const F32Buffer& x, const F32Buffer& dt, const F32Buffer& a,
+                   const F32Buffer& b, const F32Buffer& c, const F32Buffer& d, const I32Buffer& cu_seqlens,
+                   const F32Buffer& state_in, const I32Buffer& slot_ids, const int32_t* has_initial, F32Result& y,
+                   F32Result& state_out) {
   const Shape s = ShapeOf(x, b, slot_ids, state_in, 0);
   if (auto error = CheckShape(s, x, dt, a, b, c, d, cu_seqlens, state_in, slot_ids); error.failure()) return error;
   const int32_t* cu = cu_seqlens.typed_data();
@@ -143,7 +146,9 @@ ffi::Error SsdDecodeImpl(ffi::ThreadPool pool, F32Buffer x, F32Buffer dt, F32Buf
     for (int64_t h = g * s.heads_per_group(); h < (g + 1) * s.heads_per_group(); ++h) {
       float* page = states + (slot * s.heads + h) * PN;
       float* dst = slot > 0 ? page : state_scratch;  // the null slot's state is never kept
-      const float* cur = page;
+      const bool fresh = has_initial != nullptr && !has_initial[row];
+      if (fresh) std::fill(dst, dst + PN, 0.0f);
+      const float* cur = fresh ? dst : page;
       for (int64_t t = cu[row]; t < cu[row + 1]; ++t) {
         const float e = tokens.Decay(t, h);
         ScaleBy(dt.typed_data()[t * s.heads + h], tokens.X(t, h), s.p, xd);
@@ -156,6 +161,19 @@ ffi::Error SsdDecodeImpl(ffi::ThreadPool pool, F32Buffer x, F32Buffer dt, F32Buf
   };
   ParallelFor(pool, s.rows * s.groups, s.heads_per_group() * PN, ScratchFloats(s), work);
   return ffi::Error::Success();
+}
+
+ffi::Error SsdDecodeImpl(ffi::ThreadPool pool, F32Buffer x, F32Buffer dt, F32Buffer a, F32Buffer b, F32Buffer c,
+                         F32Buffer d, I32Buffer cu_seqlens, F32Buffer state_in, I32Buffer slot_ids, F32Result y,
+                         F32Result state_out) {
+  return SsdRows(pool, x, dt, a, b, c, d, cu_seqlens, state_in, slot_ids, nullptr, y, state_out);
+}
+
+ffi::Error SsdPrefillImpl(ffi::ThreadPool pool, F32Buffer x, F32Buffer dt, F32Buffer a, F32Buffer b, F32Buffer c,
+                          F32Buffer d, I32Buffer cu_seqlens, F32Buffer state_in, I32Buffer slot_ids,
+                          I32Buffer has_initial, F32Result y, F32Result state_out) {
+  if (Dims(has_initial) != Dims(slot_ids)) return ffi::Error::InvalidArgument("ssd_prefill: has_initial is not [R]");
+  return SsdRows(pool, x, dt, a, b, c, d, cu_seqlens, state_in, slot_ids, has_initial.typed_data(), y, state_out);
 }
 
 ffi::Error SsdVerifyImpl(ffi::ThreadPool pool, F32Buffer x, F32Buffer dt, F32Buffer a, F32Buffer b, F32Buffer c,
@@ -268,6 +286,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxhybridSsdDecode, SsdDecodeImpl,
                                   .Arg<I32Buffer>()  // cu_seqlens [R + 1]
                                   .Arg<F32Buffer>()  // state_pool [S, NH, P, N]
                                   .Arg<I32Buffer>()  // slots [R]
+                                  .Ret<F32Buffer>()  // y [T, NH, P]
+                                  .Ret<F32Buffer>()  // state_pool, aliased
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxhybridSsdPrefill, SsdPrefillImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32Buffer>()  // x [T, NH, P]
+                                  .Arg<F32Buffer>()  // dt [T, NH]
+                                  .Arg<F32Buffer>()  // A [NH]
+                                  .Arg<F32Buffer>()  // B [T, G, N]
+                                  .Arg<F32Buffer>()  // C [T, G, N]
+                                  .Arg<F32Buffer>()  // D [NH]
+                                  .Arg<I32Buffer>()  // cu_seqlens [R + 1]
+                                  .Arg<F32Buffer>()  // state_pool [S, NH, P, N]
+                                  .Arg<I32Buffer>()  // slots [R]
+                                  .Arg<I32Buffer>()  // has_initial [R], 0 or 1
                                   .Ret<F32Buffer>()  // y [T, NH, P]
                                   .Ret<F32Buffer>()  // state_pool, aliased
 );
