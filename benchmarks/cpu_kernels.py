@@ -13,10 +13,10 @@ Prints a table and writes benchmarks/results/cpu_kernels.json.
 benchmarks/results/cpu_kernels_prefill.json.
 
 `--engine DIR` instead times the engine on a Qwen3-Next checkpoint (vs_vllm.py's), bf16, in two settings
-(`--modes`, of: reference, `--cpu-kernels reference`; ffi, `--cpu-kernels ffi`; ffi_unrolled, that and
-`--no-scan-layers`) built side by side in one process (prefill buckets of 1,024 tokens only) and run alternately
-(A B A B): greedy generation of 64 tokens after prompts of 128 at batches 1, 16 and 64, fresh prompts each time
-(vs_vllm.py's gen jobs). Writes benchmarks/results/cpu_kernels_engine_{A}_{B}.json.
+(`--modes`, of: reference, `--cpu-kernels reference`; ffi, `--cpu-kernels ffi`; reference_unrolled and
+ffi_unrolled, those with `--no-scan-layers`) built side by side in one process (prefill buckets of 1,024 tokens
+only) and run alternately (A B A B): greedy generation of 64 tokens after prompts of 128 at batches 1, 16 and 64,
+fresh prompts each time (vs_vllm.py's gen jobs). Writes benchmarks/results/cpu_kernels_engine_{A}_{B}.json.
 """
 
 from __future__ import annotations
@@ -134,6 +134,7 @@ def prefill_table(shapes: list[str], repeats: int) -> None:
 
 
 ENGINE_MODES = {"reference": dict(cpu_kernels="reference"), "ffi": dict(cpu_kernels="ffi"),
+                "reference_unrolled": dict(cpu_kernels="reference", scan_layers=False),
                 "ffi_unrolled": dict(cpu_kernels="ffi", scan_layers=False)}
 
 

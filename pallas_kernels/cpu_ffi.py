@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 # the ops' sources, built into one library, and the handlers it exports: XLA target name -> symbol
-SOURCES = (HERE / "gdn" / "cpu" / "gdn.cc", HERE / "mamba2" / "cpu" / "ssd.cc")
+SOURCES = (HERE / "gdn" / "cpu" / "gdn.cc", HERE / "mamba2" / "cpu" / "ssd.cc", HERE / "moe" / "cpu" / "experts.cc")
 HEADERS = (HERE / "cpu_ffi.h",)
 LIBRARY = "libjaxhybrid_cpu.so"
 TARGETS = {
@@ -50,6 +50,7 @@ TARGETS = {
     "jaxhybrid_ssd_decode": "JaxhybridSsdDecode",
     "jaxhybrid_ssd_prefill": "JaxhybridSsdPrefill",
     "jaxhybrid_ssd_verify": "JaxhybridSsdVerify",
+    "jaxhybrid_routed_experts": "JaxhybridRoutedExperts",
 }
 
 CACHE_ENV = "JAXHYBRID_FFI_CACHE"

@@ -73,8 +73,9 @@ class EngineArgs:
                                      aliases=("-tp",))
     backend: str | None = _arg(None, "the kernels (default: pallas on GPU, reference on CPU)",
                                choices=("reference", "pallas", "interpret"))
-    cpu_kernels: str = _arg("auto", "on CPU, the GDN and Mamba2 prefill/decode/verify ops: ffi (C++ kernels built on "
-                            "first use; start-up fails without them), reference, or auto (ffi where they build)",
+    cpu_kernels: str = _arg("auto", "on CPU, the GDN and Mamba2 prefill/decode/verify ops and bf16 routed experts: "
+                            "ffi (C++ kernels built on first use; start-up fails without them), reference, or auto "
+                            "(ffi where they build)",
                             choices=CPU_KERNELS)
     scan_layers: bool = _arg(True, "compile each segment of repeating layers as one loop over its repeats (compile "
                              "time flat in depth); --no-: every layer its own copy, which on CPU reads each layer's "

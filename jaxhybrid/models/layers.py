@@ -12,6 +12,7 @@ import numpy as np
 from jaxhybrid.models.config import ModelConfig, MoEConfig, YarnScaling
 from jaxhybrid.models.experts import ExpertWeights, routed_experts
 from pallas_kernels.fp8_matmul import fp8_matmul
+from pallas_kernels.moe import cpu as experts_cpu
 
 SCALE_SUFFIX = "_scale"  # an FP8 param `name` has its float32 scales beside it as `name + SCALE_SUFFIX`
 
@@ -178,6 +179,9 @@ class MoE(nn.Module):
     activation: str
     use_bias: bool = False
     platform: str | None = None  # whose constants lay out the experts (`plan_experts`); None: the default backend's
+    # the routed experts through the CPU FFI kernel (`pallas_kernels.moe.cpu`) where it takes them: bf16 experts
+    # without scales; others keep XLA's layouts
+    experts_kernel: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -191,8 +195,14 @@ class MoE(nn.Module):
             weights, experts = _sigmoid_group_router(logits, bias, cfg)
         routed_in = x if cfg.latent_size is None else Dense(
             cfg.latent_size, use_bias=self.use_bias, dtype=x.dtype, name="fc1_latent_proj")(x)
-        routed = routed_experts(routed_in, weights, experts, self._expert_weights(routed_in.shape[-1]),
-                                lambda h: _activation(self.activation, h), platform=self.platform)
+        params = self._expert_weights(routed_in.shape[-1])
+        if self.experts_kernel and params.up_scale is None and experts_cpu.runs_kernel(
+                routed_in, params.up, params.down, params.gate, self.activation):
+            routed = experts_cpu.routed_experts(routed_in, weights, experts, params.up, params.down, params.gate,
+                                                activation=self.activation)
+        else:
+            routed = routed_experts(routed_in, weights, experts, params, lambda h: _activation(self.activation, h),
+                                    platform=self.platform)
         if cfg.latent_size is not None:
             routed = Dense(x.shape[-1], use_bias=self.use_bias, dtype=x.dtype, name="fc2_latent_proj")(routed)
         shared = MLP(cfg.shared_intermediate_size, self.activation, self.use_bias, name="shared_expert")(x)
@@ -215,7 +225,8 @@ class MoE(nn.Module):
                              *(arrays.get(n + SCALE_SUFFIX) for n in ("up_proj", "down_proj", "gate_proj")))
 
 
-def make_ffn(kind: str, cfg: ModelConfig, name: str, platform: str | None = None) -> nn.Module:
+def make_ffn(kind: str, cfg: ModelConfig, name: str, platform: str | None = None,
+             experts_kernel: bool = False) -> nn.Module:
     if kind == "moe":
-        return MoE(cfg.moe, cfg.mlp_activation, cfg.mlp_bias, platform, name=name)
+        return MoE(cfg.moe, cfg.mlp_activation, cfg.mlp_bias, platform, experts_kernel, name=name)
     return MLP(cfg.intermediate_size, cfg.mlp_activation, cfg.mlp_bias, name=name)

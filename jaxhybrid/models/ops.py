@@ -37,9 +37,9 @@ class ModelOps:
     scan_layers: bool = True
     # what the pools store (--kv-cache-dtype, --mamba-ssm-cache-dtype) and the fp8 KV pools' scales
     cache: CacheDtypes = AUTO_CACHE
-    # where the GDN and Mamba2 prefill/decode/verify ops would run the reference on CPU (--cpu-kernels): "ffi" the C++
-    # kernels (pallas_kernels/cpu_ffi.py; fails here where they cannot be built), "auto" those where they build
-    # (else the reference, with one warning), "reference" the reference
+    # where the GDN and Mamba2 prefill/decode/verify ops and the routed experts would run the reference (XLA) on
+    # CPU (--cpu-kernels): "ffi" the C++ kernels (pallas_kernels/cpu_ffi.py; fails here where they cannot be
+    # built), "auto" those where they build (else the reference, with one warning), "reference" the reference
     cpu_kernels: str = "reference"
 
     def __post_init__(self) -> None:
@@ -61,6 +61,12 @@ class ModelOps:
         if self.cpu_kernels == "reference" or not self._reference_on_cpu():
             return self.backend
         return "ffi" if cpu_ffi.available() else self.backend
+
+    def experts_kernel(self) -> bool:
+        """Whether MoE layers try the CPU FFI kernel for their routed experts: where the recurrent ops run the C++
+        kernels, on one device (the kernel has no sharding rule); the layer falls back for experts it does not
+        take (`pallas_kernels.moe.cpu.runs_kernel`)."""
+        return self.state_backend() == "ffi" and self.mesh is None
 
     def platform(self) -> str:
         """The platform the step is compiled for: "gpu" with the Triton kernels (also when compiling for a GPU

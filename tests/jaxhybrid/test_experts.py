@@ -172,3 +172,24 @@ def test_a_model_compiled_for_gpu_lays_out_its_experts_for_gpu():
         params = layer.init(jax.random.key(0), x, None, None)
         lowered = jax.jit(lambda p, x: layer.apply(p, x, None, None)[0]).lower(params, x)  # noqa: B023
         assert _expert_dot_results(lowered.as_text()) == results, backend
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_cpu_kernels_take_bf16_routed_experts(dtype):
+    """With the CPU FFI kernels on, a bf16 MoE layer's routed experts run the C++ kernel (its custom call in the
+    step) and agree with XLA's layouts to the kernel test's bound (tests/pallas_kernels/test_moe_ffi.py); f32
+    experts keep XLA's layouts, bit for bit."""
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "models" / "tiny_qwen3_next.yaml")
+    x = jax.random.normal(jax.random.key(1), (16, cfg.hidden_size), jnp.float32).astype(dtype)
+    outputs, calls = {}, {}
+    for kernels in ("ffi", "reference"):
+        layer = DecoderLayer(cfg, ("moe",), ModelOps(cpu_kernels=kernels))
+        params = jax.tree.map(lambda p: p.astype(dtype), layer.init(jax.random.key(0), x, None, None))
+        step = jax.jit(lambda p, x: layer.apply(p, x, None, None)[0])  # noqa: B023
+        calls[kernels] = "jaxhybrid_routed_experts" in step.lower(params, x).as_text()
+        outputs[kernels] = np.asarray(step(params, x), np.float32)
+    assert calls == {"ffi": dtype == jnp.bfloat16, "reference": False}
+    if dtype == jnp.float32:
+        np.testing.assert_array_equal(outputs["ffi"], outputs["reference"])
+    else:
+        assert_bfloat16_close(outputs["ffi"], outputs["reference"], 7 + 1, "kernel against XLA")  # + the residual

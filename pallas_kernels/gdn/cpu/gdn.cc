@@ -284,33 +284,30 @@ ffi::Error GdnVerifyImpl(ffi::ThreadPool pool, F32Buffer q, F32Buffer k, F32Buff
   return ffi::Error::Success();
 }
 
+// The arguments every handler starts with: the tokens, their rows and the state pool.
+auto TokenArgs() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<F32Buffer>()   // q^ [T, H, K]
+      .Arg<F32Buffer>()   // k^ [T, H, K]
+      .Arg<F32Buffer>()   // v [T, HV, V]
+      .Arg<F32Buffer>()   // g [T, HV]
+      .Arg<F32Buffer>()   // beta [T, HV]
+      .Arg<I32Buffer>()   // cu_seqlens [R + 1]
+      .Arg<F32Buffer>();  // state_pool [S, HV, K, V]
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxhybridGdnDecode, GdnDecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<F32Buffer>()  // q^ [T, H, K]
-                                  .Arg<F32Buffer>()  // k^ [T, H, K]
-                                  .Arg<F32Buffer>()  // v [T, HV, V]
-                                  .Arg<F32Buffer>()  // g [T, HV]
-                                  .Arg<F32Buffer>()  // beta [T, HV]
-                                  .Arg<I32Buffer>()  // cu_seqlens [R + 1]
-                                  .Arg<F32Buffer>()  // state_pool [S, HV, K, V]
+                              TokenArgs()
                                   .Arg<I32Buffer>()  // slots [R]
                                   .Ret<F32Buffer>()  // o [T, HV, V]
                                   .Ret<F32Buffer>()  // state_pool, aliased
 );
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxhybridGdnPrefill, GdnPrefillImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<F32Buffer>()  // q^ [T, H, K]
-                                  .Arg<F32Buffer>()  // k^ [T, H, K]
-                                  .Arg<F32Buffer>()  // v [T, HV, V]
-                                  .Arg<F32Buffer>()  // g [T, HV]
-                                  .Arg<F32Buffer>()  // beta [T, HV]
-                                  .Arg<I32Buffer>()  // cu_seqlens [R + 1]
-                                  .Arg<F32Buffer>()  // state_pool [S, HV, K, V]
+                              TokenArgs()
                                   .Arg<I32Buffer>()  // slots [R]
                                   .Arg<I32Buffer>()  // has_initial [R], 0 or 1
                                   .Ret<F32Buffer>()  // o [T, HV, V]
@@ -318,15 +315,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxhybridGdnPrefill, GdnPrefillImpl,
 );
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxhybridGdnVerify, GdnVerifyImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<F32Buffer>()  // q^ [T, H, K]
-                                  .Arg<F32Buffer>()  // k^ [T, H, K]
-                                  .Arg<F32Buffer>()  // v [T, HV, V]
-                                  .Arg<F32Buffer>()  // g [T, HV]
-                                  .Arg<F32Buffer>()  // beta [T, HV]
-                                  .Arg<I32Buffer>()  // cu_seqlens [R + 1]
-                                  .Arg<F32Buffer>()  // state_pool [S, HV, K, V]
+                              TokenArgs()
                                   .Arg<F32Buffer>()  // ring_k [S, H, E, K]
                                   .Arg<F32Buffer>()  // ring_u [S, HV, E, V]
                                   .Arg<F32Buffer>()  // ring_g [S, HV, E]

@@ -272,35 +272,31 @@ ffi::Error SsdVerifyImpl(ffi::ThreadPool pool, F32Buffer x, F32Buffer dt, F32Buf
   return ffi::Error::Success();
 }
 
+// The arguments every handler starts with: the tokens, their rows and the state pool.
+auto TokenArgs() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<F32Buffer>()   // x [T, NH, P]
+      .Arg<F32Buffer>()   // dt [T, NH]
+      .Arg<F32Buffer>()   // A [NH]
+      .Arg<F32Buffer>()   // B [T, G, N]
+      .Arg<F32Buffer>()   // C [T, G, N]
+      .Arg<F32Buffer>()   // D [NH]
+      .Arg<I32Buffer>()   // cu_seqlens [R + 1]
+      .Arg<F32Buffer>();  // state_pool [S, NH, P, N]
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxhybridSsdDecode, SsdDecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<F32Buffer>()  // x [T, NH, P]
-                                  .Arg<F32Buffer>()  // dt [T, NH]
-                                  .Arg<F32Buffer>()  // A [NH]
-                                  .Arg<F32Buffer>()  // B [T, G, N]
-                                  .Arg<F32Buffer>()  // C [T, G, N]
-                                  .Arg<F32Buffer>()  // D [NH]
-                                  .Arg<I32Buffer>()  // cu_seqlens [R + 1]
-                                  .Arg<F32Buffer>()  // state_pool [S, NH, P, N]
+                              TokenArgs()
                                   .Arg<I32Buffer>()  // slots [R]
                                   .Ret<F32Buffer>()  // y [T, NH, P]
                                   .Ret<F32Buffer>()  // state_pool, aliased
 );
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxhybridSsdPrefill, SsdPrefillImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<F32Buffer>()  // x [T, NH, P]
-                                  .Arg<F32Buffer>()  // dt [T, NH]
-                                  .Arg<F32Buffer>()  // A [NH]
-                                  .Arg<F32Buffer>()  // B [T, G, N]
-                                  .Arg<F32Buffer>()  // C [T, G, N]
-                                  .Arg<F32Buffer>()  // D [NH]
-                                  .Arg<I32Buffer>()  // cu_seqlens [R + 1]
-                                  .Arg<F32Buffer>()  // state_pool [S, NH, P, N]
+                              TokenArgs()
                                   .Arg<I32Buffer>()  // slots [R]
                                   .Arg<I32Buffer>()  // has_initial [R], 0 or 1
                                   .Ret<F32Buffer>()  // y [T, NH, P]
@@ -308,16 +304,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxhybridSsdPrefill, SsdPrefillImpl,
 );
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxhybridSsdVerify, SsdVerifyImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<F32Buffer>()  // x [T, NH, P]
-                                  .Arg<F32Buffer>()  // dt [T, NH]
-                                  .Arg<F32Buffer>()  // A [NH]
-                                  .Arg<F32Buffer>()  // B [T, G, N]
-                                  .Arg<F32Buffer>()  // C [T, G, N]
-                                  .Arg<F32Buffer>()  // D [NH]
-                                  .Arg<I32Buffer>()  // cu_seqlens [R + 1]
-                                  .Arg<F32Buffer>()  // state_pool [S, NH, P, N]
+                              TokenArgs()
                                   .Arg<F32Buffer>()  // ring_x [S, NH, E, P]
                                   .Arg<F32Buffer>()  // ring_dt [S, NH, E]
                                   .Arg<F32Buffer>()  // ring_B [S, G, E, N]
