@@ -12,6 +12,11 @@ Prints a table and writes benchmarks/results/cpu_kernels.json.
 (vs_vllm.py's prompts), the reference's chunked form against the kernel's token recurrence; it writes
 benchmarks/results/cpu_kernels_prefill.json.
 
+`--experts` instead times the routed experts of 8 MoE layers of vs_vllm.py's checkpoint's shape (8 experts of
+512 -> 256, SwiGLU, top 2, bf16, distinct weights per layer), chained in one jit, at 1, 16, 64 and 1,024 tokens: XLA's
+layouts (`jaxhybrid.models.experts`) against the FFI kernel (`pallas_kernels.moe.cpu`), one after the other, with the
+largest difference of their outputs; it writes benchmarks/results/cpu_kernels_experts.json.
+
 `--engine DIR` instead times the engine on a Qwen3-Next checkpoint (vs_vllm.py's), bf16, in two settings
 (`--modes`, of: reference, `--cpu-kernels reference`; ffi, `--cpu-kernels ffi`; reference_unrolled and
 ffi_unrolled, those with `--no-scan-layers`) built side by side in one process (prefill buckets of 1,024 tokens
@@ -22,19 +27,23 @@ fresh prompts each time (vs_vllm.py's gen jobs). Writes benchmarks/results/cpu_k
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import peer_work as peer
 from common import write_results  # benchmarks/ is sys.path[0]
 from kernels import Pools, median_ms
 
 from jaxhybrid import LLM
+from jaxhybrid.models.experts import ExpertWeights, routed_experts
 from pallas_kernels import cpu_ffi
 from pallas_kernels.gdn import gdn_decode, gdn_prefill, gdn_verify
 from pallas_kernels.mamba2 import ssd_decode, ssd_prefill, ssd_verify
+from pallas_kernels.moe import cpu as experts_cpu
 
 SHAPES = {
     "qwen3-next-80b": ("gdn", (16, 32, 128, 128)), "qwen3-next-80b tp4": ("gdn", (4, 8, 128, 128)),
@@ -133,6 +142,46 @@ def prefill_table(shapes: list[str], repeats: int) -> None:
     write_results("cpu_kernels_prefill", rows, {"repeats": repeats})
 
 
+EXPERT_LAYERS, EXPERT_TOKENS = 8, (1, 16, 64, 1024)
+
+
+def _chained(path, x, weights, experts, layers):
+    for params in layers:
+        x = x + path(x, weights, experts, params)
+    return x
+
+
+def experts_rows(repeats: int) -> list[dict]:
+    """ms per call of EXPERT_LAYERS chained MoE layers' routed experts, XLA's layouts against the kernel."""
+    key = jax.random.key(0)
+    num_experts, dim, inter = 8, 512, 256
+    normal = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16) * shape[1] ** -0.5
+    layers = [ExpertWeights(normal(3 * i, (num_experts, dim, inter)), normal(3 * i + 1, (num_experts, inter, dim)),
+                            normal(3 * i + 2, (num_experts, dim, inter))) for i in range(EXPERT_LAYERS)]
+    paths = {"xla": lambda x, w, e, p: routed_experts(x, w, e, p, jax.nn.silu),
+             "ffi": lambda x, w, e, p: experts_cpu.routed_experts(x, w, e, p.up, p.down, p.gate)}
+    rows = []
+    for tokens in EXPERT_TOKENS:
+        keys = jax.random.split(jax.random.fold_in(key, tokens), 3)
+        x = jax.random.normal(keys[0], (tokens, dim), jnp.bfloat16)
+        first = jax.random.randint(keys[1], (tokens,), 0, num_experts)
+        experts = jnp.stack([first, (first + jax.random.randint(keys[2], (tokens,), 1, num_experts)) % num_experts], 1)
+        weights = jax.random.uniform(keys[2], (tokens, 2), jnp.float32)
+
+        args = (x, weights, experts, layers)
+        calls = {name: jax.jit(functools.partial(_chained, path)) for name, path in paths.items()}
+        outputs = {name: np.asarray(call(*args), np.float32) for name, call in calls.items()}
+        row = {"tokens": tokens, "layers": EXPERT_LAYERS,
+               "max_abs_difference": float(np.abs(outputs["xla"] - outputs["ffi"]).max())}
+        for name, call in calls.items():
+            row[f"{name}_ms"] = median_ms(lambda c=call, a=args: c(*a), repeats)
+        row["speedup"] = row["xla_ms"] / row["ffi_ms"]
+        rows.append(row)
+        print(f"{tokens:>6} tokens: XLA {row['xla_ms']:8.2f} ms  FFI {row['ffi_ms']:8.2f} ms  x{row['speedup']:.2f}  "
+              f"max |difference| {row['max_abs_difference']:.3g}  ({os.cpu_count()} cores)")
+    return rows
+
+
 ENGINE_MODES = {"reference": dict(cpu_kernels="reference"), "ffi": dict(cpu_kernels="ffi"),
                 "reference_unrolled": dict(cpu_kernels="reference", scan_layers=False),
                 "ffi_unrolled": dict(cpu_kernels="ffi", scan_layers=False)}
@@ -171,6 +220,7 @@ def main():
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     parser.add_argument("--prefill", action="store_true", help="time one layer's 1,024-token prefill instead")
+    parser.add_argument("--experts", action="store_true", help="time 8 MoE layers' routed experts instead")
     parser.add_argument("--engine", type=Path, help="a Qwen3-Next checkpoint: time the engine A B A B instead")
     parser.add_argument("--rounds", type=int, default=2, help="with --engine: timed rounds per mode and batch")
     parser.add_argument("--modes", nargs=2, default=["reference", "ffi"], choices=list(ENGINE_MODES),
@@ -181,6 +231,9 @@ def main():
     if args.engine:
         write_results("_".join(["cpu_kernels_engine", *args.modes]), engine_rows(args.engine, args.rounds, args.modes),
                       {"checkpoint": str(args.engine), "modes": args.modes})
+        return
+    if args.experts:
+        write_results("cpu_kernels_experts", experts_rows(args.repeats), {"repeats": args.repeats})
         return
     if args.prefill:
         prefill_table(args.shapes, args.repeats)

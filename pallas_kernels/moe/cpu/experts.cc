@@ -31,7 +31,7 @@ using namespace jaxhybrid_cpu;  // NOLINT: the kernels' shared vocabulary
 using Bf16Buffer = ffi::Buffer<ffi::BF16>;
 using Bf16Result = ffi::ResultBuffer<ffi::BF16>;
 
-constexpr int64_t kRowBlock = 32;  // rows per work item (and the most one GEMM call sees)
+constexpr int64_t kRowBlock = 32;  // rows per block of an expert's rows (the most one GEMM call sees)
 constexpr int kTileRows = 8;       // rows per register tile: 16 accumulators
 constexpr int64_t kStrip = 32;     // columns per register tile
 
@@ -54,6 +54,13 @@ inline uint16_t ToBf16(float f) {
 }
 
 inline float RoundBf16(float f) { return ToFloat(ToBf16(f)); }
+
+// An expert's weight B [K, N] as Gemm reads it; `packed` (AVX-512 BF16 only): B repacked once for all its rows.
+struct Weight {
+  const uint16_t* b;
+  int64_t K, N;
+  const uint16_t* packed = nullptr;
+};
 
 #if defined(__AVX512BF16__)
 
@@ -133,32 +140,36 @@ void Tile(const uint16_t* a, int64_t K, const uint16_t* b, const uint16_t* packe
 // Rows from which packing B first pays: below, each strip's rows are read once anyway.
 constexpr int64_t kPackRows = 3;
 
+// B ready for `rows` rows: packed into `buffer` from kPackRows rows up.
+Weight Prepare(const uint16_t* b, int64_t K, int64_t N, int64_t rows, std::vector<uint16_t>& buffer) {
+  if (rows < kPackRows) return {b, K, N};
+  buffer.resize((N + kStrip - 1) / kStrip * kStrip * K);
+  Pack(b, K, N, buffer.data());
+  return {b, K, N, buffer.data()};
+}
+
 // C[M, N] = A[M, K] B[K, N] in f32, K even.
-void Gemm(const uint16_t* a, int64_t M, int64_t K, const uint16_t* b, int64_t N, float* c) {
-  thread_local std::vector<uint16_t> packed;
-  const uint16_t* pairs = nullptr;
-  if (M >= kPackRows) {
-    packed.resize((N + kStrip - 1) / kStrip * kStrip * K);
-    Pack(b, K, N, packed.data());
-    pairs = packed.data();
-  }
+void Gemm(const uint16_t* a, int64_t M, const Weight& w, float* c) {
   using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, int64_t, float*);
   static constexpr TileFn kTiles[kTileRows] = {Tile<1>, Tile<2>, Tile<3>, Tile<4>, Tile<5>, Tile<6>, Tile<7>, Tile<8>};
   for (int64_t m = 0; m < M; m += kTileRows) {
-    kTiles[std::min<int64_t>(kTileRows, M - m) - 1](a + m * K, K, b, pairs, N, c + m * N);
+    kTiles[std::min<int64_t>(kTileRows, M - m) - 1](a + m * w.K, w.K, w.b, w.packed, w.N, c + m * w.N);
   }
 }
 
 #else
 
+Weight Prepare(const uint16_t* b, int64_t K, int64_t N, int64_t, std::vector<uint16_t>&) { return {b, K, N}; }
+
 // C[M, N] = A[M, K] B[K, N] in f32, K even: the same order of k, in plain f32 arithmetic.
-void Gemm(const uint16_t* a, int64_t M, int64_t K, const uint16_t* b, int64_t N, float* c) {
+void Gemm(const uint16_t* a, int64_t M, const Weight& w, float* c) {
+  const int64_t K = w.K, N = w.N;
   std::fill(c, c + M * N, 0.0f);
   for (int64_t m = 0; m < M; ++m) {
     float* row = c + m * N;
     for (int64_t k = 0; k < K; k += 2) {
       const float a0 = ToFloat(a[m * K + k]), a1 = ToFloat(a[m * K + k + 1]);
-      for (int64_t n = 0; n < N; ++n) row[n] += a0 * ToFloat(b[k * N + n]) + a1 * ToFloat(b[(k + 1) * N + n]);
+      for (int64_t n = 0; n < N; ++n) row[n] += a0 * ToFloat(w.b[k * N + n]) + a1 * ToFloat(w.b[(k + 1) * N + n]);
     }
   }
 }
@@ -166,7 +177,7 @@ void Gemm(const uint16_t* a, int64_t M, int64_t K, const uint16_t* b, int64_t N,
 #endif
 
 // The element-wise work, over n values: the activation of the projections' f32 accumulators (rounded to bf16
-// first) into bf16 hidden values; the rounding of the down projection's accumulators; a token's weighted sum. The
+// first) into bf16 hidden values; the down projection's accumulators rounded to bf16; a token's weighted sum. The
 // SiLU is jax.nn.silu in bf16 as XLA evaluates it: g * (1 / (1 + e^-g)), each op rounded to bf16.
 #if defined(__AVX512BF16__)
 
@@ -210,20 +221,22 @@ void Activate(const float* up, const float* gate, int64_t n, int32_t activation,
   }
 }
 
-void RoundAll(const float* x, int64_t n, float* out) {
+void StoreBf16(const float* x, int64_t n, uint16_t* out) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 lanes = Lanes(n - i);
-    _mm512_mask_storeu_ps(out + i, lanes, RoundBf16(_mm512_maskz_loadu_ps(lanes, x + i)));
+    _mm256_mask_storeu_epi16(out + i, lanes, PackBf16(_mm512_maskz_loadu_ps(lanes, x + i)));
   }
 }
 
 // out[j] = bf16(sum_c weight[c] results[c][j]), the k terms added in order from 0.
-void WeightedSum(const float* weight, const float* results, int64_t k, int64_t n, uint16_t* out) {
+void WeightedSum(const float* weight, const uint16_t* results, int64_t k, int64_t n, uint16_t* out) {
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 lanes = Lanes(n - j);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t c = 0; c < k; ++c) {
-      sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_set1_ps(weight[c]), _mm512_maskz_loadu_ps(lanes, results + c * n + j)));
+      const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, results + c * n + j));
+      const __m512 result = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+      sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_set1_ps(weight[c]), result));
     }
     _mm256_mask_storeu_epi16(out + j, lanes, PackBf16(sum));
   }
@@ -244,14 +257,14 @@ void Activate(const float* up, const float* gate, int64_t n, int32_t activation,
   }
 }
 
-void RoundAll(const float* x, int64_t n, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = RoundBf16(x[i]);
+void StoreBf16(const float* x, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = ToBf16(x[i]);
 }
 
-void WeightedSum(const float* weight, const float* results, int64_t k, int64_t n, uint16_t* out) {
+void WeightedSum(const float* weight, const uint16_t* results, int64_t k, int64_t n, uint16_t* out) {
   for (int64_t j = 0; j < n; ++j) {
     float sum = 0.0f;
-    for (int64_t c = 0; c < k; ++c) sum += weight[c] * results[c * n + j];
+    for (int64_t c = 0; c < k; ++c) sum += weight[c] * ToFloat(results[c * n + j]);
     out[j] = ToBf16(sum);
   }
 }
@@ -292,30 +305,36 @@ ffi::Error RoutedExpertsImpl(ffi::ThreadPool pool, Bf16Buffer x, F32Buffer weigh
     if (ids[i] < 0 || ids[i] >= s.experts) return ffi::Error::InvalidArgument("routed_experts: expert id outside [0, E)");
     routed[ids[i]].push_back(i);
   }
-  std::vector<std::pair<int64_t, int64_t>> items;  // (expert, first of its rows)
+  std::vector<int64_t> items;  // the experts with rows
   for (int64_t e = 0; e < s.experts; ++e) {
-    for (int64_t r = 0; r < static_cast<int64_t>(routed[e].size()); r += kRowBlock) items.emplace_back(e, r);
+    if (!routed[e].empty()) items.push_back(e);
   }
-  std::vector<float> results(assignments * D);  // each assignment's expert output, rounded to bf16
+  std::vector<uint16_t> results(assignments * D);  // each assignment's expert output, bf16
   const uint16_t *xp = x.typed_data(), *upp = up.typed_data(), *gatep = gate.typed_data();
   const uint16_t* downp = down.typed_data();
-  // scratch: the rows and the activations (bf16, as halves of floats), two f32 accumulators
+  // scratch: a block's rows and activations (bf16, as halves of floats), its three f32 accumulators
   const size_t scratch = kRowBlock * (D + I) / 2 + kRowBlock * (2 * I + D);
 
   auto work = [&](int64_t item, float* floats) {
-    const auto [e, first] = items[item];
-    const int64_t M = std::min<int64_t>(kRowBlock, routed[e].size() - first);
+    const int64_t e = items[item], count = routed[e].size();
+    thread_local std::vector<uint16_t> packed[3];
+    const Weight w_up = Prepare(upp + e * D * I, D, I, count, packed[0]);
+    const Weight w_gate = activation == kSiluGated ? Prepare(gatep + e * D * I, D, I, count, packed[1]) : w_up;
+    const Weight w_down = Prepare(downp + e * I * D, I, D, count, packed[2]);
     uint16_t* rows = reinterpret_cast<uint16_t*>(floats);
     uint16_t* hidden = rows + kRowBlock * D;
     float* acc_up = floats + kRowBlock * (D + I) / 2;
     float* acc_gate = acc_up + kRowBlock * I;
     float* acc_down = acc_gate + kRowBlock * I;
-    for (int64_t m = 0; m < M; ++m) std::memcpy(rows + m * D, xp + routed[e][first + m] / s.top_k * D, D * 2);
-    Gemm(rows, M, D, upp + e * D * I, I, acc_up);
-    if (activation == kSiluGated) Gemm(rows, M, D, gatep + e * D * I, I, acc_gate);
-    Activate(acc_up, acc_gate, M * I, activation, hidden);
-    Gemm(hidden, M, I, downp + e * I * D, D, acc_down);
-    for (int64_t m = 0; m < M; ++m) RoundAll(acc_down + m * D, D, results.data() + routed[e][first + m] * D);
+    for (int64_t first = 0; first < count; first += kRowBlock) {
+      const int64_t M = std::min(kRowBlock, count - first);
+      for (int64_t m = 0; m < M; ++m) std::memcpy(rows + m * D, xp + routed[e][first + m] / s.top_k * D, D * 2);
+      Gemm(rows, M, w_up, acc_up);
+      if (activation == kSiluGated) Gemm(rows, M, w_gate, acc_gate);
+      Activate(acc_up, acc_gate, M * I, activation, hidden);
+      Gemm(hidden, M, w_down, acc_down);
+      for (int64_t m = 0; m < M; ++m) StoreBf16(acc_down + m * D, D, results.data() + routed[e][first + m] * D);
+    }
   };
   ParallelFor(pool, static_cast<int64_t>(items.size()), 2 * kRowBlock * D * I, scratch, work);
 
