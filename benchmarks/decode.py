@@ -197,7 +197,7 @@ def op_category(op_name: str) -> str:
     if re.search(r"while/body/jit\(dynamic_index_in_dim\)", path):  # a scanned layer's weights, copied out
         return "layer scan: weight slices"
     if "HybridLM/L/moe" in path:
-        return "moe: expert matmuls (routed, shared)" if "dot_general" in path else (
+        return "moe: expert matmuls (routed, shared)" if "dot_general" in path or "ffi_call" in path else (
             "moe: expert weight gathers" if path.endswith("gather") else "moe: routing, combine")
     if "HybridLM/L/gdn" in path:
         recurrent = any(op in path for op in ("gdn_verify", "gdn_prefill", "gdn_decode", "conv1d", "/jit(_verify)/",
@@ -218,7 +218,8 @@ def op_split(step, repeats: int) -> dict[str, float]:
     names = {}
     for line in step.compiled_text.splitlines():
         match = re.match(r'\s*(?:ROOT )?%(\S+) = .*?op_name="([^"]*)"', line)
-        if match and not re.search(r"\b(conditional|while|call)\(", line):
+        # a conditional, loop or call spans its ops; a custom call (an FFI kernel) is an op of its own
+        if match and not re.search(r"(?<![\w-])(conditional|while|call)\(", line):
             names.setdefault(match.group(1), match.group(2))
     with tempfile.TemporaryDirectory() as directory:
         jax.profiler.start_trace(directory, create_perfetto_trace=True)
