@@ -13,6 +13,7 @@ from jaxhybrid.models.config import ModelConfig, MoEConfig, YarnScaling
 from jaxhybrid.models.experts import ExpertWeights, routed_experts
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.moe import cpu as experts_cpu
+from pallas_kernels.moe.reference import ACTIVATIONS
 
 SCALE_SUFFIX = "_scale"  # an FP8 param `name` has its float32 scales beside it as `name + SCALE_SUFFIX`
 
@@ -122,10 +123,6 @@ def apply_rotary(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: flo
     return jnp.concatenate([(rot * cos + rotated * sin).astype(x.dtype), rest], axis=-1)
 
 
-def _activation(name: str, x: jax.Array) -> jax.Array:
-    return jnp.square(jax.nn.relu(x)) if name == "relu2" else jax.nn.silu(x)
-
-
 class MLP(nn.Module):
     """SwiGLU `down(silu(gate(x)) * up(x))` (Qwen) or non-gated `down(relu²(up(x)))` (Nemotron-H)."""
 
@@ -140,7 +137,7 @@ class MLP(nn.Module):
         if self.activation == "silu":
             hidden = jax.nn.silu(dense(self.intermediate_size, "gate_proj")(x)) * up
         else:
-            hidden = _activation(self.activation, up)
+            hidden = ACTIVATIONS[self.activation](up)
         return dense(x.shape[-1], "down_proj")(hidden)
 
 
@@ -180,7 +177,7 @@ class MoE(nn.Module):
     use_bias: bool = False
     platform: str | None = None  # whose constants lay out the experts (`plan_experts`); None: the default backend's
     # the routed experts through the CPU FFI kernel (`pallas_kernels.moe.cpu`) where it takes them: bf16 experts
-    # without scales; others keep XLA's layouts
+    # (FP8 ones fail its dtype check); others keep XLA's layouts
     experts_kernel: bool = False
 
     @nn.compact
@@ -196,12 +193,12 @@ class MoE(nn.Module):
         routed_in = x if cfg.latent_size is None else Dense(
             cfg.latent_size, use_bias=self.use_bias, dtype=x.dtype, name="fc1_latent_proj")(x)
         params = self._expert_weights(routed_in.shape[-1])
-        if self.experts_kernel and params.up_scale is None and experts_cpu.runs_kernel(
-                routed_in, params.up, params.down, params.gate, self.activation):
+        if self.experts_kernel and experts_cpu.runs_kernel(routed_in, params.up, params.down, params.gate,
+                                                           self.activation):
             routed = experts_cpu.routed_experts(routed_in, weights, experts, params.up, params.down, params.gate,
                                                 activation=self.activation)
         else:
-            routed = routed_experts(routed_in, weights, experts, params, lambda h: _activation(self.activation, h),
+            routed = routed_experts(routed_in, weights, experts, params, ACTIVATIONS[self.activation],
                                     platform=self.platform)
         if cfg.latent_size is not None:
             routed = Dense(x.shape[-1], use_bias=self.use_bias, dtype=x.dtype, name="fc2_latent_proj")(routed)

@@ -68,7 +68,7 @@ def gdn_decode(q, k, v, g, beta, cu_seqlens, state_pool, slots, *, scale=None, u
 
 
 def gdn_prefill(q, k, v, g, beta, cu_seqlens, state_pool, slots, has_initial, checkpoint_lens=None,
-                checkpoint_slots=None, *, scale=None, use_qk_l2norm=True, chunk_size=16):
+                checkpoint_slots=None, *, scale=None, use_qk_l2norm=True, chunk_size):
     """`pallas_kernels.gdn.gdn_prefill` on the CPU kernel. Mid-row checkpoints (`checkpoint_lens`, which the
     engine does not use: its producers end their rows at the checkpoint) run the reference, chunked by
     `chunk_size`, as do bf16 state pools."""

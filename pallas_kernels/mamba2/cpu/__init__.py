@@ -56,7 +56,7 @@ def ssd_decode(x, dt, A, B, C, D, cu_seqlens, state_pool, slots):
 
 
 def ssd_prefill(x, dt, A, B, C, D, cu_seqlens, state_pool, slots, has_initial, checkpoint_lens=None,
-                checkpoint_slots=None, *, chunk_size=128):
+                checkpoint_slots=None, *, chunk_size):
     """`pallas_kernels.mamba2.ssd_prefill` on the CPU kernel. Mid-row checkpoints (`checkpoint_lens`, which the
     engine does not use: its producers end their rows at the checkpoint) run the reference, chunked by
     `chunk_size`, as do bf16 state pools."""
