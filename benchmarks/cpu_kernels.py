@@ -17,6 +17,10 @@ benchmarks/results/cpu_kernels_prefill.json.
 layouts (`jaxhybrid.models.experts`) against the FFI kernel (`pallas_kernels.moe.cpu`), one after the other, with the
 largest difference of their outputs; it writes benchmarks/results/cpu_kernels_experts.json.
 
+`--matmuls` instead times vs_vllm.py's checkpoint's bf16 projection shapes at 2, 16, 64 and 512 rows, 8 distinct
+weights of each in turn (as a layer stack reads them): XLA's dot against the kernel on packed weights
+(`pallas_kernels.matmul.cpu`); it writes benchmarks/results/cpu_kernels_matmuls.json.
+
 `--engine DIR` instead times the engine on a Qwen3-Next checkpoint (vs_vllm.py's), bf16, in two settings
 (`--modes`, of: reference, `--cpu-kernels reference`; ffi, `--cpu-kernels ffi`; reference_unrolled and
 ffi_unrolled, those with `--no-scan-layers`) built side by side in one process (prefill buckets of 1,024 tokens
@@ -43,6 +47,7 @@ from jaxhybrid.models.experts import ExpertWeights, routed_experts
 from pallas_kernels import cpu_ffi
 from pallas_kernels.gdn import gdn_decode, gdn_prefill, gdn_verify
 from pallas_kernels.mamba2 import ssd_decode, ssd_prefill, ssd_verify
+from pallas_kernels.matmul import cpu as matmul_cpu
 from pallas_kernels.moe import cpu as experts_cpu
 
 SHAPES = {
@@ -158,8 +163,9 @@ def experts_rows(repeats: int) -> list[dict]:
     normal = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16) * shape[1] ** -0.5
     layers = [ExpertWeights(normal(3 * i, (num_experts, dim, inter)), normal(3 * i + 1, (num_experts, inter, dim)),
                             normal(3 * i + 2, (num_experts, dim, inter))) for i in range(EXPERT_LAYERS)]
-    paths = {"xla": lambda x, w, e, p: routed_experts(x, w, e, p, jax.nn.silu),
-             "ffi": lambda x, w, e, p: experts_cpu.routed_experts(x, w, e, p.up, p.down, p.gate)}
+    packed = [ExpertWeights(*map(matmul_cpu.pack, (p.up, p.down, p.gate))) for p in layers]  # as the runner packs
+    paths = {"xla": (lambda x, w, e, p: routed_experts(x, w, e, p, jax.nn.silu), layers),
+             "ffi": (lambda x, w, e, p: experts_cpu.routed_experts(x, w, e, p.up, p.down, p.gate), packed)}
     rows = []
     for tokens in EXPERT_TOKENS:
         keys = jax.random.split(jax.random.fold_in(key, tokens), 3)
@@ -168,17 +174,48 @@ def experts_rows(repeats: int) -> list[dict]:
         experts = jnp.stack([first, (first + jax.random.randint(keys[2], (tokens,), 1, num_experts)) % num_experts], 1)
         weights = jax.random.uniform(keys[2], (tokens, 2), jnp.float32)
 
-        args = (x, weights, experts, layers)
-        calls = {name: jax.jit(functools.partial(_chained, path)) for name, path in paths.items()}
-        outputs = {name: np.asarray(call(*args), np.float32) for name, call in calls.items()}
+        args = {name: (x, weights, experts, stack) for name, (_, stack) in paths.items()}
+        calls = {name: jax.jit(functools.partial(_chained, path)) for name, (path, _) in paths.items()}
+        outputs = {name: np.asarray(call(*args[name]), np.float32) for name, call in calls.items()}
         row = {"tokens": tokens, "layers": EXPERT_LAYERS,
                "max_abs_difference": float(np.abs(outputs["xla"] - outputs["ffi"]).max())}
         for name, call in calls.items():
-            row[f"{name}_ms"] = median_ms(lambda c=call, a=args: c(*a), repeats)
+            row[f"{name}_ms"] = median_ms(lambda c=call, a=args[name]: c(*a), repeats)
         row["speedup"] = row["xla_ms"] / row["ffi_ms"]
         rows.append(row)
         print(f"{tokens:>6} tokens: XLA {row['xla_ms']:8.2f} ms  FFI {row['ffi_ms']:8.2f} ms  x{row['speedup']:.2f}  "
               f"max |difference| {row['max_abs_difference']:.3g}  ({os.cpu_count()} cores)")
+    return rows
+
+
+# vs_vllm.py's checkpoint's projections (in, out): GDN in_proj_qkvz and out_proj, attention q_proj, the shared
+# expert's up and down, the LM head
+MATMUL_SHAPES = ((512, 1536), (512, 512), (512, 1024), (512, 256), (256, 512), (512, 4096))
+MATMUL_ROWS = (2, 16, 64, 512)
+
+
+def matmuls_rows(repeats: int) -> list[dict]:
+    """ms per weight of EXPERT_LAYERS distinct weights of each projection shape, applied one after the other as a
+    layer stack reads them (out of the caches between layers): XLA's dot against the kernel on packed weights."""
+    key, rows = jax.random.key(1), []
+    for dim, out in MATMUL_SHAPES:
+        weights = [jax.random.normal(jax.random.fold_in(key, i), (dim, out), jnp.bfloat16) * dim**-0.5
+                   for i in range(EXPERT_LAYERS)]
+        paths = {"xla": (jnp.dot, weights), "ffi": (matmul_cpu.matmul, [matmul_cpu.pack(w) for w in weights])}
+        for count in MATMUL_ROWS:
+            x = jax.random.normal(jax.random.fold_in(key, count), (count, dim), jnp.bfloat16)
+            calls = {name: jax.jit(lambda x, ws, f=f: [f(x, w) for w in ws]) for name, (f, _) in paths.items()}
+            outputs = {name: np.asarray(calls[name](x, ws)[-1], np.float32) for name, (_, ws) in paths.items()}
+            row = {"in": dim, "out": out, "rows": count, "weights": EXPERT_LAYERS,
+                   "max_abs_difference": float(np.abs(outputs["xla"] - outputs["ffi"]).max())}
+            for name, (_, ws) in paths.items():
+                row[f"{name}_ms"] = median_ms(lambda c=calls[name], x=x, ws=ws: c(x, ws), repeats) / EXPERT_LAYERS
+            row["speedup"] = row["xla_ms"] / row["ffi_ms"]
+            row["ffi_gb_s"] = dim * out * 2 / row["ffi_ms"] / 1e6
+            rows.append(row)
+            print(f"{dim:>5} x {out:<5} {count:>4} rows: XLA {row['xla_ms'] * 1e3:7.0f} us  FFI "
+                  f"{row['ffi_ms'] * 1e3:7.0f} us  x{row['speedup']:.2f}  {row['ffi_gb_s']:5.1f} GB/s  "
+                  f"max |difference| {row['max_abs_difference']:.3g}  ({os.cpu_count()} cores)")
     return rows
 
 
@@ -221,6 +258,7 @@ def main():
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     parser.add_argument("--prefill", action="store_true", help="time one layer's 1,024-token prefill instead")
     parser.add_argument("--experts", action="store_true", help="time 8 MoE layers' routed experts instead")
+    parser.add_argument("--matmuls", action="store_true", help="time the checkpoint's bf16 projections instead")
     parser.add_argument("--engine", type=Path, help="a Qwen3-Next checkpoint: time the engine A B A B instead")
     parser.add_argument("--rounds", type=int, default=2, help="with --engine: timed rounds per mode and batch")
     parser.add_argument("--modes", nargs=2, default=["reference", "ffi"], choices=list(ENGINE_MODES),
@@ -234,6 +272,9 @@ def main():
         return
     if args.experts:
         write_results("cpu_kernels_experts", experts_rows(args.repeats), {"repeats": args.repeats})
+        return
+    if args.matmuls:
+        write_results("cpu_kernels_matmuls", matmuls_rows(args.repeats), {"repeats": args.repeats})
         return
     if args.prefill:
         prefill_table(args.shapes, args.repeats)

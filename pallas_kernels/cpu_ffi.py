@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 # the ops' sources, built into one library, and the handlers it exports: XLA target name -> symbol
-SOURCES = (HERE / "gdn" / "cpu" / "gdn.cc", HERE / "mamba2" / "cpu" / "ssd.cc", HERE / "moe" / "cpu" / "experts.cc")
-HEADERS = (HERE / "cpu_ffi.h",)
+SOURCES = (HERE / "gdn" / "cpu" / "gdn.cc", HERE / "mamba2" / "cpu" / "ssd.cc", HERE / "moe" / "cpu" / "experts.cc",
+           HERE / "matmul" / "cpu" / "matmul.cc")
+HEADERS = (HERE / "cpu_ffi.h", HERE / "bf16_gemm.h")
 LIBRARY = "libjaxhybrid_cpu.so"
 TARGETS = {
     "jaxhybrid_gdn_decode": "JaxhybridGdnDecode",
@@ -51,6 +52,7 @@ TARGETS = {
     "jaxhybrid_ssd_prefill": "JaxhybridSsdPrefill",
     "jaxhybrid_ssd_verify": "JaxhybridSsdVerify",
     "jaxhybrid_routed_experts": "JaxhybridRoutedExperts",
+    "jaxhybrid_bf16_matmul": "JaxhybridBf16Matmul",
 }
 
 CACHE_ENV = "JAXHYBRID_FFI_CACHE"

@@ -4,7 +4,7 @@ here (`model.abstract_params`, from its config alone).
 
 A checkpoint stores in FP8 the weights of its linear modules but those its `quantization_config` leaves out
 (`QuantConfig.not_converted`). Of its FP8 weights, those a matmul reads (`layers.Dense` kernels, routed expert
-stacks: `keeps_fp8`) stay FP8 on the device: a kernel float8_e4m3fn [..., blocks, block, out] (rows past `in`
+stacks: `is_matmul_weight`) stay FP8 on the device: a kernel float8_e4m3fn [..., blocks, block, out] (rows past `in`
 zero) with float32 scales `<name>_scale` [..., blocks, out], the layout of `pallas_kernels.fp8_matmul`. Any
 other FP8 weight (the MoE router) is dequantized into the serving dtype, as is a param assembled from several
 checkpoint tensors of which one is 16-bit.
@@ -44,8 +44,9 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def keeps_fp8(path: Path_) -> bool:
-    """Whether the param at `path` is read by an FP8 matmul: a `Dense` kernel or a routed expert stack."""
+def is_matmul_weight(path: Path_) -> bool:
+    """Whether the param at `path` is a matmul's weight, a `Dense` kernel or a routed expert stack: an FP8
+    checkpoint's stay FP8, and the CPU kernels take them packed (`pallas_kernels.matmul.cpu.packed_params`)."""
     return path[-1] == "kernel" or (len(path) > 1 and path[-2] == "moe" and path[-1] in EXPERT_STACKS)
 
 
@@ -137,7 +138,7 @@ def _stays_fp8(path: Path_, cfg: ModelConfig) -> bool:
     """Whether the param at `path` (stacked or not) of a checkpoint of `cfg.quantization` stays FP8: a kernel or
     expert stack whose checkpoint weights are all FP8, in every layer of its stack (the loader refuses a stack of
     FP8 and 16-bit layers)."""
-    if not keeps_fp8(path):
+    if not is_matmul_weight(path):
         return False
     if is_stacked(path):
         segment = layer_segments(cfg.layers)[int(path[0].removeprefix("segment_"))]

@@ -38,8 +38,7 @@ class DecoderLayer(nn.Module):
             elif kind == ATTENTION:
                 h, pool = Attention(cfg.attention, cfg.norm_eps, self.ops, name=kind)(h, plan, pool)
             else:
-                h = make_ffn(kind, cfg, name=kind, platform=self.ops.platform(),
-                             experts_kernel=self.ops.experts_kernel())(h)
+                h = make_ffn(kind, cfg, name=kind, platform=self.ops.platform())(h)
             x = x + h
         return x, pool
 

@@ -12,6 +12,7 @@ import numpy as np
 from jaxhybrid.models.config import ModelConfig, MoEConfig, YarnScaling
 from jaxhybrid.models.experts import ExpertWeights, routed_experts
 from pallas_kernels.fp8_matmul import fp8_matmul
+from pallas_kernels.matmul import cpu as matmul_cpu
 from pallas_kernels.moe import cpu as experts_cpu
 from pallas_kernels.moe.reference import ACTIVATIONS
 
@@ -21,19 +22,23 @@ SCALE_SUFFIX = "_scale"  # an FP8 param `name` has its float32 scales beside it 
 class Dense(nn.Dense):
     """`nn.Dense`, whose kernel may be an FP8 checkpoint's: where the params hold `kernel_scale` beside
     `kernel`, the kernel is float8 [blocks, block, in -> out] with scales [blocks, out]
-    (`pallas_kernels.fp8_matmul`), kept so on the device and dequantized inside the step."""
+    (`pallas_kernels.fp8_matmul`), kept so on the device and dequantized inside the step. A kernel packed for
+    the CPU kernel (`pallas_kernels.matmul.cpu.packed_params`) runs that kernel."""
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
-        if not self.has_variable("params", "kernel" + SCALE_SUFFIX):
+        kernel = self.get_variable("params", "kernel")  # None while initialising
+        if kernel is not None and matmul_cpu.is_packed(kernel):
+            y = matmul_cpu.matmul(inputs.astype(self.dtype or jnp.result_type(inputs, kernel)), kernel)
+        elif self.has_variable("params", "kernel" + SCALE_SUFFIX):
+            # XLA's dot on every platform: it is split under tensor parallelism, and reads a scanned layer's weight
+            # in place (docs/kernels.md#fp8-weight-matmul)
+            scale = self.get_variable("params", "kernel" + SCALE_SUFFIX)
+            y = fp8_matmul(inputs.astype(self.dtype or inputs.dtype), kernel, scale, backend="reference")
+        else:
             return super().__call__(inputs)
-        kernel, scale = self.get_variable("params", "kernel"), self.get_variable("params", "kernel" + SCALE_SUFFIX)
-        dtype = self.dtype or inputs.dtype
-        # XLA's dot on every platform: it is split under tensor parallelism, and reads a scanned layer's weight
-        # in place (docs/kernels.md#fp8-weight-matmul)
-        y = fp8_matmul(inputs.astype(dtype), kernel, scale, backend="reference")
         if self.use_bias:
-            y = y + self.param("bias", self.bias_init, (self.features,), self.param_dtype).astype(dtype)
+            y = y + self.param("bias", self.bias_init, (self.features,), self.param_dtype).astype(y.dtype)
         return y
 
 
@@ -176,9 +181,6 @@ class MoE(nn.Module):
     activation: str
     use_bias: bool = False
     platform: str | None = None  # whose constants lay out the experts (`plan_experts`); None: the default backend's
-    # the routed experts through the CPU FFI kernel (`pallas_kernels.moe.cpu`) where it takes them: bf16 experts
-    # (FP8 ones fail its dtype check); others keep XLA's layouts
-    experts_kernel: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -193,8 +195,7 @@ class MoE(nn.Module):
         routed_in = x if cfg.latent_size is None else Dense(
             cfg.latent_size, use_bias=self.use_bias, dtype=x.dtype, name="fc1_latent_proj")(x)
         params = self._expert_weights(routed_in.shape[-1])
-        if self.experts_kernel and experts_cpu.runs_kernel(routed_in, params.up, params.down, params.gate,
-                                                           self.activation):
+        if matmul_cpu.is_packed(params.up):  # packed for the CPU kernel (`Runner`)
             routed = experts_cpu.routed_experts(routed_in, weights, experts, params.up, params.down, params.gate,
                                                 activation=self.activation)
         else:
@@ -209,12 +210,14 @@ class MoE(nn.Module):
         return routed + shared
 
     def _expert_weights(self, dim: int) -> ExpertWeights:
-        """The stacked experts, with their scales where the checkpoint's are FP8 (as in `Dense`)."""
+        """The stacked experts, with their scales where the checkpoint's are FP8 (as in `Dense`), or packed."""
         experts, inter = self.cfg.num_experts, self.cfg.intermediate_size
         shapes = {"up_proj": (experts, dim, inter), "down_proj": (experts, inter, dim)}
         if self.activation == "silu":
             shapes["gate_proj"] = (experts, dim, inter)
-        if self.has_variable("params", "up_proj" + SCALE_SUFFIX):
+        stored = self.get_variable("params", "up_proj")  # None while initialising
+        packed = stored is not None and matmul_cpu.is_packed(stored)
+        if packed or self.has_variable("params", "up_proj" + SCALE_SUFFIX):
             arrays = {key: self.get_variable("params", key) for n in shapes for key in (n, n + SCALE_SUFFIX)}
         else:
             arrays = {n: self.param(n, nn.initializers.normal(0.02), shape, jnp.float32) for n, shape in shapes.items()}
@@ -222,8 +225,7 @@ class MoE(nn.Module):
                              *(arrays.get(n + SCALE_SUFFIX) for n in ("up_proj", "down_proj", "gate_proj")))
 
 
-def make_ffn(kind: str, cfg: ModelConfig, name: str, platform: str | None = None,
-             experts_kernel: bool = False) -> nn.Module:
+def make_ffn(kind: str, cfg: ModelConfig, name: str, platform: str | None = None) -> nn.Module:
     if kind == "moe":
-        return MoE(cfg.moe, cfg.mlp_activation, cfg.mlp_bias, platform, experts_kernel, name=name)
+        return MoE(cfg.moe, cfg.mlp_activation, cfg.mlp_bias, platform, name=name)
     return MLP(cfg.intermediate_size, cfg.mlp_activation, cfg.mlp_bias, name=name)

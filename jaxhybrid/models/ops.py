@@ -62,11 +62,13 @@ class ModelOps:
             return self.backend
         return "ffi" if cpu_ffi.available() else self.backend
 
-    def experts_kernel(self) -> bool:
-        """Whether MoE layers try the CPU FFI kernel for their routed experts: where the recurrent ops run the C++
-        kernels, on one device (the kernel has no sharding rule); the layer falls back for experts it does not
-        take (`pallas_kernels.moe.cpu.runs_kernel`)."""
-        return self.state_backend() == "ffi" and self.mesh is None
+    def cpu_matmuls(self) -> bool:
+        """Whether bf16 matmuls run the CPU FFI kernels: where the recurrent ops run the C++ kernels, on one device
+        (the kernels have no sharding rule), with the layers unrolled. The runner then packs the matmul weights
+        (`pallas_kernels.matmul.cpu.packed_params`), and the projections and routed experts on them run the
+        kernels. Under a layer scan a custom call would take a copy of each layer's weights out of their stack
+        every step, which cost more than the kernels save at batch 1 (docs/kernels.md#bf16-matmuls-on-cpu)."""
+        return self.state_backend() == "ffi" and self.mesh is None and not self.scan_layers
 
     def platform(self) -> str:
         """The platform the step is compiled for: "gpu" with the Triton kernels (also when compiling for a GPU

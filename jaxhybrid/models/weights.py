@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.models.config import GDNConfig, ModelConfig, QuantConfig
-from jaxhybrid.models.fp8_weights import canonical_name, device_shapes, keeps_fp8, scale_layout
+from jaxhybrid.models.fp8_weights import canonical_name, device_shapes, is_matmul_weight, scale_layout
 from jaxhybrid.models.generation_config import read_generation_config
 from jaxhybrid.models.hf_config import eos_token_ids, load_config, merge_overrides, parse_hf_config
 from jaxhybrid.models.layers import SCALE_SUFFIX
@@ -34,6 +34,7 @@ from jaxhybrid.models.model import Model, abstract_params
 from jaxhybrid.models.safetensors_reader import SafetensorsError, TensorEntry, read_header
 from jaxhybrid.models.stack import is_stacked, layer_location, layer_segments, segment_key
 from jaxhybrid.models.tensor_parallel import AXIS, param_sharding, shard_params, tp_layout_leaf
+from pallas_kernels.matmul.cpu import unpacked_params
 
 Path_ = tuple[str, ...]
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -353,7 +354,7 @@ def _translate(name: str, tensor: Tensor, cfg: ModelConfig) -> Iterator[Piece]:
         yield from translate(name, tensor, cfg)
         return
     pieces = list(translate(name, tensor.weight, cfg))
-    if not all(keeps_fp8(path) for path, _, _ in pieces):
+    if not all(is_matmul_weight(path) for path, _, _ in pieces):
         yield from translate(name, tensor.dequantized(-1), cfg)
         return
     for (path, part, weight), (_, _, scale) in zip(pieces, translate(name, tensor.scale, cfg), strict=True):
@@ -474,7 +475,7 @@ def save_params(model: Model, directory: str | Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(model.hf_config, indent=2))
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(directory / "params", model.params, force=True)
+        checkpointer.save(directory / "params", unpacked_params(model.params, is_matmul_weight), force=True)
 
 
 def restore_params(directory: str | Path, config: ModelConfig, dtype: Any = jnp.float32) -> dict:

@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
+from jaxhybrid.models.fp8_weights import is_matmul_weight
 from jaxhybrid.models.hybrid import HybridLM
 from jaxhybrid.models.model import Model
 from jaxhybrid.models.plan_transfer import PlanLayout, pack_plan
@@ -37,6 +38,7 @@ from jaxhybrid.worker.buckets import padding_plan, plan_shapes
 from jaxhybrid.worker.memory import check_maps_suffice, memory_maps
 from jaxhybrid.worker.multihost import Message, PlanChannel, is_leader
 from jaxhybrid.worker.step import Carried, Forwarded, StepOutput, run_forward, run_sampling, run_step
+from pallas_kernels.matmul import cpu as matmul_cpu
 from scheduler import BatchPlan, SchedulerConfig, StepResult
 from scheduler.replay import ring_rows
 
@@ -66,6 +68,7 @@ class Runner:
         vocab = model.config.vocab_size
         self.num_logprobs = vocab if max_logprobs == -1 else min(max_logprobs, vocab)  # vLLM's -1: no cap
         self.params, self.module = model.params, model.module
+        ops = model.module.ops
         # params given as ShapeDtypeStructs (`abstract_params`, with a sharding on the devices compiled for):
         # a runner that holds no arrays and only lowers its step (`lower`), for a GPU this host may not have
         self.abstract = isinstance(jax.tree.leaves(model.params)[0], jax.ShapeDtypeStruct)
@@ -75,14 +78,16 @@ class Runner:
         shardings, halves = {}, ({}, {})
         if mesh is not None:  # tensor parallel: weights and pools sharded by heads, outputs replicated
             self.params = self._sharded_params(model.params)
-            self.module = HybridLM(model.config, dataclasses.replace(model.module.ops, mesh=mesh))
+            ops = dataclasses.replace(ops, mesh=mesh)
+            self.module = HybridLM(model.config, ops)
             replicated = NamedSharding(mesh, PartitionSpec())
             shardings = dict(out_shardings=(self._state_shardings(), replicated, replicated))
             halves = (dict(out_shardings=(self._state_shardings(), replicated)), shardings)
+        if not self.abstract and ops.cpu_matmuls():  # in the CPU kernel's layout; the model shares it (one copy)
+            model.params = self.params = matmul_cpu.packed_params(self.params, is_matmul_weight)
         # the nested params dict flattened once: the jitted call then takes a flat list, and does not sort
         # every dict's keys again on each step (0.1 ms of the host's step on the embedded model); an unrolled
         # step on CPU takes each layer's weights as views of their stack (`stack.flatten_params`)
-        ops = self.module.ops
         repeat_views = not self.abstract and mesh is None and ops.platform() == "cpu" and not ops.scan_layers
         self.param_leaves, self._param_layout = flatten_params(self.params, repeat_views=repeat_views)
         # what each bucket's step is lowered for: the params', pools' and carried tokens' shapes and placements

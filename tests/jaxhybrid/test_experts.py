@@ -23,9 +23,12 @@ from jaxhybrid.models.experts import (
     plan_experts,
     routed_experts,
 )
+from jaxhybrid.models.fp8_weights import is_matmul_weight
 from jaxhybrid.models.hf_config import load_config
 from jaxhybrid.models.hybrid import DecoderLayer
 from jaxhybrid.models.ops import ModelOps
+from pallas_kernels.matmul import cpu as matmul_cpu
+from pallas_kernels.moe import cpu as experts_cpu
 from tests.tolerances import assert_bfloat16_close, assert_float32_close
 
 DIM, INTER = 8, 12
@@ -175,21 +178,23 @@ def test_a_model_compiled_for_gpu_lays_out_its_experts_for_gpu():
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_cpu_kernels_take_bf16_routed_experts(dtype):
-    """With the CPU FFI kernels on, a bf16 MoE layer's routed experts run the C++ kernel (its custom call in the
-    step) and agree with XLA's layouts to the kernel test's bound (tests/pallas_kernels/test_moe_ffi.py); f32
-    experts keep XLA's layouts, bit for bit."""
+def test_packed_experts_run_the_cpu_kernels(dtype):
+    """A bf16 MoE layer packed as the runner packs it for the CPU FFI kernels (`packed_params`) runs its routed
+    experts and its shared expert's projections on the C++ kernels (their custom calls in the step) and agrees with
+    XLA's path on the checkpoint's layout; f32 params are left as they are, and keep XLA's path bit for bit.
+
+    Bound: the routed experts' 7 bf16 roundings (tests/pallas_kernels/test_moe_ffi.py), or the shared expert's
+    projection, SiLU, product, down projection and gate product (8), then the sum of the two and the residual."""
     cfg = load_config(Path(__file__).parents[2] / "configs" / "models" / "tiny_qwen3_next.yaml")
     x = jax.random.normal(jax.random.key(1), (16, cfg.hidden_size), jnp.float32).astype(dtype)
-    outputs, calls = {}, {}
-    for kernels in ("ffi", "reference"):
-        layer = DecoderLayer(cfg, ("moe",), ModelOps(cpu_kernels=kernels))
-        params = jax.tree.map(lambda p: p.astype(dtype), layer.init(jax.random.key(0), x, None, None))
-        step = jax.jit(lambda p, x: layer.apply(p, x, None, None)[0])  # noqa: B023
-        calls[kernels] = "jaxhybrid_routed_experts" in step.lower(params, x).as_text()
-        outputs[kernels] = np.asarray(step(params, x), np.float32)
-    assert calls == {"ffi": dtype == jnp.bfloat16, "reference": False}
+    layer = DecoderLayer(cfg, ("moe",))
+    params = jax.tree.map(lambda p: p.astype(dtype), layer.init(jax.random.key(0), x, None, None))
+    step = jax.jit(lambda p, x: layer.apply(p, x, None, None)[0])
+    packed = matmul_cpu.packed_params(params, is_matmul_weight)
+    text = step.lower(packed, x).as_text()
+    assert (experts_cpu.TARGET in text, matmul_cpu.TARGET in text) == (dtype == jnp.bfloat16,) * 2
+    ours, theirs = np.asarray(step(packed, x), np.float32), np.asarray(step(params, x), np.float32)
     if dtype == jnp.float32:
-        np.testing.assert_array_equal(outputs["ffi"], outputs["reference"])
+        np.testing.assert_array_equal(ours, theirs)
     else:
-        assert_bfloat16_close(outputs["ffi"], outputs["reference"], 7 + 1, "kernel against XLA")  # + the residual
+        assert_bfloat16_close(ours, theirs, 8 + 2, "kernels against XLA")

@@ -10,180 +10,34 @@
 // ops; each assignment's output is weighted in f32 and a token's k outputs summed in f32 in routing order, then
 // rounded to bf16.
 //
-// The GEMM: C[m, n] = sum_k A[m, k] B[k, n] with A the gathered rows [M, K] and B an expert's weight [K, N], both
-// row major as stored. With AVX-512 BF16, a 32-column strip of B is read two rows (k, k + 1) at a time and
-// interleaved into the (k, k + 1) pairs `vdpbf16ps` multiplies (its lane order is undone when the strip is stored);
-// from kPackRows rows up, B is first repacked so (`Pack`). Without AVX-512 BF16, a plain f32 loop over the same k.
+// The GEMMs are the shared bf16 ones (bf16_gemm.h), on experts packed ahead of time ([E, out / 32, in / 2, 32, 2]).
 
 #include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
+#include "bf16_gemm.h"
 #include "cpu_ffi.h"
 
 namespace {
 
 using namespace jaxhybrid_cpu;  // NOLINT: the kernels' shared vocabulary
+using jaxhybrid_cpu::RoundBf16;  // beside the vector overload below
 
 using Bf16Buffer = ffi::Buffer<ffi::BF16>;
 using Bf16Result = ffi::ResultBuffer<ffi::BF16>;
 
 constexpr int64_t kRowBlock = 32;  // rows per block of an expert's rows (the most one GEMM call sees)
-constexpr int kTileRows = 8;       // rows per register tile: 16 accumulators
-constexpr int64_t kStrip = 32;     // columns per register tile
-
 enum Activation : int32_t { kSiluGated = 0, kRelu2 = 1 };
 
-inline float ToFloat(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// Round to nearest even, as XLA's f32 -> bf16 convert (NaN stays NaN).
-inline uint16_t ToBf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-inline float RoundBf16(float f) { return ToFloat(ToBf16(f)); }
-
-// An expert's weight B [K, N] as Gemm reads it; `packed` (AVX-512 BF16 only): B repacked once for all its rows.
-struct Weight {
-  const uint16_t* b;
-  int64_t K, N;
-  const uint16_t* packed = nullptr;
-};
-
-#if defined(__AVX512BF16__)
-
-// The accumulators of a strip hold its columns in the lane order of the pairs: per 128-bit lane L, columns 8L..8L+3
-// (`lo`) and 8L+4..8L+7 (`hi`). Storing puts them back in column order.
-inline void StoreStrip(__m512 lo, __m512 hi, __mmask32 columns, float* c) {
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  _mm512_mask_storeu_ps(c, static_cast<__mmask16>(columns), _mm512_permutex2var_ps(lo, first, hi));
-  _mm512_mask_storeu_ps(c + 16, static_cast<__mmask16>(columns >> 16), _mm512_permutex2var_ps(lo, second, hi));
-}
-
-inline __mmask32 ColumnMask(int64_t width) { return width >= kStrip ? ~__mmask32{0} : (__mmask32{1} << width) - 1; }
-
-// B's rows k and k + 1 in one strip, interleaved into (k, k + 1) pairs: the `lo` and `hi` halves.
-inline void Pairs(const uint16_t* row0, const uint16_t* row1, __mmask32 columns, __m512i* lo, __m512i* hi) {
-  const __m512i r0 = _mm512_maskz_loadu_epi16(columns, row0), r1 = _mm512_maskz_loadu_epi16(columns, row1);
-  *lo = _mm512_unpacklo_epi16(r0, r1);
-  *hi = _mm512_unpackhi_epi16(r0, r1);
-}
-
-// One strip of C: rows [0, M) of A against the strip's pairs of B rows, `pairs_at(k, &lo, &hi)` for rows k, k + 1.
-template <int M, typename PairsAt>
-void Strip(const uint16_t* a, int64_t lda, int64_t K, const PairsAt& pairs_at, __mmask32 columns, float* c,
-           int64_t ldc) {
-  __m512 lo[M], hi[M];
-  for (int m = 0; m < M; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 2) {
-    __m512i pl, ph;
-    pairs_at(k, &pl, &ph);
-    for (int m = 0; m < M; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, a + m * lda + k, sizeof pair);
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
-      lo[m] = _mm512_dpbf16_ps(lo[m], av, (__m512bh)pl);
-      hi[m] = _mm512_dpbf16_ps(hi[m], av, (__m512bh)ph);
-    }
-  }
-  for (int m = 0; m < M; ++m) StoreStrip(lo[m], hi[m], columns, c + m * ldc);
-}
-
-// B [K, N] as strips of 32 columns, each its K / 2 pairs of rows in a row (64 values a pair): read once, in order,
-// instead of walking B's rows strip by strip (one cache line per row, 2N bytes apart) for every tile of rows.
-void Pack(const uint16_t* b, int64_t K, int64_t N, uint16_t* packed) {
-  const int64_t strips = (N + kStrip - 1) / kStrip;
-  for (int64_t k = 0; k < K; k += 2) {
-    for (int64_t s = 0; s < strips; ++s) {
-      __m512i lo, hi;
-      Pairs(b + k * N + s * kStrip, b + (k + 1) * N + s * kStrip, ColumnMask(N - s * kStrip), &lo, &hi);
-      uint16_t* dst = packed + (s * K + k) * kStrip;
-      _mm512_storeu_si512(dst, lo);
-      _mm512_storeu_si512(dst + kStrip, hi);
-    }
-  }
-}
-
-template <int M>
-void Tile(const uint16_t* a, int64_t K, const uint16_t* b, const uint16_t* packed, int64_t N, float* c) {
-  for (int64_t n = 0; n < N; n += kStrip) {
-    const __mmask32 columns = ColumnMask(N - n);
-    if (packed != nullptr) {
-      const uint16_t* strip = packed + n * K;
-      auto at = [strip](int64_t k, __m512i* lo, __m512i* hi) {
-        *lo = _mm512_loadu_si512(strip + k * kStrip);
-        *hi = _mm512_loadu_si512(strip + k * kStrip + kStrip);
-      };
-      Strip<M>(a, K, K, at, columns, c + n, N);
-    } else {
-      auto at = [b, n, N, columns](int64_t k, __m512i* lo, __m512i* hi) {
-        Pairs(b + k * N + n, b + (k + 1) * N + n, columns, lo, hi);
-      };
-      Strip<M>(a, K, K, at, columns, c + n, N);
-    }
-  }
-}
-
-// Rows from which packing B first pays: below, each strip's rows are read once anyway.
-constexpr int64_t kPackRows = 3;
-
-// B ready for `rows` rows: packed into `buffer` from kPackRows rows up.
-Weight Prepare(const uint16_t* b, int64_t K, int64_t N, int64_t rows, std::vector<uint16_t>& buffer) {
-  if (rows < kPackRows) return {b, K, N};
-  buffer.resize((N + kStrip - 1) / kStrip * kStrip * K);
-  Pack(b, K, N, buffer.data());
-  return {b, K, N, buffer.data()};
-}
-
-// C[M, N] = A[M, K] B[K, N] in f32, K even.
-void Gemm(const uint16_t* a, int64_t M, const Weight& w, float* c) {
-  using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, int64_t, float*);
-  static constexpr TileFn kTiles[kTileRows] = {Tile<1>, Tile<2>, Tile<3>, Tile<4>, Tile<5>, Tile<6>, Tile<7>, Tile<8>};
-  for (int64_t m = 0; m < M; m += kTileRows) {
-    kTiles[std::min<int64_t>(kTileRows, M - m) - 1](a + m * w.K, w.K, w.b, w.packed, w.N, c + m * w.N);
-  }
-}
-
-#else
-
-Weight Prepare(const uint16_t* b, int64_t K, int64_t N, int64_t, std::vector<uint16_t>&) { return {b, K, N}; }
-
-// C[M, N] = A[M, K] B[K, N] in f32, K even: the same order of k, in plain f32 arithmetic.
-void Gemm(const uint16_t* a, int64_t M, const Weight& w, float* c) {
-  const int64_t K = w.K, N = w.N;
-  std::fill(c, c + M * N, 0.0f);
-  for (int64_t m = 0; m < M; ++m) {
-    float* row = c + m * N;
-    for (int64_t k = 0; k < K; k += 2) {
-      const float a0 = ToFloat(a[m * K + k]), a1 = ToFloat(a[m * K + k + 1]);
-      for (int64_t n = 0; n < N; ++n) row[n] += a0 * ToFloat(w.b[k * N + n]) + a1 * ToFloat(w.b[(k + 1) * N + n]);
-    }
-  }
-}
-
-#endif
-
 // The element-wise work, over n values: the activation of the projections' f32 accumulators (rounded to bf16
-// first) into bf16 hidden values; the down projection's accumulators rounded to bf16; a token's weighted sum. The
+// first) into bf16 hidden values; a token's weighted sum. The
 // SiLU is jax.nn.silu in bf16 as XLA evaluates it: g * (1 / (1 + e^-g)), each op rounded to bf16.
 #if defined(__AVX512BF16__)
-
-inline __mmask16 Lanes(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
-
-inline __m256i PackBf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 
 inline __m512 RoundBf16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(PackBf16(x)), 16));
@@ -221,13 +75,6 @@ void Activate(const float* up, const float* gate, int64_t n, int32_t activation,
   }
 }
 
-void StoreBf16(const float* x, int64_t n, uint16_t* out) {
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 lanes = Lanes(n - i);
-    _mm256_mask_storeu_epi16(out + i, lanes, PackBf16(_mm512_maskz_loadu_ps(lanes, x + i)));
-  }
-}
-
 // out[j] = bf16(sum_c weight[c] results[c][j]), the k terms added in order from 0.
 void WeightedSum(const float* weight, const uint16_t* results, int64_t k, int64_t n, uint16_t* out) {
   for (int64_t j = 0; j < n; j += 16) {
@@ -257,10 +104,6 @@ void Activate(const float* up, const float* gate, int64_t n, int32_t activation,
   }
 }
 
-void StoreBf16(const float* x, int64_t n, uint16_t* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = ToBf16(x[i]);
-}
-
 void WeightedSum(const float* weight, const uint16_t* results, int64_t k, int64_t n, uint16_t* out) {
   for (int64_t j = 0; j < n; ++j) {
     float sum = 0.0f;
@@ -278,21 +121,26 @@ struct Shape {
 ffi::Error CheckShape(const Shape& s, const Bf16Buffer& x, const F32Buffer& weights, const I32Buffer& ids,
                       const Bf16Buffer& up, const Bf16Buffer& gate, const Bf16Buffer& down) {
   auto dims = [](const auto& b) { return std::vector<int64_t>(b.dimensions().begin(), b.dimensions().end()); };
-  const std::vector<int64_t> routing{s.tokens, s.top_k}, stacked{s.experts, s.dim, s.inter};
+  // packed [E, out / 32, in / 2, 32, 2]
+  auto packed = [&s](int64_t in, int64_t out) {
+    return std::vector<int64_t>{s.experts, out / kStrip, in / 2, kStrip, 2};
+  };
+  const std::vector<int64_t> routing{s.tokens, s.top_k}, stacked = packed(s.dim, s.inter);
   bool ok = dims(x) == std::vector<int64_t>{s.tokens, s.dim} && dims(weights) == routing && dims(ids) == routing &&
-            dims(up) == stacked && dims(gate) == stacked &&
-            dims(down) == std::vector<int64_t>{s.experts, s.inter, s.dim} && s.dim % 2 == 0 && s.inter % 2 == 0;
+            dims(up) == stacked && dims(gate) == stacked && dims(down) == packed(s.inter, s.dim) &&
+            s.dim % kStrip == 0 && s.inter % kStrip == 0;
   return ok ? ffi::Error::Success()
-            : ffi::Error::InvalidArgument("routed_experts: inconsistent shapes (or an odd width)");
+            : ffi::Error::InvalidArgument("routed_experts: inconsistent shapes (experts packed [E, out / 32, in / 2, "
+                                          "32, 2], widths multiples of 32)");
 }
 
 ffi::Error RoutedExpertsImpl(ffi::ThreadPool pool, Bf16Buffer x, F32Buffer weights, I32Buffer expert_ids,
                              Bf16Buffer up, Bf16Buffer gate, Bf16Buffer down, Bf16Result out, int32_t activation) {
   const auto xd = x.dimensions(), ud = up.dimensions(), wd = weights.dimensions();
-  if (xd.size() != 2 || ud.size() != 3 || wd.size() != 2) {
-    return ffi::Error::InvalidArgument("routed_experts: x [T, d], weights [T, k], experts [E, d, I]");
+  if (xd.size() != 2 || ud.size() != 5 || wd.size() != 2) {
+    return ffi::Error::InvalidArgument("routed_experts: x [T, d], weights [T, k], experts packed [E, ...]");
   }
-  const Shape s{xd[0], wd[1], ud[0], ud[1], ud[2]};
+  const Shape s{xd[0], wd[1], ud[0], xd[1], ud[1] * kStrip};
   if (auto error = CheckShape(s, x, weights, expert_ids, up, gate, down); error.failure()) return error;
   if (activation != kSiluGated && activation != kRelu2) {
     return ffi::Error::InvalidArgument("routed_experts: unknown activation");
@@ -317,10 +165,7 @@ ffi::Error RoutedExpertsImpl(ffi::ThreadPool pool, Bf16Buffer x, F32Buffer weigh
 
   auto work = [&](int64_t item, float* floats) {
     const int64_t e = items[item], count = routed[e].size();
-    thread_local std::vector<uint16_t> packed[3];
-    const Weight w_up = Prepare(upp + e * D * I, D, I, count, packed[0]);
-    const Weight w_gate = activation == kSiluGated ? Prepare(gatep + e * D * I, D, I, count, packed[1]) : w_up;
-    const Weight w_down = Prepare(downp + e * I * D, I, D, count, packed[2]);
+    const Packed w_up{upp + e * D * I, D, I}, w_gate{gatep + e * D * I, D, I}, w_down{downp + e * I * D, I, D};
     uint16_t* rows = reinterpret_cast<uint16_t*>(floats);
     uint16_t* hidden = rows + kRowBlock * D;
     float* acc_up = floats + kRowBlock * (D + I) / 2;
@@ -329,10 +174,10 @@ ffi::Error RoutedExpertsImpl(ffi::ThreadPool pool, Bf16Buffer x, F32Buffer weigh
     for (int64_t first = 0; first < count; first += kRowBlock) {
       const int64_t M = std::min(kRowBlock, count - first);
       for (int64_t m = 0; m < M; ++m) std::memcpy(rows + m * D, xp + routed[e][first + m] / s.top_k * D, D * 2);
-      Gemm(rows, M, w_up, acc_up);
-      if (activation == kSiluGated) Gemm(rows, M, w_gate, acc_gate);
+      Gemm(rows, M, w_up, acc_up, I);
+      if (activation == kSiluGated) Gemm(rows, M, w_gate, acc_gate, I);
       Activate(acc_up, acc_gate, M * I, activation, hidden);
-      Gemm(hidden, M, w_down, acc_down);
+      Gemm(hidden, M, w_down, acc_down, D);
       for (int64_t m = 0; m < M; ++m) StoreBf16(acc_down + m * D, D, results.data() + routed[e][first + m] * D);
     }
   };
@@ -353,8 +198,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxhybridRoutedExperts, RoutedExpertsImpl,
                                   .Arg<Bf16Buffer>()  // x [T, d]
                                   .Arg<F32Buffer>()   // weights [T, k]
                                   .Arg<I32Buffer>()   // experts [T, k]
-                                  .Arg<Bf16Buffer>()  // up [E, d, I]
-                                  .Arg<Bf16Buffer>()  // gate [E, d, I] (up again without a gate)
-                                  .Arg<Bf16Buffer>()  // down [E, I, d]
+                                  .Arg<Bf16Buffer>()  // up, packed [E, I / 32, d / 2, 32, 2]
+                                  .Arg<Bf16Buffer>()  // gate, as up (up again without a gate)
+                                  .Arg<Bf16Buffer>()  // down, packed [E, d / 32, I / 2, 32, 2]
                                   .Ret<Bf16Buffer>()  // out [T, d]
                                   .Attr<int32_t>("activation"));
