@@ -73,7 +73,8 @@ class EngineArgs:
                                      aliases=("-tp",))
     backend: str | None = _arg(None, "the kernels (default: pallas on GPU, reference on CPU)",
                                choices=("reference", "pallas", "interpret"))
-    cpu_kernels: str = _arg("auto", "on CPU, the GDN and Mamba2 prefill/decode/verify ops and bf16 routed experts: "
+    cpu_kernels: str = _arg("auto", "on CPU, the GDN and Mamba2 prefill/decode/verify ops and, with --no-scan-layers, "
+                            "bf16 projections and routed experts: "
                             "ffi (C++ kernels built on first use; start-up fails without them), reference, or auto "
                             "(ffi where they build)",
                             choices=CPU_KERNELS)

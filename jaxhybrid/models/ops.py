@@ -37,9 +37,10 @@ class ModelOps:
     scan_layers: bool = True
     # what the pools store (--kv-cache-dtype, --mamba-ssm-cache-dtype) and the fp8 KV pools' scales
     cache: CacheDtypes = AUTO_CACHE
-    # where the GDN and Mamba2 prefill/decode/verify ops and the routed experts would run the reference (XLA) on
-    # CPU (--cpu-kernels): "ffi" the C++ kernels (pallas_kernels/cpu_ffi.py; fails here where they cannot be
-    # built), "auto" those where they build (else the reference, with one warning), "reference" the reference
+    # where the GDN and Mamba2 prefill/decode/verify ops and, with unrolled layers, the bf16 matmuls
+    # (`cpu_matmuls`) would run the reference (XLA) on CPU (--cpu-kernels): "ffi" the C++ kernels
+    # (pallas_kernels/cpu_ffi.py; fails here where they cannot be built), "auto" those where they build (else the
+    # reference, with one warning), "reference" the reference
     cpu_kernels: str = "reference"
 
     def __post_init__(self) -> None:
